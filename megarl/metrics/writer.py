@@ -1,0 +1,62 @@
+"""Run-directory outputs: `metrics.jsonl` (one record per step), `summary.json`, the plot."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+
+class MetricsWriter:
+    """Appends one JSON record per step and flushes it, so a crashed run keeps every finished step."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.records: list[dict[str, Any]] = []
+        self._file = self.path.open("w")
+
+    def write(self, record: dict[str, Any]) -> None:
+        bad = [k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)]
+        self.records.append(record)
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if bad:
+            raise FloatingPointError(
+                f"step {record.get('step')}: non-finite metrics {bad}; the run stops here "
+                f"(records so far are in {self.path}). Lower optimizer.lr or check the data."
+            )
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+    """Write to a temporary file then rename, so a reader never sees half a file."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def summarize(records: list[dict[str, Any]], window: int = 5) -> dict[str, Any]:
+    """Reward at the start and end (means over `window` steps), lags, sync traffic totals."""
+    if not records:
+        return {"steps": 0}
+    rewards = [r["reward/mean"] for r in records]
+    w = max(1, min(window, len(rewards) // 2 or 1))
+    syncs = [r for r in records if r.get("sync/bytes_sent", 0) > 0]
+    sent = sum(r.get("sync/bytes_sent", 0) for r in records)
+    secs = sum(r.get("sync/seconds", 0.0) for r in records)
+    return {
+        "steps": len(records),
+        "reward/first_steps_mean": sum(rewards[:w]) / w,
+        "reward/last_steps_mean": sum(rewards[-w:]) / w,
+        "reward/window": w,
+        "batch_lags": [r["batch_lag"] for r in records],
+        "sync/count": len(syncs),
+        "sync/bytes_sent_total": sent,
+        "sync/bytes_received_total": sum(r.get("sync/bytes_received", 0) for r in records),
+        "sync/seconds_total": secs,
+        "sync/GBps": (sent / secs / 1e9) if secs > 0 else None,
+    }

@@ -1,0 +1,86 @@
+"""Bad configurations are rejected before anything starts, with the field named."""
+
+from pathlib import Path
+
+import pytest
+
+from megarl.config.load import ConfigError, check_against_model, load_config, validate
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_MOE = {"num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 32,
+            "num_local_experts": 8}
+TINY_DENSE = {k: v for k, v in TINY_MOE.items() if k != "num_local_experts"}
+
+
+def _cfg(**sections):
+    data = {"model": {"hf_dir": "x"}}
+    for key, value in sections.items():
+        data[key] = value
+    return data
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_configs_validate(path):
+    load_config(path)
+
+
+def test_unknown_key_is_named():
+    with pytest.raises(ConfigError, match=r"sync\.intervl: unknown key"):
+        validate(_cfg(sync={"intervl": 2}))
+
+
+def test_negative_offset_is_named():
+    with pytest.raises(ConfigError, match=r"sync\.offset: .*greater than or equal to 0"):
+        validate(_cfg(sync={"offset": -1}))
+
+
+def test_unregistered_algorithm_lists_choices():
+    with pytest.raises(ConfigError, match=r"algorithm\.name: 'ppo' is not a registered algorithm; choose one of: .*gspo"):
+        validate(_cfg(algorithm={"name": "ppo"}))
+
+
+def test_world_size_not_multiple_of_tp_pp():
+    with pytest.raises(ConfigError, match=r"trainer\.world_size=3 is not a multiple of trainer\.tp \* trainer\.pp"):
+        validate(_cfg(trainer={"world_size": 3, "tp": 2}))
+
+
+def test_more_expert_ranks_than_processes():
+    with pytest.raises(ConfigError, match=r"trainer\.ep=4 does not divide the ranks of one pipeline stage \(2\)"):
+        validate(_cfg(trainer={"world_size": 2, "ep": 4}))
+
+
+def test_override_typing_and_bad_override():
+    cfg = load_config(None, ["model.hf_dir=/m", "sync.interval=4", "optimizer.betas=[0.9, 0.95]"])
+    assert cfg.sync.interval == 4 and cfg.optimizer.betas == (0.9, 0.95)
+    with pytest.raises(ConfigError, match="not of the form section.field=value"):
+        load_config(None, ["model.hf_dir"])
+
+
+def test_missing_config_file_named(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+
+
+@pytest.mark.parametrize(
+    ("hf", "sections", "message"),
+    [
+        (TINY_DENSE, {"trainer": {"world_size": 3, "tp": 3}}, r"trainer\.tp=3 does not divide num_attention_heads=4"),
+        (TINY_DENSE, {"rollout": {"tp": 3}}, r"rollout\.tp=3 does not divide num_attention_heads=4"),
+        (TINY_DENSE, {"trainer": {"world_size": 4, "tp": 4}}, r"trainer\.tp=4 does not divide num_key_value_heads=2"),
+        (TINY_DENSE, {"trainer": {"ep": 2}}, r"trainer\.ep=2 but the model is dense"),
+        ({**TINY_MOE, "num_local_experts": 6}, {"trainer": {"world_size": 4, "ep": 4}},
+         r"trainer\.ep=4 does not divide num_experts=6"),
+        (TINY_MOE, {"trainer": {"tp": 2}}, r"trainer\.tp=2 with a MoE model needs sequence parallel"),
+        (TINY_MOE, {"trainer": {"world_size": 3, "pp": 3}}, r"trainer\.pp=3 exceeds num_hidden_layers=2"),
+    ],
+)
+def test_layout_must_fit_model(hf, sections, message):
+    cfg = validate(_cfg(**sections))
+    with pytest.raises(ConfigError, match=message):
+        check_against_model(cfg, hf, cuda=False)
+
+
+def test_valid_layouts_pass():
+    check_against_model(validate(_cfg(trainer={"tp": 2})), TINY_DENSE, cuda=False)
+    check_against_model(validate(_cfg(trainer={"ep": 2}, rollout={"tp": 2})), TINY_MOE, cuda=False)
+    check_against_model(validate(_cfg(rollout={"tp": 4})), TINY_MOE, cuda=False)  # KV heads replicated
