@@ -1,0 +1,109 @@
+"""Process topology of one run on one machine (SLURM launches the same pieces across nodes):
+
+    parent ─┬─ vLLM fleet: `rollout.replicas` servers, each tensor parallel `rollout.tp`
+            └─ trainer: `trainer.world_size` processes (torch.distributed), each running `megarl.loop`
+
+The parent validates everything first, owns the fleet's lifetime, and writes the summary and plot
+from `metrics.jsonl` when the trainer ranks are done.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from megarl.config.load import ConfigError, check_against_model, load_config, read_hf_config
+from megarl.config.schema import Config
+from megarl.metrics.plot import plot_run
+from megarl.metrics.writer import summarize, write_json_atomic
+from megarl.sync.schedule import SyncSchedule
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def prepare(config_path: str | None, overrides: list[str], create_run_dir: bool = True) -> Config:
+    """Validate the config and the model layout; make the tiny checkpoint and the run directory."""
+    import torch
+
+    cfg = load_config(config_path, overrides)
+    if cfg.model.tiny is not None:
+        from megarl.models.tiny import ensure_tiny_checkpoint
+
+        ensure_tiny_checkpoint(cfg.model.hf_dir, kind=cfg.model.tiny, seed=cfg.run.seed)
+    check_against_model(cfg, read_hf_config(cfg.model.hf_dir), cuda=torch.cuda.is_available())
+    if create_run_dir:
+        run_dir = Path(cfg.run.dir)
+        if (run_dir / "metrics.jsonl").exists() and not cfg.run.overwrite:
+            raise ConfigError(
+                f"run.dir={run_dir} already holds a run; choose another run.dir or set run.overwrite=true"
+            )
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    return cfg
+
+
+def _trainer_rank(rank: int, cfg_data: dict[str, Any], fleet_urls: list[str], ports: dict[str, int]) -> None:
+    """Entry point of one trainer process."""
+    from megarl.algorithms.registry import get_algorithm
+    from megarl.loop import run_loop
+    from megarl.parallel.groups import TrainerLayout, destroy_trainer_groups, dp_rank_and_size, init_trainer_groups
+    from megarl.rollout.client import RolloutClient
+    from megarl.rollout.producer import RolloutProducer
+    from megarl.sync.weight_sync import PartitionedWeightSync
+    from megarl.trainer.policy import MegatronPolicy
+
+    cfg = Config.model_validate(cfg_data)
+    t = cfg.trainer
+    init_trainer_groups(TrainerLayout(t.tp, t.pp, t.ep), rank, t.world_size, "127.0.0.1", ports["master"])
+    try:
+        hf = read_hf_config(cfg.model.hf_dir)
+        policy = MegatronPolicy(cfg.model.hf_dir, hf, cfg.optimizer, logprob_chunk=t.logprob_chunk_tokens)
+        clients = [RolloutClient(url) for url in fleet_urls] if rank == 0 else []
+        weight_sync = PartitionedWeightSync(
+            rank=rank, world_size=t.world_size, hf_config=hf, clients=clients, rollout_tp=cfg.rollout.tp,
+            store_host="127.0.0.1", store_port=ports["sync"], bucket_bytes=int(cfg.sync.bucket_mb * 2**20),
+        )
+        producer = RolloutProducer(cfg, clients, get_algorithm(cfg.algorithm.name)) if rank == 0 else None
+        run_loop(cfg, rank, policy, weight_sync, producer, dp_rank_and_size(), pad_id=hf.get("pad_token_id") or 0)
+        weight_sync.close()
+    finally:
+        destroy_trainer_groups()
+
+
+def sync_savings(cfg: Config, records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Bytes this run's schedule moved versus pushing after every step (sync_interval = 1)."""
+    batches = len(records) + cfg.sync.offset
+    pushes = lambda m: sum(SyncSchedule(m, cfg.sync.offset).sync_before_batch(j) is not None for j in range(batches))  # noqa: E731
+    done = sum(r.get("sync/count", 0) for r in records)
+    per_sync = (sum(r.get("sync/bytes_sent", 0) for r in records) / done) if done else None
+    every_step = pushes(1)
+    return {"sync/pushes": done, "sync/pushes_if_interval_1": every_step, "sync/bytes_per_push": per_sync,
+            "sync/bytes_saved_vs_interval_1": None if per_sync is None else per_sync * (every_step - done)}
+
+
+def train(cfg: Config) -> dict[str, Any]:
+    """Start the fleet and the trainer ranks, wait, and write `summary.json` and `reward_and_sync.png`."""
+    import torch.multiprocessing as mp
+
+    from megarl.rollout.fleet import start_fleet
+
+    run_dir = Path(cfg.run.dir)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    with start_fleet(cfg, log_dir=run_dir) as fleet:
+        ports = {"master": cfg.trainer.master_port or free_port(), "sync": free_port()}
+        mp.start_processes(_trainer_rank, args=(cfg.model_dump(mode="json"), fleet.urls, ports),
+                           nprocs=cfg.trainer.world_size, start_method="spawn", join=True)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    summary = summarize(records) | sync_savings(cfg, records)
+    write_json_atomic(run_dir / "summary.json", summary)
+    plot_run(records, run_dir / "reward_and_sync.png")
+    return summary

@@ -1,0 +1,43 @@
+"""One optimizer step on a rollout batch: this rank's data-parallel share, microbatches, the
+registered loss, and the step metrics.
+
+The loss closure turns a microbatch into the algorithm's `PolicyLossInput`; every value it returns
+is a contribution to a global-batch quantity (divided by the global sequence or token count), so
+the trainer sums them over microbatches and data-parallel ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megarl.algorithms.losses import PolicyLossInput
+from megarl.algorithms.registry import Algorithm
+from megarl.config.schema import Config
+from megarl.rollout.batch import RolloutBatch
+from megarl.trainer.batching import data_parallel_share, microbatches, pack_batch
+
+
+def train_on_batch(
+    policy, batch: RolloutBatch, algorithm: Algorithm, cfg: Config, pad_id: int, dp_rank: int, dp_size: int,
+    lag: int,
+) -> dict[str, float]:
+    tensors = pack_batch(batch, pad_id)
+    num_tokens = float(tensors["mask"].sum())  # response tokens of the GLOBAL batch
+    share = data_parallel_share(tensors, dp_rank, dp_size)
+    share["engine_logprobs"] = share["old_logprobs"]
+    if cfg.algorithm.old_logprobs == "trainer":  # decoupled-PPO proximal policy: recompute before updating
+        share["old_logprobs"] = policy.compute_logprobs(share["tokens"], share["targets"])[0] * share["mask"]
+
+    def loss_fn(logprobs: torch.Tensor, entropy: torch.Tensor, mb: dict[str, torch.Tensor]):
+        mask = mb["mask"]
+        inp = PolicyLossInput(logprobs * mask, mb["old_logprobs"], mask, mb["advantages"], batch.num_seqs)
+        loss, metrics = algorithm.loss(inp, cfg.algorithm)
+        metrics["entropy"] = (entropy.detach() * mask).sum() / num_tokens
+        gap = (logprobs.detach() - mb["engine_logprobs"]).abs()
+        metrics["logprob/engine_vs_trainer"] = (gap * mask).sum() / num_tokens
+        return loss, metrics
+
+    metrics = policy.train_step(microbatches(share, cfg.trainer.micro_batch_size), loss_fn)
+    if lag != 0:  # the engine/trainer gap only measures numerics when both hold the same weights
+        metrics["logprob/engine_vs_trainer"] = None
+    return metrics
