@@ -21,7 +21,8 @@ class PolicyLossInput:
     old_logprobs: torch.Tensor  # [B, S] behaviour log-probs of the same tokens
     mask: torch.Tensor  # [B, S] 1.0 on response tokens, 0.0 elsewhere
     advantages: torch.Tensor  # [B] one advantage per sequence
-    num_seqs: int  # sequences in the GLOBAL batch (the normaliser)
+    num_seqs: int  # sequences in the GLOBAL batch (the sequence-mean normaliser)
+    num_tokens: int = 0  # response tokens in the GLOBAL batch (the token-mean normaliser)
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,8 @@ def train_on_batch(
 
     def loss_fn(logprobs: torch.Tensor, entropy: torch.Tensor, mb: dict[str, torch.Tensor]):
         mask = mb["mask"]
-        inp = PolicyLossInput(logprobs * mask, mb["old_logprobs"], mask, mb["advantages"], batch.num_seqs)
+        inp = PolicyLossInput(logprobs * mask, mb["old_logprobs"], mask, mb["advantages"], batch.num_seqs,
+                              num_tokens=int(num_tokens))
         loss, metrics = algorithm.loss(inp, cfg.algorithm)
         metrics["entropy"] = (entropy.detach() * mask).sum() / num_tokens
         gap = (logprobs.detach() - mb["engine_logprobs"]).abs()

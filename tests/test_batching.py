@@ -1,0 +1,40 @@
+"""Packing a rollout batch into trainer tensors: targets, masks and engine log-probs line up with
+the response tokens, and data-parallel shares and microbatches partition the rows."""
+
+import pytest
+import torch
+
+from megarl.rollout.batch import RolloutBatch
+from megarl.trainer.batching import data_parallel_share, microbatches, pack_batch
+
+
+def _batch():
+    return RolloutBatch(
+        index=0,
+        prompt_ids=[[5, 6, 7], [8, 9]],
+        response_ids=[[10, 2], [11]],
+        engine_logprobs=[[-0.5, -0.25], [-1.5]],
+        rewards=torch.tensor([[1.0, 0.0]]),
+        advantages=torch.tensor([[0.5, -0.5]]),
+        policy_version=3,
+    )
+
+
+def test_pack_aligns_targets_mask_and_logprobs():
+    t = pack_batch(_batch(), pad_id=0)
+    assert t["tokens"].tolist() == [[5, 6, 7, 10, 2], [8, 9, 11, 0, 0]]
+    assert t["targets"].tolist() == [[6, 7, 10, 2, 0], [9, 11, 0, 0, 0]]
+    # position t predicts targets[t]; only response targets count
+    assert t["mask"].tolist() == [[0, 0, 1, 1, 0], [0, 1, 0, 0, 0]]
+    assert t["old_logprobs"].tolist() == [[0, 0, -0.5, -0.25, 0], [0, -1.5, 0, 0, 0]]
+    assert t["advantages"].tolist() == [0.5, -0.5]
+
+
+def test_shares_and_microbatches_partition_rows():
+    tensors = {"x": torch.arange(12).reshape(6, 2)}
+    shares = [data_parallel_share(tensors, r, 3)["x"] for r in range(3)]
+    assert torch.equal(torch.cat(shares), tensors["x"])
+    mbs = microbatches(tensors, 4)
+    assert [m["x"].shape[0] for m in mbs] == [4, 2]
+    with pytest.raises(ValueError, match="does not split over 4 data-parallel ranks"):
+        data_parallel_share(tensors, 0, 4)
