@@ -46,9 +46,12 @@ def run_loop(cfg: Config, rank: int, policy, weight_sync, producer, dp: tuple[in
     pending: dict[int, Any] = {}
     generated = 0
     bar = tqdm(range(cfg.run.steps), desc="megarl train", disable=rank != 0, dynamic_ncols=True)
+    syncs: list[SyncStats] = []
+    if cfg.sync.push_initial:
+        syncs.append(weight_sync.push(policy.iter_local_hf_slices(), version=policy.version))
     try:
         for step in bar:
-            t0, syncs = time.perf_counter(), []
+            t0 = time.perf_counter()
             while generated < schedule.batches_ready_before_step(step):
                 version = schedule.sync_before_batch(generated)
                 if version is not None:
@@ -65,6 +68,7 @@ def run_loop(cfg: Config, rank: int, policy, weight_sync, producer, dp: tuple[in
                       "reward/mean": float(batch.rewards.mean())}
             record.update(train_on_batch(policy, batch, algorithm, cfg, pad_id, *dp, lag=lag))
             record.update(_sync_metrics(syncs))
+            syncs = []
             record.update({"time/rollout_and_sync_s": t1 - t0, "time/train_s": time.perf_counter() - t1})
             if writer is not None:
                 writer.write(record)

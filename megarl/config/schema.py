@@ -64,6 +64,10 @@ class SyncConfig(_Strict):
     interval: int = Field(1, ge=1, description="sync_interval m: weights are pushed to the fleet every m batches.")
     offset: int = Field(0, ge=0, description="sync_offset n: the fleet generates n batches ahead of training.")
     bucket_mb: float = Field(64.0, gt=0, description="Size of the flat send buffers of the weight transfer (MiB).")
+    push_initial: bool = Field(
+        False, description="Push the trainer's weights once before the first batch, for a fleet that did not "
+        "start from the trainer's checkpoint (a reused fleet, a resumed run). Counted in step 0's sync metrics.",
+    )
 
 
 class AlgorithmConfig(_Strict):
