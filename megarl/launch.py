@@ -90,18 +90,27 @@ def sync_savings(cfg: Config, records: list[dict[str, Any]]) -> dict[str, Any]:
             "sync/bytes_saved_vs_interval_1": None if per_sync is None else per_sync * (every_step - done)}
 
 
-def train(cfg: Config) -> dict[str, Any]:
-    """Start the fleet and the trainer ranks, wait, and write `summary.json` and `reward_and_sync.png`."""
+def run_trainers(cfg: Config, fleet_urls: list[str]) -> None:
+    """Spawn the trainer ranks against a running fleet and wait for them (an error in any rank raises)."""
     import torch.multiprocessing as mp
 
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    ports = {"master": cfg.trainer.master_port or free_port(), "sync": free_port()}
+    mp.start_processes(_trainer_rank, args=(cfg.model_dump(mode="json"), fleet_urls, ports),
+                       nprocs=cfg.trainer.world_size, start_method="spawn", join=True)
+
+
+def train(cfg: Config, fleet_urls: list[str] | None = None) -> dict[str, Any]:
+    """Run the job and write `summary.json` and `reward_and_sync.png`. The fleet is started (and
+    stopped) here unless `fleet_urls` names one that is already serving the same model."""
     from megarl.rollout.fleet import start_fleet
 
     run_dir = Path(cfg.run.dir)
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    with start_fleet(cfg, log_dir=run_dir) as fleet:
-        ports = {"master": cfg.trainer.master_port or free_port(), "sync": free_port()}
-        mp.start_processes(_trainer_rank, args=(cfg.model_dump(mode="json"), fleet.urls, ports),
-                           nprocs=cfg.trainer.world_size, start_method="spawn", join=True)
+    if fleet_urls is None:
+        with start_fleet(cfg, log_dir=run_dir) as fleet:
+            run_trainers(cfg, fleet.urls)
+    else:
+        run_trainers(cfg, fleet_urls)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     summary = summarize(records) | sync_savings(cfg, records)
     write_json_atomic(run_dir / "summary.json", summary)
