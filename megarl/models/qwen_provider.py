@@ -1,0 +1,135 @@
+"""From a Hugging Face Qwen3 / Qwen3-MoE / Qwen2 `config.json` to a megatron-core `GPTModel`.
+
+The mapping of every HF field to its `TransformerConfig` counterpart is spelt out below; the layer
+spec is megatron's local spec on CPU and the Transformer Engine spec when TE and CUDA are present.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from megarl.config.load import num_experts
+
+
+def read_hf_config(hf_dir: str | Path) -> dict[str, Any]:
+    return json.loads((Path(hf_dir) / "config.json").read_text())
+
+
+def rope_theta(hf: dict[str, Any]) -> float:
+    """transformers 5 nests it in `rope_parameters`; older configs have a top-level `rope_theta`."""
+    params = hf.get("rope_parameters") or {}
+    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+
+
+def head_dim(hf: dict[str, Any]) -> int:
+    return int(hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"])
+
+
+def padded_vocab_size(hf: dict[str, Any], tp: int) -> int:
+    """Megatron shards the vocabulary evenly over TP ranks: pad up to a multiple of tp."""
+    return -(-hf["vocab_size"] // tp) * tp
+
+
+def use_transformer_engine() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def transformer_config_from_hf(hf: dict[str, Any], tp: int, pp: int, ep: int,
+                               params_dtype: torch.dtype = torch.float32):
+    """The megatron `TransformerConfig` equivalent to an HF Qwen config (dropout 0, as RL training uses)."""
+    from megatron.core.transformer import TransformerConfig
+
+    qwen2 = hf.get("model_type", "").startswith("qwen2")
+    experts = num_experts(hf)
+    moe: dict[str, Any] = {}
+    if experts:
+        if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:
+            raise ValueError("MoE configs with dense layers (mlp_only_layers / decoder_sparse_step) are not supported")
+        aux = float(hf.get("router_aux_loss_coef", 0.0) or 0.0)
+        moe = dict(
+            num_moe_experts=experts,
+            moe_router_topk=hf["num_experts_per_tok"],
+            moe_ffn_hidden_size=hf["moe_intermediate_size"],
+            # HF: softmax over all experts, top-k, renormalise iff norm_topk_prob. megatron without pre-softmax takes
+            # top-k logits then softmax over them, which equals the renormalised top-k probabilities.
+            moe_router_pre_softmax=not hf.get("norm_topk_prob", False),
+            moe_router_load_balancing_type="aux_loss" if aux > 0 else "none",
+            moe_aux_loss_coeff=aux,
+            moe_token_dispatcher_type="allgather" if not torch.cuda.is_available() else "alltoall",
+            moe_grouped_gemm=False,
+            moe_router_dtype="fp32",
+        )
+    return TransformerConfig(
+        num_layers=hf["num_hidden_layers"],
+        hidden_size=hf["hidden_size"],
+        num_attention_heads=hf["num_attention_heads"],
+        num_query_groups=hf.get("num_key_value_heads", hf["num_attention_heads"]),
+        kv_channels=head_dim(hf),
+        ffn_hidden_size=hf["intermediate_size"],
+        normalization="RMSNorm",
+        layernorm_epsilon=hf["rms_norm_eps"],
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=qwen2,
+        qk_layernorm=not qwen2,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        perform_initialization=False,  # every weight is loaded from the HF checkpoint
+        params_dtype=params_dtype,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        sequence_parallel=bool(experts) and tp > 1,
+        **moe,
+    )
+
+
+def layer_spec(hf: dict[str, Any], config):
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    experts = num_experts(hf) or None
+    if use_transformer_engine():
+        return specs.get_gpt_layer_with_transformer_engine_spec(num_experts=experts, qk_layernorm=config.qk_layernorm)
+    return specs.get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, qk_layernorm=config.qk_layernorm)
+
+
+def build_gpt_model(hf: dict[str, Any], tp: int, pp: int, ep: int, params_dtype: torch.dtype = torch.float32):
+    """This rank's megatron `GPTModel` stage (parallel groups must already be initialised); weights are
+    uninitialised until `megarl.models.hf_import.load_hf_weights`."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    config = transformer_config_from_hf(hf, tp, pp, ep, params_dtype)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(hf, config),
+        vocab_size=padded_vocab_size(hf, tp),
+        max_sequence_length=hf.get("max_position_embeddings", 4096),
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)),
+        position_embedding_type="rope",
+        rotary_base=int(rope_theta(hf)),
+    )
+    if torch.cuda.is_available():
+        model.cuda()
+    return model

@@ -1,0 +1,54 @@
+"""megatron-core on a CPU-only machine: the few places where it assumes CUDA, patched in one place.
+
+Measured with megatron-core 0.16.1 on torch 2.13.0+cpu (see docs/cpu-stack.md of the team notes).
+`apply_cpu_compat()` does nothing when CUDA is available, so GPU runs use megatron unchanged.
+Each workaround below is named after the megatron code it covers.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_APPLIED = False
+
+
+class _CudaDeviceToCpu(TorchFunctionMode):
+    """Maps an explicit `device="cuda"` argument to the CPU: the pipeline schedules create
+    `total_num_tokens` and `get_default_causal_mask` builds its mask with a hard-coded cuda device."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type == "cuda":
+            kwargs["device"] = "cpu"
+        return func(*args, **kwargs)
+
+
+def apply_cpu_compat() -> None:
+    """Idempotent; a no-op when CUDA is present."""
+    global _APPLIED
+    if _APPLIED or torch.cuda.is_available():
+        return
+    # RoPE and p2p communication ask for the current CUDA device to place tensors.
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    # Timers and schedules synchronise the device; nothing to wait for on the CPU.
+    torch.cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
+    # Hard-coded `device="cuda"` tensor creation (pipeline schedules, default causal mask).
+    _CudaDeviceToCpu().__enter__()
+    # The MoE router references `te_general_gemm` even without Transformer Engine; None selects torch.
+    from megatron.core.transformer.moe import moe_utils
+
+    moe_utils.te_general_gemm = None
+    _APPLIED = True
+
+
+def init_rng_tracker() -> None:
+    """megatron's CUDA RNG tracker cannot fork CUDA states on the CPU; the inference tracker is a no-op
+    stand-in, which is exact for RL training with dropout 0. On GPUs the regular tracker is used."""
+    from megatron.core import tensor_parallel
+
+    if torch.cuda.is_available():
+        tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    else:
+        tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)

@@ -1,0 +1,55 @@
+"""Trainer process groups: torch.distributed (gloo on CPU, NCCL on GPU) plus megatron's
+tensor/pipeline/expert/data-parallel groups."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from megarl.parallel.cpu_compat import apply_cpu_compat, init_rng_tracker
+
+
+@dataclass(frozen=True)
+class TrainerLayout:
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+
+
+def backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_trainer_groups(layout: TrainerLayout, rank: int, world_size: int, master_addr: str, master_port: int,
+                        timeout_s: float = 600.0) -> None:
+    """Join the trainer world and build megatron's parallel groups (call once per process)."""
+    from megatron.core import parallel_state
+
+    apply_cpu_compat()
+    if torch.cuda.is_available():
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(backend(), init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=timeout_s))
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+        expert_model_parallel_size=layout.ep,
+    )
+    init_rng_tracker()
+
+
+def destroy_trainer_groups() -> None:
+    from megatron.core import parallel_state
+
+    if dist.is_initialized():
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def dp_rank_and_size() -> tuple[int, int]:
+    """This rank's data-parallel coordinate: how the global rollout batch is split."""
+    from megatron.core import parallel_state
+
+    return parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
