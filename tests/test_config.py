@@ -35,7 +35,7 @@ def test_negative_offset_is_named():
 
 
 def test_unregistered_algorithm_lists_choices():
-    with pytest.raises(ConfigError, match=r"algorithm\.name: 'ppo' is not a registered algorithm; choose one of: .*gspo"):
+    with pytest.raises(ConfigError, match=r"algorithm\.name: 'ppo' is not a registered algorithm; choose one of: "):
         validate(_cfg(algorithm={"name": "ppo"}))
 
 
