@@ -7,11 +7,13 @@ through a queue). An exception in any rank is re-raised here with its traceback.
 
 from __future__ import annotations
 
+import io
 import socket
 import traceback
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.multiprocessing as mp
 
 
@@ -27,7 +29,10 @@ def _entry(rank: int, world_size: int, port: int, queue, fn: Callable, args: tup
     try:
         if init_dist:
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-        queue.put((rank, True, fn(rank, world_size, *args)))
+        # serialised to bytes: tensors sent as-is would live in shared memory that dies with this process
+        buffer = io.BytesIO()
+        torch.save(fn(rank, world_size, *args), buffer)
+        queue.put((rank, True, buffer.getvalue()))
     except BaseException:  # noqa: BLE001 - reported to the parent
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -47,7 +52,10 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, init_dist: bool =
     errors = []
     for _ in range(world_size):
         rank, ok, value = queue.get()
-        (results.__setitem__(rank, value) if ok else errors.append(f"rank {rank}:\n{value}"))
+        if ok:
+            results[rank] = torch.load(io.BytesIO(value), weights_only=False)
+        else:
+            errors.append(f"rank {rank}:\n{value}")
     for p in procs:
         p.join()
     if errors:
