@@ -68,8 +68,8 @@ def _hf_reference(hf_dir: Path):
 
 
 def _megatron_rank(rank, world, hf_dir, tp, ep, port):
-    from megarl.models.qwen_provider import read_hf_config
     from megarl.models.hf_layout import layout_for
+    from megarl.models.qwen_provider import read_hf_config
     from megarl.parallel.groups import TrainerLayout, destroy_trainer_groups, dp_rank_and_size, init_trainer_groups
     from megarl.trainer.policy import MegatronPolicy
 
