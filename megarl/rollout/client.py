@@ -1,0 +1,111 @@
+"""HTTP client of one vLLM rollout server: token-in/token-out generation with the engine's own
+sampled-token log-probs and weight version, and the weight-update lifecycle calls."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import requests
+
+
+class RolloutServerError(RuntimeError):
+    pass
+
+
+@dataclass
+class Sample:
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response_logprobs: list[float]  # the engine's log-prob of each sampled token
+    finish_reason: str | None
+    policy_version: int  # weight version the engine reports for every token of the response
+
+
+def _version_number(label: str | None) -> int:
+    """vLLM labels weights loaded at start-up `"default"`: that is policy version 0; megarl labels pushes with
+    the integer policy version."""
+    if label in (None, "", "default"):
+        return 0
+    try:
+        return int(label)
+    except ValueError:
+        raise RolloutServerError(f"weight version {label!r} was not set by megarl (expected an integer)") from None
+
+
+class RolloutClient:
+    def __init__(self, base_url: str, timeout_s: float = 600.0, max_parallel: int = 32) -> None:
+        self.url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
+        self._pool = ThreadPoolExecutor(max_parallel)
+
+    # ---- plumbing --------------------------------------------------------------------------------------------
+    def _post(self, route: str, body: dict[str, Any] | None = None, params: dict | None = None) -> Any:
+        try:
+            r = requests.post(f"{self.url}{route}", json=body, params=params, timeout=self.timeout_s)
+        except requests.RequestException as err:
+            raise RolloutServerError(f"rollout server {self.url}{route} unreachable: {err}") from None
+        if r.status_code != 200:
+            raise RolloutServerError(f"rollout server {self.url}{route} answered {r.status_code}: {r.text[:2000]}")
+        return r.json() if r.content else None
+
+    def _get(self, route: str) -> Any:
+        try:
+            r = requests.get(f"{self.url}{route}", timeout=self.timeout_s)
+        except requests.RequestException as err:
+            raise RolloutServerError(f"rollout server {self.url}{route} unreachable: {err}") from None
+        if r.status_code != 200:
+            raise RolloutServerError(f"rollout server {self.url}{route} answered {r.status_code}: {r.text[:2000]}")
+        return r.json()
+
+    # ---- generation ------------------------------------------------------------------------------------------
+    def generate(self, prompt_token_ids: list[list[int]], n: int, max_tokens: int, temperature: float = 1.0,
+                 top_p: float = 1.0, seed: int | None = None) -> list[list[Sample]]:
+        """K = n samples for each prompt (one request per prompt, sent concurrently)."""
+        def one(i: int, prompt: list[int]) -> list[Sample]:
+            params = {"n": n, "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "logprobs": 0}
+            if seed is not None:
+                params["seed"] = seed + i
+            reply = self._post("/inference/v1/generate", {"token_ids": prompt, "sampling_params": params})
+            return [self._sample(prompt, c) for c in sorted(reply["choices"], key=lambda c: c["index"])]
+
+        return list(self._pool.map(lambda a: one(*a), enumerate(prompt_token_ids)))
+
+    def _sample(self, prompt: list[int], choice: dict[str, Any]) -> Sample:
+        ids = choice.get("token_ids") or []
+        content = (choice.get("logprobs") or {}).get("content") or []
+        if len(content) != len(ids) or any(c["token_id"] != t for c, t in zip(content, ids, strict=False)):
+            raise RolloutServerError(f"{self.url}: log-probs do not match the sampled tokens in {choice}")
+        spans = choice.get("weight_versions") or []
+        versions = {s["version"] for s in spans}
+        if len(versions) > 1:
+            raise RolloutServerError(f"{self.url}: one response spans weight versions {sorted(versions)}")
+        version = _version_number(versions.pop() if versions else self.weight_version())
+        return Sample(prompt, list(ids), [float(c["logprob"]) for c in content], choice.get("finish_reason"),
+                      version)
+
+    # ---- weights ---------------------------------------------------------------------------------------------
+    def weight_version(self) -> str | None:
+        return self._get("/weight_info").get("weight_version")
+
+    def init_weight_transfer(self, init_info: dict[str, Any]) -> None:
+        self._post("/init_weight_transfer_engine", {"init_info": init_info})
+
+    def pause(self) -> None:
+        self._post("/pause", params={"mode": "wait"})
+
+    def resume(self) -> None:
+        self._post("/resume")
+
+    def start_weight_update(self) -> None:
+        self._post("/start_weight_update")
+
+    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
+        self._post("/update_weights", {"update_info": update_info})
+
+    def finish_weight_update(self, version: int) -> None:
+        self._post("/finish_weight_update", {"weight_version": str(version)})
+
+    def collective_rpc(self, method: str) -> list[Any]:
+        return self._post("/collective_rpc", {"method": method})["results"]

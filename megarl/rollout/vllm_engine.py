@@ -1,0 +1,178 @@
+"""megarl's partitioned weight-transfer backend for vLLM (worker side).
+
+Registered as `megarl_partitioned` by `megarl.rollout.vllm_plugin`; select it with
+`--weight-transfer-config '{"backend": "megarl_partitioned"}'`.
+
+One update, on each vLLM worker (tensor-parallel rank):
+1. `receive_weights` gets this worker's part of the plan: which trainer rank sends which HF block
+   in which bucket. It receives exactly those buckets over the sync process group (gloo on CPU,
+   NCCL on GPU) and checks that the blocks tile the slices this worker needs.
+2. Only when every byte has arrived and been checked does it touch the model: vLLM's layerwise
+   reload (`initialize_layerwise_reload`), the model's own `load_weights` fed with
+   `ReceivedBlock`s (full HF shape, only the received block stored), `finalize_layerwise_reload`.
+   All of it runs inside one engine RPC, so generation never sees a half-updated model, and a
+   failed transfer leaves the old weights serving.
+3. It keeps a report (bytes received, bytes the loaders read, seconds) that the worker extension
+   `MegarlWorkerExtension.megarl_sync_report` returns over `collective_rpc`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from megarl.rollout.received_block import wrap
+from megarl.sync.slices import HFSlice
+from megarl.sync.transport import WireEntry, bucket_sizes, device, from_bytes, make_sync_group
+
+
+@dataclass
+class PartitionedInitInfo(WeightTransferInitInfo):
+    host: str
+    port: int
+    world_size: int  # trainer ranks + every vLLM worker of the fleet
+    rank_offset: int  # sync-group rank of this engine's tensor-parallel rank 0
+    timeout_s: float = 600.0
+
+
+@dataclass
+class PartitionedUpdateInfo(WeightTransferUpdateInfo):
+    version: int
+    entries: list[dict[str, Any]] = field(default_factory=list)  # this worker's WireEntry.to_json() list
+    digests: bool = False  # also record a sha256 per received block (tests)
+
+
+def _tile(entries: list[WireEntry]) -> dict[str, HFSlice]:
+    """The slice of each HF tensor this worker receives: the bounding box of its pieces, which must
+    tile it exactly (no gap, no overlap)."""
+    by_name: dict[str, list[HFSlice]] = {}
+    for e in entries:
+        by_name.setdefault(e.block.name, []).append(e.block)
+    out = {}
+    for name, blocks in by_name.items():
+        box = tuple((min(b.box[d][0] for b in blocks), max(b.box[d][1] for b in blocks))
+                    for d in range(len(blocks[0].box)))
+        whole = HFSlice(name, blocks[0].full_shape, box)
+        if sum(b.numel for b in blocks) != whole.numel:
+            raise ValueError(f"update plan for {name}: pieces {[b.box for b in blocks]} do not tile {box}")
+        out[name] = whole
+    return out
+
+
+class PartitionedWeightTransferEngine(WeightTransferEngine[PartitionedInitInfo, PartitionedUpdateInfo]):
+    init_info_cls = PartitionedInitInfo
+    update_info_cls = PartitionedUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config, vllm_config, device_, model) -> None:
+        super().__init__(config, vllm_config, device_, model)
+        self.group = None
+        self.store = None
+        self.rank = -1
+        self.report: dict[str, Any] = {}
+
+    def init_transfer_engine(self, init_info: PartitionedInitInfo) -> None:
+        pc = self.parallel_config
+        self.rank = init_info.rank_offset + pc.data_parallel_index * pc.world_size + pc.rank
+        self.store, self.group = make_sync_group(init_info.host, init_info.port, self.rank, init_info.world_size,
+                                                 init_info.timeout_s)
+
+    def start_weight_update(self) -> None:
+        """Nothing to prepare: the model is touched only after every byte of the update has arrived."""
+
+    def finish_weight_update(self) -> None:
+        """Nothing left: `receive_weights` loads and finalises in one step (see the module docstring)."""
+
+    def receive_weights(self, update_info: PartitionedUpdateInfo) -> None:
+        if self.group is None:
+            raise RuntimeError("megarl sync group not initialised: call init_weight_transfer_engine first")
+        t0 = time.perf_counter()
+        entries = [WireEntry.from_json(self.rank, e) for e in update_info.entries]
+        received = self._receive(entries)
+        t1 = time.perf_counter()
+        reads: set = set()
+        blocks = self._assemble(entries, received)
+        self._check_complete(blocks)
+        self._load(blocks, reads)
+        self.report = {
+            "version": update_info.version,
+            "rank": self.rank,
+            "bytes_received": sum(b.numel() for b in received.values()),
+            "bytes_read_by_loaders": sum(nbytes for _, _, nbytes in reads),
+            "blocks": {n: [list(b) for b in block.box] for n, (block, _) in blocks.items()},
+            "receive_seconds": t1 - t0,
+            "load_seconds": time.perf_counter() - t1,
+        }
+        if update_info.digests:
+            self.report["sha256"] = {n: hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+                                     for n, (_, t) in blocks.items()}
+
+    def _receive(self, entries: list[WireEntry]) -> dict[tuple[int, int], torch.Tensor]:
+        """Post one receive per (sender, bucket) and wait for all of them."""
+        buffers, works = {}, []
+        for (sender, _, bucket), nbytes in sorted(bucket_sizes(entries).items()):
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=device())
+            buffers[(sender, bucket)] = buf
+            works.append(self.group.recv([buf], sender, bucket))
+        for w in works:
+            w.wait()
+        return buffers
+
+    @staticmethod
+    def _assemble(entries: list[WireEntry], received) -> dict[str, tuple[HFSlice, torch.Tensor]]:
+        """One tensor per HF name holding this worker's whole slice, filled from the received pieces."""
+        out = {}
+        for name, whole in _tile(entries).items():
+            dtype = next(e.dtype for e in entries if e.block.name == name)
+            out[name] = (whole, torch.empty(whole.shape, dtype=getattr(torch, dtype), device=device()))
+        for e in entries:
+            whole, data = out[e.block.name]
+            piece = from_bytes(received[(e.sender, e.bucket)][e.offset:e.offset + e.nbytes], e.dtype, e.block.shape)
+            data[e.block.index_within(whole)] = piece
+        return out
+
+    def _check_complete(self, blocks: dict[str, tuple[HFSlice, torch.Tensor]]) -> None:
+        """Refuse (before touching the model) an update that is not exactly the slices this rank holds."""
+        from megarl.sync.plan import vllm_rank_slices
+
+        pc = self.parallel_config
+        tp = pc.tensor_parallel_size
+        need = {b.name: b for b in vllm_rank_slices(self.model_config.hf_config.to_dict(), tp, pc.rank % tp)}
+        got = {n: b for n, (b, _) in blocks.items()}
+        missing = sorted(set(need) - set(got))
+        extra = sorted(set(got) - set(need))
+        wrong = sorted(n for n in set(need) & set(got) if need[n] != got[n])
+        if missing or extra or wrong:
+            raise ValueError(
+                f"megarl weight update for worker {self.rank} rejected, model left unchanged: "
+                f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, unexpected {extra[:5]}, "
+                f"wrong boxes {[(n, got[n].box, need[n].box) for n in wrong[:3]]}"
+            )
+
+    def _load(self, blocks: dict[str, tuple[HFSlice, torch.Tensor]], reads: set) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+        self.model.load_weights((name, wrap(block, data, reads)) for name, (block, data) in blocks.items())
+        finalize_layerwise_reload(self.model, self.model_config)
+
+    def shutdown(self) -> None:
+        self.group, self.store = None, None
+
+
+class MegarlWorkerExtension:
+    """Mixed into vLLM's worker (`--worker-extension-cls`): RPCs the trainer and the tests call over
+    `/collective_rpc` (server dev mode)."""
+
+    def megarl_sync_report(self) -> dict[str, Any]:
+        engine = getattr(self, "weight_transfer_engine", None)
+        return dict(getattr(engine, "report", {}) or {})
