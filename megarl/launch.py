@@ -70,7 +70,8 @@ def _trainer_rank(rank: int, cfg_data: dict[str, Any], fleet_urls: list[str], po
         clients = [RolloutClient(url) for url in fleet_urls] if rank == 0 else []
         weight_sync = PartitionedWeightSync(
             rank=rank, world_size=t.world_size, hf_config=hf, clients=clients, rollout_tp=cfg.rollout.tp,
-            store_host="127.0.0.1", store_port=ports["sync"], bucket_bytes=int(cfg.sync.bucket_mb * 2**20),
+            rollout_replicas=cfg.rollout.replicas, store_host="127.0.0.1", store_port=ports["sync"],
+            bucket_bytes=int(cfg.sync.bucket_mb * 2**20),
         )
         producer = RolloutProducer(cfg, clients, get_algorithm(cfg.algorithm.name)) if rank == 0 else None
         run_loop(cfg, rank, policy, weight_sync, producer, dp_rank_and_size(), pad_id=hf.get("pad_token_id") or 0)

@@ -72,6 +72,15 @@ class RolloutClient:
 
         return list(self._pool.map(lambda a: one(*a), enumerate(prompt_token_ids)))
 
+    def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
+        """The engine's log-prob of each token of `token_ids` given the ones before it (len - 1 values)."""
+        params = {"max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0}
+        reply = self._post("/inference/v1/generate", {"token_ids": token_ids, "sampling_params": params})
+        per_position = reply.get("prompt_logprobs")
+        if not per_position or len(per_position) != len(token_ids):
+            raise RolloutServerError(f"{self.url}: no prompt log-probs in the reply: {str(reply)[:500]}")
+        return [float(pos[str(tok)]["logprob"]) for pos, tok in zip(per_position[1:], token_ids[1:], strict=True)]
+
     def _sample(self, prompt: list[int], choice: dict[str, Any]) -> Sample:
         ids = choice.get("token_ids") or []
         content = (choice.get("logprobs") or {}).get("content") or []

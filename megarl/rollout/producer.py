@@ -16,18 +16,23 @@ from megarl.rollout.client import RolloutClient
 
 
 class RolloutProducer:
-    def __init__(self, cfg: Config, client: RolloutClient, algorithm: Algorithm) -> None:
-        self.cfg, self.client, self.algorithm = cfg, client, algorithm
+    def __init__(self, cfg: Config, clients: list[RolloutClient], algorithm: Algorithm) -> None:
+        self.cfg, self.clients, self.algorithm = cfg, clients, algorithm
         self.tokenizer = AutoTokenizer.from_pretrained(str(cfg.model.hf_dir))
 
     def produce(self, index: int) -> RolloutBatch:
         d, r = self.cfg.data, self.cfg.rollout
         problems = problem_batch(index, d.prompts_per_step, d.max_operand, self.cfg.run.seed)
         prompts = [self.tokenizer(p.prompt, add_special_tokens=False)["input_ids"] for p in problems]
-        samples = self.client.generate(
-            prompts, n=r.samples_per_prompt, max_tokens=r.max_new_tokens, temperature=r.temperature,
-            top_p=r.top_p, seed=self.cfg.run.seed * 100_003 + index,
-        )
+        seed = self.cfg.run.seed * 100_003 + index * len(prompts)
+        # prompt i goes to replica i mod R; every replica holds the same weights version
+        samples: list = [None] * len(prompts)
+        for rep, client in enumerate(self.clients):
+            mine = list(range(rep, len(prompts), len(self.clients)))
+            out = client.generate([prompts[i] for i in mine], n=r.samples_per_prompt, max_tokens=r.max_new_tokens,
+                                  temperature=r.temperature, top_p=r.top_p, seed=seed + rep * 7919)
+            for i, group in zip(mine, out, strict=True):
+                samples[i] = group
         return score_and_advantage(index, problems, samples, self.decode, self.algorithm, self.cfg.algorithm)
 
     def decode(self, ids: list[int]) -> str:

