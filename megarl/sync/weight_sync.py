@@ -29,6 +29,10 @@ from megarl.sync.slices import HFSlice
 from megarl.sync.transport import WireEntry, device, layout_buckets, make_sync_group, to_bytes
 
 
+class WeightSyncError(RuntimeError):
+    pass
+
+
 @dataclass
 class SyncStats:
     version: int
@@ -115,6 +119,7 @@ class PartitionedWeightSync:
                 updates[-1].start()
         sent = self._send(local)
         reports: list[dict[str, Any]] = []
+        error: Exception | None = None
         if self.rank == 0:
             try:
                 for t in updates:
@@ -122,11 +127,20 @@ class PartitionedWeightSync:
                 for client in self.clients:
                     client.finish_weight_update(version)
                     reports += client.collective_rpc("megarl_sync_report")
+            except Exception as err:  # noqa: BLE001 - shared with every trainer rank below, then raised
+                error = err
             finally:  # a failed update leaves the old weights in place: let the fleet serve them again
                 for client in self.clients:
                     client.resume()
+        # every rank learns the outcome, so a failure is raised everywhere instead of deadlocking the others
         all_sent: list[Any] = [None] * self.trainers
-        dist.all_gather_object(all_sent, sent)
+        dist.all_gather_object(all_sent, (sent, None if error is None else f"{type(error).__name__}: {error}"))
+        failure = all_sent[0][1]
+        if failure is not None:
+            if error is not None:
+                raise error
+            raise WeightSyncError(f"weight sync to version {version} failed on trainer rank 0: {failure}")
+        all_sent = [s for s, _ in all_sent]
         return SyncStats(
             version=version, seconds=time.perf_counter() - t0, bytes_sent=dict(enumerate(all_sent)),
             bytes_received={r["rank"]: r["bytes_received"] for r in reports},
