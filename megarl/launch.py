@@ -82,11 +82,10 @@ def _trainer_rank(rank: int, cfg_data: dict[str, Any], fleet_urls: list[str], po
 
 def sync_savings(cfg: Config, records: list[dict[str, Any]]) -> dict[str, Any]:
     """Bytes this run's schedule moved versus pushing after every step (sync_interval = 1)."""
-    batches = len(records) + cfg.sync.offset
-    pushes = lambda m: sum(SyncSchedule(m, cfg.sync.offset).sync_before_batch(j) is not None for j in range(batches))  # noqa: E731
+    batches = len(records) + cfg.sync.offset  # the fleet generated this many batches
+    every_step = sum(SyncSchedule(1, cfg.sync.offset).sync_before_batch(j) is not None for j in range(batches))
     done = sum(r.get("sync/count", 0) for r in records)
     per_sync = (sum(r.get("sync/bytes_sent", 0) for r in records) / done) if done else None
-    every_step = pushes(1)
     return {"sync/pushes": done, "sync/pushes_if_interval_1": every_step, "sync/bytes_per_push": per_sync,
             "sync/bytes_saved_vs_interval_1": None if per_sync is None else per_sync * (every_step - done)}
 

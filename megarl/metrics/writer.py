@@ -45,7 +45,6 @@ def summarize(records: list[dict[str, Any]], window: int = 5) -> dict[str, Any]:
         return {"steps": 0}
     rewards = [r["reward/mean"] for r in records]
     w = max(1, min(window, len(rewards) // 2 or 1))
-    syncs = [r for r in records if r.get("sync/bytes_sent", 0) > 0]
     sent = sum(r.get("sync/bytes_sent", 0) for r in records)
     secs = sum(r.get("sync/seconds", 0.0) for r in records)
     return {
@@ -54,7 +53,6 @@ def summarize(records: list[dict[str, Any]], window: int = 5) -> dict[str, Any]:
         "reward/last_steps_mean": sum(rewards[-w:]) / w,
         "reward/window": w,
         "batch_lags": [r["batch_lag"] for r in records],
-        "sync/count": len(syncs),
         "sync/bytes_sent_total": sent,
         "sync/bytes_received_total": sum(r.get("sync/bytes_received", 0) for r in records),
         "sync/seconds_total": secs,

@@ -6,18 +6,12 @@ spec is megatron's local spec on CPU and the Transformer Engine spec when TE and
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from megarl.config.load import num_experts
-
-
-def read_hf_config(hf_dir: str | Path) -> dict[str, Any]:
-    return json.loads((Path(hf_dir) / "config.json").read_text())
+from megarl.config.load import num_experts, read_hf_config  # noqa: F401 - read_hf_config re-exported
 
 
 def rope_theta(hf: dict[str, Any]) -> float:

@@ -41,23 +41,21 @@ class RolloutClient:
         self._pool = ThreadPoolExecutor(max_parallel)
 
     # ---- plumbing --------------------------------------------------------------------------------------------
-    def _post(self, route: str, body: dict[str, Any] | None = None, params: dict | None = None) -> Any:
+    def _request(self, method: str, route: str, **kwargs: Any) -> Any:
+        """One HTTP call; a dead server or a non-200 reply raises naming the URL, the status and the body."""
         try:
-            r = requests.post(f"{self.url}{route}", json=body, params=params, timeout=self.timeout_s)
+            r = requests.request(method, f"{self.url}{route}", timeout=self.timeout_s, **kwargs)
         except requests.RequestException as err:
             raise RolloutServerError(f"rollout server {self.url}{route} unreachable: {err}") from None
         if r.status_code != 200:
             raise RolloutServerError(f"rollout server {self.url}{route} answered {r.status_code}: {r.text[:2000]}")
         return r.json() if r.content else None
 
+    def _post(self, route: str, body: dict[str, Any] | None = None, params: dict | None = None) -> Any:
+        return self._request("POST", route, json=body, params=params)
+
     def _get(self, route: str) -> Any:
-        try:
-            r = requests.get(f"{self.url}{route}", timeout=self.timeout_s)
-        except requests.RequestException as err:
-            raise RolloutServerError(f"rollout server {self.url}{route} unreachable: {err}") from None
-        if r.status_code != 200:
-            raise RolloutServerError(f"rollout server {self.url}{route} answered {r.status_code}: {r.text[:2000]}")
-        return r.json()
+        return self._request("GET", route)
 
     # ---- generation ------------------------------------------------------------------------------------------
     def generate(self, prompt_token_ids: list[list[int]], n: int, max_tokens: int, temperature: float = 1.0,
