@@ -17,13 +17,17 @@ def _expected_lag(batch: int, m: int, n: int) -> int:
     return (batch % m) + n if m * (batch // m) >= n else batch
 
 
-@pytest.mark.parametrize(("m", "n", "steps"), [(4, 0, 6), (1, 4, 7), (2, 1, 5)])
-def test_measured_lags_follow_the_schedule(moe_fleet, tiny_moe_dir, tmp_path, m, n, steps):
+@pytest.mark.parametrize(
+    ("m", "n", "steps", "algorithm", "old_logprobs"),
+    [(4, 0, 6, "rec_gspo_is", "engine"), (1, 4, 7, "gspo", "engine"), (2, 1, 5, "rec_gspo_nois", "trainer")],
+)
+def test_measured_lags_follow_the_schedule(moe_fleet, tiny_moe_dir, tmp_path, m, n, steps, algorithm, old_logprobs):
     cfg = prepare(None, [
         f"model.hf_dir={tiny_moe_dir}", f"run.dir={tmp_path / 'run'}", f"run.steps={steps}",
         "trainer.world_size=2", "trainer.ep=2", "rollout.tp=2", "rollout.samples_per_prompt=4",
         "rollout.max_new_tokens=2", "data.prompts_per_step=4", f"sync.interval={m}", f"sync.offset={n}",
-        "sync.push_initial=true", "optimizer.lr=0.003",
+        "sync.push_initial=true", "optimizer.lr=0.003", f"algorithm.name={algorithm}",
+        f"algorithm.old_logprobs={old_logprobs}",
     ])
     summary = train(cfg, fleet_urls=moe_fleet.urls)
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -41,4 +45,6 @@ def test_measured_lags_follow_the_schedule(moe_fleet, tiny_moe_dir, tmp_path, m,
             assert r["logprob/engine_vs_trainer"] is None
         if r["sync/count"]:
             assert r["sync/bytes_sent"] == r["sync/bytes_received"] > 0
+    if old_logprobs == "trainer":  # behaviour = the trainer's own recompute: the sequence ratio starts at exactly 1
+        assert all(abs(r["seq_ratio_mean"] - 1.0) < 1e-6 for r in records)
     assert (tmp_path / "run" / "summary.json").exists() and (tmp_path / "run" / "reward_and_sync.png").exists()
