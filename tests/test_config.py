@@ -72,6 +72,7 @@ def test_missing_config_file_named(tmp_path):
          r"trainer\.ep=4 does not divide num_experts=6"),
         (TINY_MOE, {"trainer": {"tp": 2}}, r"trainer\.tp=2 with a MoE model needs sequence parallel"),
         (TINY_MOE, {"trainer": {"world_size": 3, "pp": 3}}, r"trainer\.pp=3 exceeds num_hidden_layers=2"),
+        (TINY_DENSE, {"trainer": {"pp": 2}}, r"trainer\.pp=2: the trainer does not run pipeline parallelism yet"),
     ],
 )
 def test_layout_must_fit_model(hf, sections, message):

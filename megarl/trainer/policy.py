@@ -54,7 +54,7 @@ class MegatronPolicy:
                                      ps.get_pipeline_model_parallel_world_size(),
                                      ps.get_expert_model_parallel_world_size())
         if ps.get_pipeline_model_parallel_world_size() > 1:
-            raise NotImplementedError("pipeline parallel training is not wired into MegatronPolicy yet (use pp=1)")
+            raise ValueError("MegatronPolicy runs pipeline-parallel size 1 only: set trainer.pp=1")
         load_hf_weights(self.model, hf_dir, hf)
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.dp_group = ps.get_data_parallel_group()
