@@ -53,6 +53,16 @@ def prepare(config_path: str | None, overrides: list[str], create_run_dir: bool 
 
 def _trainer_rank(rank: int, cfg_data: dict[str, Any], fleet_urls: list[str], ports: dict[str, int]) -> None:
     """Entry point of one trainer process."""
+    import warnings
+
+    import torch
+
+    # megatron-core warns at import that Apex / Transformer Engine are absent and about GPU-only tuning knobs:
+    # expected on CPU, and they would bury the progress bar
+    if not torch.cuda.is_available():
+        warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+        # torch's deprecation notes for the collectives megatron's MoE dispatcher calls
+        warnings.filterwarnings("ignore", category=FutureWarning, message=r"`torch\.distributed\.")
     from megarl.algorithms.registry import get_algorithm
     from megarl.loop import run_loop
     from megarl.parallel.groups import TrainerLayout, destroy_trainer_groups, dp_rank_and_size, init_trainer_groups
