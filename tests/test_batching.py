@@ -38,3 +38,22 @@ def test_shares_and_microbatches_partition_rows():
     assert [m["x"].shape[0] for m in mbs] == [4, 2]
     with pytest.raises(ValueError, match="does not split over 4 data-parallel ranks"):
         data_parallel_share(tensors, 0, 4)
+
+
+def test_score_and_advantage_by_hand():
+    from megarl.algorithms.registry import get_algorithm
+    from megarl.config.schema import AlgorithmConfig
+    from megarl.data.arithmetic import Problem
+    from megarl.rollout.batch import score_and_advantage
+    from megarl.rollout.client import Sample
+
+    texts = {10: "7", 11: "8"}
+    samples = [[Sample([1], [t], [-0.5], "length", 3) for t in (10, 11, 10, 11)]]
+    batch = score_and_advantage(4, [Problem("3 + 4 =", "7")], samples, lambda ids: texts[ids[0]],
+                                get_algorithm("rec_gspo_nois"), AlgorithmConfig())
+    assert batch.rewards.tolist() == [[1.0, 0.0, 1.0, 0.0]]
+    assert batch.advantages.tolist() == [[0.5, -0.5, 0.5, -0.5]] and batch.policy_version == 3
+    mixed = [[Sample([1], [10], [-0.5], "length", v) for v in (3, 4)]]
+    with pytest.raises(RuntimeError, match="mixes samples from policy versions"):
+        score_and_advantage(0, [Problem("3 + 4 =", "7")], mixed, lambda ids: "7", get_algorithm("gspo"),
+                            AlgorithmConfig(name="gspo"))

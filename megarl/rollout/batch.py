@@ -6,6 +6,7 @@ Everything here runs on the controller (trainer rank 0); the result is a plain, 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +15,7 @@ from megarl.algorithms.registry import Algorithm
 from megarl.config.schema import AlgorithmConfig
 from megarl.data.arithmetic import Problem
 from megarl.rewards.exact_match import exact_match
+from megarl.rollout.client import Sample
 
 
 @dataclass
@@ -34,8 +36,8 @@ class RolloutBatch:
 def score_and_advantage(
     index: int,
     problems: list[Problem],
-    samples: list[list],  # per problem, K `megarl.rollout.client.Sample`s
-    decode,  # token ids -> text, special tokens skipped
+    samples: list[list[Sample]],  # per problem, its K samples
+    decode: Callable[[list[int]], str],  # token ids -> text, special tokens skipped
     algorithm: Algorithm,
     algo_cfg: AlgorithmConfig,
 ) -> RolloutBatch:
@@ -43,11 +45,8 @@ def score_and_advantage(
     versions = {s.policy_version for group in samples for s in group}
     if len(versions) != 1:
         raise RuntimeError(f"batch {index} mixes samples from policy versions {sorted(versions)}")
-    rewards = torch.tensor(
-        [[exact_match(decode(s.response_ids), p.answer) for s in group] for p, group in zip(problems, samples,
-                                                                                            strict=True)],
-        dtype=torch.float32,
-    )
+    groups = zip(problems, samples, strict=True)
+    rewards = torch.tensor([[exact_match(decode(s.response_ids), p.answer) for s in group] for p, group in groups])
     flat = [s for group in samples for s in group]
     return RolloutBatch(
         index=index,
