@@ -1,6 +1,7 @@
-"""Each loss's gradient w.r.t. the per-token log-probs equals the paper's `g`, written out here
+"""REC-GSPO / GSPO: the gradient w.r.t. the per-token log-probs equals the paper's `g`, written out here
 independently (REC appendix B.7 / GSPO), on hand-built groups with masks at the clip boundaries,
-zero advantages and uneven lengths; and the loss is split-invariant over microbatches."""
+zero advantages and uneven lengths; and EVERY registered algorithm is split-invariant over microbatches
+for every loss_agg (the token-level losses' gradients are checked in test_algorithms_gradients.py)."""
 
 import math
 
@@ -46,7 +47,7 @@ def _reference_grad(logp, old, mask, lengths, adv, with_is):
 @pytest.mark.parametrize(("fn", "with_is"), [(rec_gspo_is_loss, True), (rec_gspo_nois_loss, False)])
 def test_gradient_matches_paper_formula(fn, with_is):
     logp, old, mask, lengths, adv = _case()
-    loss, metrics = fn(PolicyLossInput(logp, old, mask, adv, num_seqs=4), CLIP)
+    loss, metrics = fn(PolicyLossInput(logp, old, mask, adv, num_seqs=4, num_tokens=9), CLIP)
     loss.backward()
     expected = _reference_grad(logp.detach(), old, mask, lengths, adv, with_is)
     torch.testing.assert_close(logp.grad, expected, rtol=1e-6, atol=1e-7)
@@ -65,32 +66,56 @@ def test_ratio_exactly_on_the_boundary_keeps_the_gradient():
     assert torch.all(logp.grad != 0)
 
 
+def _split_case():
+    """A global batch of 8 sequences (2 groups of 4) with uneven lengths, rewards with excess negatives,
+    engine and reference log-probs that differ from the behaviour ones; group 2 has zero variance."""
+    g = torch.Generator().manual_seed(0)
+    n, s = 8, 5
+    mask = (torch.rand(n, s, generator=g) > 0.3).double()
+    mask[:, 0] = 1
+    old = -torch.rand(n, s, generator=g, dtype=torch.float64) * mask
+    logp = (old + 0.3 * torch.randn(n, s, generator=g, dtype=torch.float64)) * mask
+    engine = (old + 0.05 * torch.randn(n, s, generator=g, dtype=torch.float64)) * mask
+    ref = (old + 0.1 * torch.randn(n, s, generator=g, dtype=torch.float64)) * mask
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 0.0], [0.5, 0.5, 0.5, 0.5]], dtype=torch.float64)  # 2nd: sigma = 0
+    return logp, old, mask, engine, ref, rewards
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "constant"])
 @pytest.mark.parametrize("name", sorted(ALGORITHMS))
-def test_microbatch_split_invariance(name):
-    torch.manual_seed(0)
-    algo = get_algorithm(name)
+def test_microbatch_split_invariance(name, agg):
+    """1 x 8, 2 x 4 and 4 x 2 microbatches (or data-parallel ranks) give the same loss, gradient and
+    metrics for every registered algorithm and every loss_agg."""
     from megarl.config.schema import AlgorithmConfig
 
-    cfg = AlgorithmConfig(name=name)
-    n, s = 8, 5
-    mask = (torch.rand(n, s) > 0.3).float()
-    mask[:, 0] = 1
-    old = -torch.rand(n, s) * mask
-    logp = (old + 0.1 * torch.randn(n, s)) * mask
-    adv = algo.advantages(torch.randint(0, 2, (2, 4)).float(), cfg).reshape(-1)
+    algo = get_algorithm(name)
+    cfg = AlgorithmConfig(name=name, loss_agg=agg, loss_agg_constant=4.0, oapl_beta2=0.5)
+    logp, old, mask, engine, ref, rewards = _split_case()
+    n = logp.shape[0]
+    adv = algo.advantages(rewards, cfg).reshape(-1)
+    seq_mask = algo.sequence_mask(rewards, cfg).reshape(-1)
+    num_tokens = int(mask.sum())
 
     def run(splits):
         x = logp.clone().requires_grad_(True)
-        total = 0.0
+        total, metrics = 0.0, {}
         for rows in torch.tensor_split(torch.arange(n), splits):
-            loss, _ = algo.loss(PolicyLossInput(x[rows], old[rows], mask[rows], adv[rows], num_seqs=n), cfg)
+            inp = PolicyLossInput(x[rows], old[rows], mask[rows], adv[rows], num_seqs=n, num_tokens=num_tokens,
+                                  engine_logprobs=engine[rows], ref_logprobs=ref[rows], seq_mask=seq_mask[rows])
+            loss, m = algo.loss(inp, cfg)
             loss.backward()
             total += loss.item()
-        return total, x.grad
+            for k, v in m.items():
+                metrics[k] = metrics.get(k, 0.0) + v.item()
+        return total, x.grad, metrics
 
-    (l1, g1), (l4, g4) = run(1), run(4)
-    assert l1 == pytest.approx(l4, rel=1e-6, abs=1e-8)
-    torch.testing.assert_close(g1, g4)
+    l1, g1, m1 = run(1)
+    assert g1.abs().sum() > 0  # the case exercises a non-trivial gradient
+    for splits in (2, 4):
+        ls, gs, ms = run(splits)
+        assert ls == pytest.approx(l1, rel=1e-12, abs=1e-14)
+        torch.testing.assert_close(gs, g1, rtol=1e-12, atol=1e-14)
+        assert ms == pytest.approx(m1, rel=1e-12, abs=1e-14)
 
 
 def test_advantages_by_hand():

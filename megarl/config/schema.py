@@ -71,13 +71,68 @@ class SyncConfig(_Strict):
 
 
 class AlgorithmConfig(_Strict):
+    """Algorithm hyper-parameters. Each algorithm reads only the keys listed for it in docs/algorithms.md
+    (and in `Algorithm.config_keys`); the others are ignored."""
+
     name: str = Field("rec_gspo_nois", description="Registered algorithm name (`megarl algorithms` lists them).")
-    eps_low: float = Field(0.2, ge=0, description="Lower clip margin: ratio >= 1 - eps_low.")
-    eps_high: float = Field(0.2, ge=0, description="Upper clip margin: ratio <= 1 + eps_high.")
-    adv_eps: float = Field(1e-6, gt=0, description="Added to the group std in normalised (GRPO/GSPO) advantages.")
+    eps_low: float = Field(0.2, ge=0, description="Lower clip margin: ratio >= 1 - eps_low (GRPO, REC-*, GSPO family).")
+    eps_high: float = Field(
+        0.2, ge=0, description="Upper clip margin: ratio <= 1 + eps_high (GRPO, REC-*, GSPO family)."
+    )
+    eps_low_outer: float = Field(
+        0.6, ge=0, description="REC-Ring outer margin eps'_low >= eps_low: a token with A>0 regains its gradient when "
+        "ratio <= 1 - eps'_low. Default 0.6 = REC appendix B.3 (with inner 0.2/0.2).",
+    )
+    eps_high_outer: float = Field(
+        2.0, ge=0, description="REC-Ring outer margin eps'_high >= eps_high: a token with A<0 regains its gradient "
+        "when ratio >= 1 + eps'_high. Default 2.0 = REC appendix B.3.",
+    )
+    adv_eps: float = Field(
+        1e-6, gt=0, description="GRPO/GSPO: added to the group std, A = (r - mean) / (std + adv_eps); off-policy "
+        "GRPO: added to the variance, A = (r - mean) / sqrt(var + adv_eps).",
+    )
+    beta: float = Field(
+        0.1, ge=0, description="OPMD: weight of the (logp - oldlogp)^2 / 2 regulariser; AsymRE: baseline shift "
+        "(A = r - (mean - beta)); off_policy_grpo: weight of the KL term. Default 0.1: REC Fig. 10 (OPMD and "
+        "AsymRE) and off-policy GRPO on GSM8K.",
+    )
+    temperature: float = Field(
+        1.0, gt=0, description="RED-Weight and pairwise_reinforce: weight w_i = exp(A_i / temperature) with "
+        "A_i = r_i - mean. Default 1.0 = REC appendix B.6 (T fixed to 1 in all its experiments).",
+    )
+    oapl_beta1: float = Field(
+        1.0, gt=0, description="OAPL value temperature: V_hat = beta1 * log(mean_i exp(r_i / beta1)) (-> max reward "
+        "as beta1 -> 0, -> mean reward as beta1 -> inf). Default 1.0: the one legible value of the OAPL paper's "
+        "hyper-parameter table; with 0/1 rewards it puts V_hat between the mean and the max of a group.",
+    )
+    oapl_beta2: float = Field(
+        1e-3, gt=0, description="OAPL KL weight in the loss (beta2 * (logp - vllm_logp) - (r - V_hat))^2 over "
+        "sequence log-probs. Default 1e-3 (A*-PO, Brantley et al. 2025, the loss OAPL adopts): sequence log-ratios "
+        "of long responses are large, so a small beta2 keeps the regression target (r - V_hat) / beta2 reachable; "
+        "the paper's own value was not legible. Raise it (e.g. 0.1-1) for one-token or very short responses.",
+    )
+    kl_estimator: Literal["k1", "k2", "k3"] = Field(
+        "k3", description="Per-token KL(pi || pi_ref) estimator of off_policy_grpo: k1 = log(p/q), "
+        "k2 = log(p/q)^2 / 2, k3 = q/p - 1 - log(q/p) (Schulman). Default k3: unbiased, non-negative, low "
+        "variance, the GRPO paper's choice.",
+    )
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "constant"] = Field(
+        "token-mean", description="Reduction of token-level losses over the GLOBAL batch: token-mean (/ response "
+        "tokens; REC's choice), seq-mean-token-mean (mean over tokens, then over sequences), seq-mean-token-sum "
+        "(sum over tokens, mean over sequences: REC Table 3's response-wise form), constant (sum / (sequences * "
+        "loss_agg_constant), Dr. GRPO). Sequence-level losses (GSPO family, OPMD, OAPL) always average over sequences.",
+    )
+    loss_agg_constant: float = Field(
+        1.0, gt=0, description="C of loss_agg=constant: loss = sum_{i,t} l / (num_seqs * C). Dr. GRPO uses the "
+        "generation budget (set it to rollout.max_new_tokens).",
+    )
+    filter_seed: int = Field(
+        0, description="Seed of RED-Drop's generator that picks the dropped negatives (reproducible drops).",
+    )
     old_logprobs: Literal["engine", "trainer"] = Field(
         "engine", description="Behaviour log-probs: the engine's sampled-token log-probs, or the trainer's "
-        "recompute at its current weights before the update (decoupled-PPO 'proximal' policy).",
+        "recompute at its current weights before the update (decoupled-PPO 'proximal' policy). OAPL always "
+        "regresses against the engine's log-probs (PolicyLossInput.engine_logprobs).",
     )
 
     @field_validator("name")
@@ -88,6 +143,17 @@ class AlgorithmConfig(_Strict):
         if name not in ALGORITHMS:
             raise ValueError(f"{name!r} is not a registered algorithm; choose one of: {', '.join(sorted(ALGORITHMS))}")
         return name
+
+    @model_validator(mode="after")
+    def _ring_margins(self) -> AlgorithmConfig:
+        if self.name.startswith("rec_ring"):
+            if self.eps_low_outer < self.eps_low or self.eps_high_outer < self.eps_high:
+                raise ValueError(
+                    f"algorithm.eps_low_outer={self.eps_low_outer} / eps_high_outer={self.eps_high_outer} must be >= "
+                    f"eps_low={self.eps_low} / eps_high={self.eps_high} (REC-Ring's outer margins lie outside the "
+                    "inner band): raise the outer margins or lower the inner ones"
+                )
+        return self
 
 
 class DataConfig(_Strict):
