@@ -237,3 +237,47 @@ def test_gspo_family_with_sequence_mask(with_is):
             if mask[i, t]:
                 expected[i, t] = -float(z[i]) * ADV[i] * m * (s if with_is else 1.0) / length / N_GLOBAL
     torch.testing.assert_close(grad, expected, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("name", ["reinforce", "asymre", "red_weight", "pairwise_reinforce", "red_drop"])
+def test_reweighted_reinforce_family_through_the_registry(name):
+    """rewards -> registered advantages -> registered loss -> autograd, against REC Table 3's response-wise g
+    for one group (loss_agg = seq-mean-token-sum and N = K, so the loss's 1/N is the papers' 1/K)."""
+    from megarl.algorithms.registry import get_algorithm
+    from megarl.config.schema import AlgorithmConfig
+
+    beta, temp = 0.1, 0.5
+    rewards = [1.0, 0.0, 0.0, 0.0] if name == "red_drop" else [1.0, 0.5, 0.0, 0.0]
+    k = len(rewards)
+    lengths = [3, 1, 2, 3]
+    mask = torch.tensor([[1.0 if t < n else 0.0 for t in range(3)] for n in lengths], dtype=torch.float64)
+    logp = (-0.5 * torch.rand(k, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)) * mask
+    cfg = AlgorithmConfig(name=name, beta=beta, temperature=temp, loss_agg="seq-mean-token-sum")
+    algo = get_algorithm(name)
+    adv = algo.advantages(torch.tensor([rewards], dtype=torch.float64), cfg).reshape(-1)
+    x = logp.clone().requires_grad_(True)
+    loss, _ = algo.loss(losses.PolicyLossInput(x, logp.clone(), mask, adv, num_seqs=k, num_tokens=sum(lengths)), cfg)
+    loss.backward()
+
+    rbar = sum(rewards) / k
+    if name == "reinforce":
+        coef = [(r - rbar) / k for r in rewards]
+    elif name == "asymre":
+        coef = [(r - (rbar - beta)) / k for r in rewards]
+    elif name == "red_weight":  # Table 3: sum_i w_i (r_i - rbar), with the loss's 1/K
+        coef = [math.exp((r - rbar) / temp) * (r - rbar) / k for r in rewards]
+    elif name == "pairwise_reinforce":
+        w = [[math.exp((ri - rbar) / temp + (rj - rbar) / temp) / k for rj in rewards] for ri in rewards]
+        coef = []
+        for i in range(k):
+            row = sum(w[i])
+            coef.append(row * (rewards[i] - sum(w[i][j] * rewards[j] for j in range(k)) / row) / k)
+    else:  # RED-Drop eq. 10: 1 positive, so one of the three negatives is kept; which one is random
+        kept_neg = [i for i in range(1, k) if x.grad[i, 0] != 0]
+        assert len(kept_neg) == 1
+        s = [0, *kept_neg]
+        rbar_s = sum(rewards[i] for i in s) / len(s)
+        coef = [(rewards[i] - rbar_s) / len(s) if i in s else 0.0 for i in range(k)]
+    expected = torch.tensor([[-coef[i] if t < lengths[i] else 0.0 for t in range(3)] for i in range(k)],
+                            dtype=torch.float64)
+    torch.testing.assert_close(x.grad, expected, rtol=1e-12, atol=1e-14)
