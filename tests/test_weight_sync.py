@@ -2,12 +2,14 @@
 expert parallel 2) pushes new weights into a real vLLM server (tensor parallel 2).
 
 Checked against independent references:
-- what each vLLM rank received equals, bit for bit (sha256), the slice of the new checkpoint it
-  holds, and its byte count equals the size of its slices computed by hand from the config below;
+- what each vLLM rank received, and every block vLLM's own weight loaders read from it, equals bit
+  for bit (sha256) the same block of the new checkpoint (what the trainer holds); its byte count
+  equals the size of its slices computed by hand from the config below (ratio 1.00);
 - the engine's log-probs after the sync equal `transformers`' for the new checkpoint, and the
   trainer's own (megatron, vocab-parallel) log-probs for the same tokens;
 - responses generated after the sync carry the pushed version;
-- an incomplete update is rejected by every worker and the old weights keep serving.
+- an update missing a block that only ONE TP rank needs is rejected by every TP rank of the replica
+  (none loads half of it), every trainer rank raises, and the old weights and version keep serving.
 
 Tolerance for log-probs: vLLM's CPU kernels, transformers and megatron all run fp32 but with
 different attention / matmul kernels and reduction orders; per-token differences are ~1e-6, so
@@ -55,7 +57,7 @@ def new_checkpoint(tiny_moe_dir, tmp_path_factory):
 
 def _trainer(rank, world, hf_dir, url, port, sync_port, drop):
     from megarl.parallel.groups import TrainerLayout, destroy_trainer_groups, init_trainer_groups
-    from megarl.rollout.client import RolloutClient, RolloutServerError
+    from megarl.rollout.client import RolloutClient
     from megarl.sync.weight_sync import PartitionedWeightSync, WeightSyncError
     from megarl.trainer.policy import MegatronPolicy
 
@@ -68,12 +70,12 @@ def _trainer(rank, world, hf_dir, url, port, sync_port, drop):
                                      store_host="127.0.0.1", store_port=sync_port, bucket_bytes=256 << 10,
                                      digests=True, timeout_s=90)
         out = {}
-        if drop:  # an incomplete plan: a tensor every worker needs is never planned
+        if drop:  # an incomplete plan: vLLM TP rank 1 (sync rank 3) never gets its k_proj block of layer 1
             sync.entries = [e for e in sync._plan(list(policy.iter_local_hf_slices()))
-                            if not e.block.name.endswith("layers.1.self_attn.k_proj.weight")]
+                            if not (e.receiver == 3 and e.block.name.endswith("layers.1.self_attn.k_proj.weight"))]
             try:
                 sync.push(policy.iter_local_hf_slices(), version=99)
-            except (RolloutServerError, WeightSyncError) as err:  # rank 0 gets the server's error, others its echo
+            except WeightSyncError as err:
                 out["error"] = str(err)
         else:
             out["stats"] = sync.push(policy.iter_local_hf_slices(), version=5)
@@ -86,6 +88,14 @@ def _trainer(rank, world, hf_dir, url, port, sync_port, drop):
         return out
     finally:
         destroy_trainer_groups()
+
+
+def _sha256(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def _cut(tensors: dict[str, torch.Tensor], name: str, box: list[list[int]]) -> torch.Tensor:
+    return tensors[name][tuple(slice(a, b) for a, b in box)]
 
 
 def _transformers_logprobs(hf_dir):
@@ -105,24 +115,31 @@ def test_sync_moves_exactly_each_ranks_slices(moe_fleet, new_checkpoint):
                               init_dist=False)
     stats = results[0]["stats"]
     reports = {r["rank"]: r for r in stats.reports}
+    print(f"sync: sent {stats.bytes_sent} received {stats.bytes_received} in {stats.seconds:.2f}s "
+          f"({stats.gbps:.4f} GB/s); per worker receive/load seconds "
+          f"{[(r['receive_seconds'], r['load_seconds']) for r in stats.reports]}")
     assert sorted(reports) == [2, 3]  # the two vLLM TP workers, after the 2 trainer ranks
 
     # bytes: each worker received exactly its own slices (ratio 1.00), all read by vLLM's loaders
     expected = _hand_bytes_per_rank(hf, tp=2)
     full_model = 4 * sum(t.numel() for t in load_file(new_checkpoint / "model.safetensors").values())
     for tp_rank, sync_rank in enumerate((2, 3)):
+        assert stats.bytes_needed[sync_rank] == expected[tp_rank]
         assert stats.bytes_received[sync_rank] == expected[tp_rank]
         assert stats.bytes_read_by_loaders[sync_rank] == expected[tp_rank]
+        assert stats.receive_ratio[sync_rank] == 1.0
         assert expected[tp_rank] < 0.55 * full_model
     assert sum(stats.bytes_sent.values()) == sum(stats.bytes_received.values())
 
-    # bits: what each worker received is the new checkpoint's slice, byte for byte
+    # bits: what each worker received, and every block its loaders read, is the new checkpoint's block
     new = load_file(new_checkpoint / "model.safetensors")
     for report in reports.values():
         assert set(report["sha256"]) == set(report["blocks"])
         for name, box in report["blocks"].items():
-            block = new[name][tuple(slice(a, b) for a, b in box)].contiguous()
-            assert report["sha256"][name] == hashlib.sha256(block.view(torch.uint8).numpy().tobytes()).hexdigest()
+            assert report["sha256"][name] == _sha256(_cut(new, name, box))
+        assert {name for name, _, _ in report["loader_reads"]} == set(report["blocks"])
+        for name, box, digest in report["loader_reads"]:
+            assert digest == _sha256(_cut(new, name, box)), f"{name} {box} loaded different bits"
 
     # the served model is the new one, and generation reports the pushed version
     reference = _transformers_logprobs(new_checkpoint)
@@ -140,7 +157,8 @@ def test_incomplete_update_is_rejected_and_old_weights_serve(moe_fleet, new_chec
     results = run_distributed(_trainer, 2, tiny_moe_dir, moe_fleet.urls[0], free_port(), free_port(), True,
                               init_dist=False)
     for r in results:  # every trainer rank reports the rejection (none is left waiting)
-        assert "rejected, model left unchanged" in r["error"] and "k_proj" in r["error"]
+        assert "rejected, model left unchanged on every TP rank" in r["error"]
+        assert "worker 3:" in r["error"] and "layers.1.self_attn.k_proj.weight" in r["error"]
     reference = _transformers_logprobs(new_checkpoint)  # still the previous weights
     for engine, ref in zip(results[0]["engine"], reference, strict=True):
         torch.testing.assert_close(torch.tensor(engine), ref, atol=1e-4, rtol=0)

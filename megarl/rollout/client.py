@@ -11,11 +11,13 @@ import requests
 
 
 class RolloutServerError(RuntimeError):
-    pass
+    """The rollout server is unreachable or answered with an error or a reply megarl cannot use."""
 
 
 @dataclass
 class Sample:
+    """One sampled response to one prompt, as the engine produced it."""
+
     prompt_ids: list[int]
     response_ids: list[int]
     response_logprobs: list[float]  # the engine's log-prob of each sampled token
@@ -35,6 +37,8 @@ def _version_number(label: str | None) -> int:
 
 
 class RolloutClient:
+    """Token-in/token-out generation and the weight-update lifecycle of one vLLM server at `base_url`."""
+
     def __init__(self, base_url: str, timeout_s: float = 600.0, max_parallel: int = 32) -> None:
         self.url = base_url.rstrip("/")
         self.timeout_s = timeout_s
@@ -48,8 +52,11 @@ class RolloutClient:
         except requests.RequestException as err:
             raise RolloutServerError(f"rollout server {self.url}{route} unreachable: {err}") from None
         if r.status_code != 200:
-            raise RolloutServerError(f"rollout server {self.url}{route} answered {r.status_code}: {r.text[:2000]}")
-        return r.json() if r.content else None
+            raise RolloutServerError(f"rollout server {self.url}{route} answered {r.status_code}: {_error_message(r)}")
+        try:
+            return r.json() if r.content else None
+        except ValueError:
+            raise RolloutServerError(f"rollout server {self.url}{route} sent non-JSON: {r.text[:500]}") from None
 
     def _post(self, route: str, body: dict[str, Any] | None = None, params: dict | None = None) -> Any:
         return self._request("POST", route, json=body, params=params)
@@ -66,7 +73,10 @@ class RolloutClient:
             if seed is not None:
                 params["seed"] = seed + i
             reply = self._post("/inference/v1/generate", {"token_ids": prompt, "sampling_params": params})
-            return [self._sample(prompt, c) for c in sorted(reply["choices"], key=lambda c: c["index"])]
+            choices = reply.get("choices") if isinstance(reply, dict) else None
+            if not isinstance(choices, list) or len(choices) != n:
+                raise RolloutServerError(f"{self.url}/inference/v1/generate: want {n} choices, got {str(reply)[:500]}")
+            return [self._sample(prompt, c) for c in sorted(choices, key=lambda c: c["index"])]
 
         return list(self._pool.map(lambda a: one(*a), enumerate(prompt_token_ids)))
 
@@ -80,6 +90,8 @@ class RolloutClient:
         return [float(pos[str(tok)]["logprob"]) for pos, tok in zip(per_position[1:], token_ids[1:], strict=True)]
 
     def _sample(self, prompt: list[int], choice: dict[str, Any]) -> Sample:
+        """A `Sample` from one choice; its version is the one vLLM recorded for the tokens (`weight_versions`
+        spans, set by `finish_weight_update(weight_version=...)`), or `/weight_info` if the reply has none."""
         ids = choice.get("token_ids") or []
         content = (choice.get("logprobs") or {}).get("content") or []
         if len(content) != len(ids) or any(c["token_id"] != t for c, t in zip(content, ids, strict=False)):
@@ -94,12 +106,15 @@ class RolloutClient:
 
     # ---- weights ---------------------------------------------------------------------------------------------
     def weight_version(self) -> str | None:
+        """The label of the weights the server is serving now (`"default"` until the first update)."""
         return self._get("/weight_info").get("weight_version")
 
     def init_weight_transfer(self, init_info: dict[str, Any]) -> None:
+        """Every worker creates its weight-transfer engine and joins the sync group (blocks until all joined)."""
         self._post("/init_weight_transfer_engine", {"init_info": init_info})
 
     def pause(self) -> None:
+        """Stop scheduling new steps once the running ones finish (`mode=wait`)."""
         self._post("/pause", params={"mode": "wait"})
 
     def resume(self) -> None:
@@ -109,10 +124,33 @@ class RolloutClient:
         self._post("/start_weight_update")
 
     def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
+        """Run `receive_weights` on the workers: one info for all, or a list with one per TP rank."""
         self._post("/update_weights", {"update_info": update_info})
 
-    def finish_weight_update(self, version: int) -> None:
-        self._post("/finish_weight_update", {"weight_version": str(version)})
+    def finish_weight_update(self, version: int | None) -> None:
+        """End the update and label the served weights with `version` (reported with later samples);
+        `None` keeps the current label (closing a session that loaded nothing)."""
+        self._post("/finish_weight_update", {"weight_version": None if version is None else str(version)})
 
     def collective_rpc(self, method: str) -> list[Any]:
-        return self._post("/collective_rpc", {"method": method})["results"]
+        """Call `method` of every worker (server dev mode) and return their results in rank order."""
+        reply = self._post("/collective_rpc", {"method": method})
+        if not isinstance(reply, dict) or "results" not in reply:
+            raise RolloutServerError(f"{self.url}/collective_rpc({method}): no results in {str(reply)[:500]}")
+        return reply["results"]
+
+
+def _error_message(response: requests.Response) -> str:
+    """The message of a vLLM error reply (`{"error": {"message": ...}}`, FastAPI's `{"detail": ...}`), else its text."""
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text[:2000]
+    if isinstance(body, dict):
+        error = body.get("error")
+        if isinstance(error, dict) and "message" in error:
+            return str(error["message"])[:2000]
+        for key in ("error", "detail", "message"):
+            if key in body:
+                return str(body[key])[:2000]
+    return response.text[:2000]

@@ -9,59 +9,106 @@ no GPU is present. Logs go to `<log_dir>/vllm_replica<i>.log`.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import requests
 
 from megarl.rollout.vllm_plugin import BACKEND_NAME
 
+if TYPE_CHECKING:
+    from megarl.config.schema import Config
+
 
 class FleetError(RuntimeError):
-    pass
+    """A server could not be started (dead, unhealthy in time, or its port taken)."""
 
 
 @dataclass
 class FleetSpec:
-    model_dir: Path
-    tp: int = 1
-    replicas: int = 1
-    port: int = 0  # first replica's port; 0 picks free ports
-    dtype: str = "float32"
-    kv_cache_gib: int = 1
-    startup_timeout_s: float = 600.0
-    log_dir: Path = Path(".")
-    extra_args: list[str] = field(default_factory=list)
+    """What to start: one vLLM server per replica for the HF checkpoint in `model_dir`."""
+
+    model_dir: Path  # HF checkpoint directory (config.json + safetensors)
+    tp: int = 1  # tensor-parallel size of every replica
+    replicas: int = 1  # number of independent servers
+    port: int = 0  # first replica's port (replica i gets port + i); 0 picks free ports
+    dtype: str = "float32"  # vLLM --dtype
+    kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE on CPU (ignored with a GPU)
+    startup_timeout_s: float = 600.0  # how long to wait for every /health
+    log_dir: Path = Path(".")  # where vllm_replica<i>.log go
+    max_model_len: int | None = None  # vLLM --max-model-len; None: the model's max_position_embeddings
+    extra_args: list[str] = field(default_factory=list)  # appended to the server command line
+
+
+_LIVE: list[FleetHandle] = []  # handles not stopped yet: stopped at interpreter exit so no server outlives us
 
 
 @dataclass
-class Fleet:
+class FleetHandle:
+    """The running servers of one fleet. `stop()` (or leaving the `with` block) kills each server's
+    process group (API server, engine core and TP workers); it is idempotent."""
+
     urls: list[str]
     procs: list[subprocess.Popen]
     logs: list[Path]
 
-    def stop(self) -> None:
+    @property
+    def base_url(self) -> str:
+        """URL of the first replica (the only one with `replicas=1`)."""
+        if not self.urls:
+            raise FleetError("this fleet has no servers")
+        return self.urls[0]
+
+    def __enter__(self) -> FleetHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self, grace_s: float = 30.0) -> None:
+        """SIGTERM every server's process group, SIGKILL what is still alive after `grace_s`."""
         for p in self.procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        deadline = time.time() + 30
+            _signal_group(p, signal.SIGTERM)
+        deadline = time.time() + grace_s
         for p in self.procs:
             try:
                 p.wait(timeout=max(0.1, deadline - time.time()))
             except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
+                _signal_group(p, signal.SIGKILL)
                 p.wait()
+            _signal_group(p, signal.SIGKILL)  # workers the server left behind in its group
+        if self in _LIVE:
+            _LIVE.remove(self)
+
+
+def _signal_group(proc: subprocess.Popen, sig: signal.Signals) -> None:
+    """Signal the process group `proc` leads (it was started with a new session); gone groups are fine."""
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+@atexit.register
+def _stop_live_fleets() -> None:
+    for handle in list(_LIVE):
+        handle.stop(grace_s=10.0)
 
 
 def _cpu_env(tp: int, kv_cache_gib: int) -> dict[str, str]:
-    """vLLM's CPU backend: one OpenMP thread set per TP rank, a small KV cache."""
+    """vLLM's CPU backend: one OpenMP thread set per TP rank (`"0|1"` for TP 2 on 2 cores; vLLM refuses
+    TP > 1 on one NUMA node without it) and a small KV cache. Nothing when a GPU is present."""
     import torch
 
     if torch.cuda.is_available():
@@ -73,11 +120,14 @@ def _cpu_env(tp: int, kv_cache_gib: int) -> dict[str, str]:
 
 
 def server_command(spec: FleetSpec, port: int) -> list[str]:
+    """The command line of one replica: vLLM's OpenAI-compatible server with the token-in/token-out
+    routes (`--enable-scale-out`), megarl's weight-transfer backend and its worker extension."""
+    length = ["--max-model-len", str(spec.max_model_len)] if spec.max_model_len else []
     return [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(spec.model_dir), "--port", str(port), "--host", "127.0.0.1",
         "--tensor-parallel-size", str(spec.tp), "--dtype", spec.dtype, "--enforce-eager",
-        "--enable-scale-out", "--max-model-len", "128", "--seed", "0",
+        "--enable-scale-out", "--seed", "0", *length,
         "--weight-transfer-config", json.dumps({"backend": BACKEND_NAME}),
         "--worker-extension-cls", "megarl.rollout.vllm_engine.MegarlWorkerExtension",
         *spec.extra_args,
@@ -85,6 +135,7 @@ def server_command(spec: FleetSpec, port: int) -> list[str]:
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout_s: float) -> None:
+    """Poll `/health` until it answers 200; raise with the log's tail if the server dies or times out."""
     deadline = time.time() + timeout_s
     while time.time() < deadline:
         if proc.poll() is not None:
@@ -100,9 +151,13 @@ def _wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout_s: float)
                      f"last log lines ({log}):\n{_tail(log)}")
 
 
-def _port_free(port: int) -> bool:
-    import socket
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
+
+def _port_free(port: int) -> bool:
     with socket.socket() as s:
         try:
             s.bind(("127.0.0.1", port))
@@ -118,17 +173,16 @@ def _tail(path: Path, lines: int = 30) -> str:
         return "(no log)"
 
 
-def launch(spec: FleetSpec) -> Fleet:
+def launch(spec: FleetSpec) -> FleetHandle:
     """Start every replica and wait until all are healthy (stops the ones started on failure)."""
-    from megarl.launch import free_port
-
     spec.log_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "TOKENIZERS_PARALLELISM": "false",
            **_cpu_env(spec.tp, spec.kv_cache_gib)}
-    fleet = Fleet([], [], [])
+    fleet = FleetHandle([], [], [])
+    _LIVE.append(fleet)
     try:
         for i in range(spec.replicas):
-            port = spec.port + i if spec.port else free_port()
+            port = spec.port + i if spec.port else _free_port()
             if not _port_free(port):
                 raise FleetError(f"port {port} is already in use (another server?): set rollout.port=0 or free it")
             log = spec.log_dir / f"vllm_replica{i}.log"
@@ -147,7 +201,7 @@ def launch(spec: FleetSpec) -> Fleet:
 
 
 @contextmanager
-def start_fleet(cfg, log_dir: Path):
+def start_fleet(cfg: Config, log_dir: Path) -> Iterator[FleetHandle]:
     """The fleet of a run config (`megarl.config.schema.Config`), stopped on exit."""
     r = cfg.rollout
     fleet = launch(FleetSpec(model_dir=Path(cfg.model.hf_dir), tp=r.tp, replicas=r.replicas, port=r.port,

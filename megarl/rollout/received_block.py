@@ -10,27 +10,57 @@ cut is recorded, so the worker can report how many received bytes its loaders ac
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import torch
 
-from megarl.sync.slices import HFSlice
+from megarl.sync.slices import Box, HFSlice
 
 # Functions that only read metadata (shape, dtype, ndim, ...) pass through to the wrapper itself.
 _METADATA = {"__get__", "size", "dim", "numel", "is_floating_point", "element_size", "__len__", "is_complex"}
 
 
 class LoaderReadError(RuntimeError):
-    pass
+    """A vLLM weight loader wanted data this worker did not receive, or used a block in a way it cannot serve."""
+
+
+class ReadLog:
+    """What vLLM's loaders read from the received data in one update: each distinct `(name, box)` once,
+    with its byte count and, when `digests` is set, the sha256 of the bytes the loader was handed."""
+
+    def __init__(self, digests: bool = False) -> None:
+        self.digests = digests
+        self.nbytes: dict[tuple[str, Box], int] = {}
+        self.sha256: dict[tuple[str, Box], str] = {}
+
+    def record(self, name: str, box: Box, data: torch.Tensor) -> None:
+        key = (name, tuple(tuple(b) for b in box))
+        if key in self.nbytes:
+            return
+        self.nbytes[key] = data.numel() * data.element_size()
+        if self.digests:
+            self.sha256[key] = sha256_of(data)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.nbytes.values())
+
+
+def sha256_of(t: torch.Tensor) -> str:
+    """sha256 of a tensor's bytes in row-major order (the same bits give the same digest on both sides)."""
+    return hashlib.sha256(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 class ReceivedBlock(torch.Tensor):
+    """A tensor of `block.full_shape` whose only data is `block`'s (see the module docstring)."""
+
     _block: HFSlice
     _data: torch.Tensor
-    _reads: set
+    _reads: ReadLog
 
     @staticmethod
-    def __new__(cls, block: HFSlice, data: torch.Tensor, reads: set) -> ReceivedBlock:
+    def __new__(cls, block: HFSlice, data: torch.Tensor, reads: ReadLog) -> ReceivedBlock:
         t = torch.Tensor._make_wrapper_subclass(cls, block.full_shape, dtype=data.dtype, device=data.device)
         t._block, t._data, t._reads = block, data, reads
         return t
@@ -47,8 +77,9 @@ class ReceivedBlock(torch.Tensor):
                 f"vLLM's loader for {self._block.name} reads {want.box} but this worker received {self._block.box}: "
                 "the reshard plan (megarl.sync.plan.vllm_rank_slices) does not match this vLLM version's layout"
             )
-        self._reads.add((want.name, want.box, want.numel * self._data.element_size()))
-        return self._data[want.index_within(self._block)]
+        served = self._data[want.index_within(self._block)]
+        self._reads.record(want.name, want.box, served)
+        return served
 
     def _full_box(self) -> list[tuple[int, int]]:
         return [(0, s) for s in self._block.full_shape]
@@ -120,14 +151,14 @@ def _whole(x: Any) -> Any:
     if isinstance(x, ReceivedBlock):
         if x._block.box != tuple(x._full_box()):
             raise LoaderReadError(f"vLLM's loader used all of {x._block.name} but this worker holds {x._block.box}")
-        x._reads.add((x._block.name, x._block.box, x._data.numel() * x._data.element_size()))
+        x._reads.record(x._block.name, x._block.box, x._data)
         return x._data
     return x
 
 
-def wrap(block: HFSlice, data: torch.Tensor, reads: set) -> torch.Tensor:
-    """A plain tensor when the block is the whole HF tensor, else a `ReceivedBlock`."""
+def wrap(block: HFSlice, data: torch.Tensor, reads: ReadLog) -> torch.Tensor:
+    """A plain tensor when the block is the whole HF tensor (recorded as read whole), else a `ReceivedBlock`."""
     if block.box == tuple((0, s) for s in block.full_shape):
-        reads.add((block.name, block.box, data.numel() * data.element_size()))
+        reads.record(block.name, block.box, data)
         return data
     return ReceivedBlock(block, data, reads)

@@ -7,36 +7,42 @@ One update, on each vLLM worker (tensor-parallel rank):
 1. `receive_weights` gets this worker's part of the plan: which trainer rank sends which HF block
    in which bucket. It receives exactly those buckets over the sync process group (gloo on CPU,
    NCCL on GPU) and checks that the blocks tile the slices this worker needs.
-2. Only when every byte has arrived and been checked does it touch the model: vLLM's layerwise
-   reload (`initialize_layerwise_reload`), the model's own `load_weights` fed with
-   `ReceivedBlock`s (full HF shape, only the received block stored), `finalize_layerwise_reload`.
-   All of it runs inside one engine RPC, so generation never sees a half-updated model, and a
-   failed transfer leaves the old weights serving.
-3. It keeps a report (bytes received, bytes the loaders read, seconds) that the worker extension
+2. The replica's TP workers agree (all-gather over vLLM's own CPU TP group): if any of them failed
+   to receive or rejected its part, all of them refuse the update, so no replica is left with some
+   ranks updated and others not.
+3. Only then does it touch the model: vLLM's layerwise reload (`initialize_layerwise_reload`), the
+   model's own `load_weights` fed with `ReceivedBlock`s (full HF shape, only the received block
+   stored), `finalize_layerwise_reload`. All of it runs inside one engine RPC while generation is
+   paused, so generation never sees a half-updated model, and a failed transfer leaves the old
+   weights serving. (`start_weight_update` / `finish_weight_update` therefore have nothing to do:
+   entering the reload there would expose a model whose parameters are placeholders until finish.)
+4. It keeps a report (bytes received, bytes the loaders read, seconds) that the worker extension
    `MegarlWorkerExtension.megarl_sync_report` returns over `collective_rpc`.
 """
 
 from __future__ import annotations
 
-import hashlib
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
 )
 
-from megarl.rollout.received_block import wrap
+from megarl.rollout.received_block import ReadLog, sha256_of, wrap
 from megarl.sync.slices import HFSlice
 from megarl.sync.transport import WireEntry, bucket_sizes, device, from_bytes, make_sync_group
 
 
 @dataclass
 class PartitionedInitInfo(WeightTransferInitInfo):
+    """Where the sync group's TCPStore is (hosted by trainer rank 0) and this engine's place in the group."""
+
     host: str
     port: int
     world_size: int  # trainer ranks + every vLLM worker of the fleet
@@ -46,9 +52,11 @@ class PartitionedInitInfo(WeightTransferInitInfo):
 
 @dataclass
 class PartitionedUpdateInfo(WeightTransferUpdateInfo):
+    """One worker's part of the plan for one update (the server hands each TP rank its own)."""
+
     version: int
     entries: list[dict[str, Any]] = field(default_factory=list)  # this worker's WireEntry.to_json() list
-    digests: bool = False  # also record a sha256 per received block (tests)
+    digests: bool = False  # also record sha256 digests of the received blocks and of every loader read (tests)
 
 
 def _tile(entries: list[WireEntry]) -> dict[str, HFSlice]:
@@ -83,7 +91,16 @@ def _reprepack_cpu_moe_experts(model: torch.nn.Module) -> None:
             kernel.fused_experts.process_weights_after_loading(module)
 
 
+def _tp_cpu_group() -> dist.ProcessGroup:
+    """vLLM's CPU (gloo) process group of this replica's tensor-parallel workers (vLLM 0.32 parallel_state)."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    return get_tp_group().cpu_group
+
+
 class PartitionedWeightTransferEngine(WeightTransferEngine[PartitionedInitInfo, PartitionedUpdateInfo]):
+    """Receives exactly this worker's HF slices from the trainer ranks and loads them atomically."""
+
     init_info_cls = PartitionedInitInfo
     update_info_cls = PartitionedUpdateInfo
     supports_draft_weight_update = False
@@ -96,6 +113,7 @@ class PartitionedWeightTransferEngine(WeightTransferEngine[PartitionedInitInfo, 
         self.report: dict[str, Any] = {}
 
     def init_transfer_engine(self, init_info: PartitionedInitInfo) -> None:
+        """Join the sync group at rank `rank_offset + dp_index * world + tp_rank` (blocks until all joined)."""
         pc = self.parallel_config
         self.rank = init_info.rank_offset + pc.data_parallel_index * pc.world_size + pc.rank
         self.store, self.group = make_sync_group(init_info.host, init_info.port, self.rank, init_info.world_size,
@@ -108,28 +126,50 @@ class PartitionedWeightTransferEngine(WeightTransferEngine[PartitionedInitInfo, 
         """Nothing left: `receive_weights` loads and finalises in one step (see the module docstring)."""
 
     def receive_weights(self, update_info: PartitionedUpdateInfo) -> None:
+        """Receive every planned block, check they are exactly this rank's slices, then load them (see above)."""
         if self.group is None:
-            raise RuntimeError("megarl sync group not initialised: call init_weight_transfer_engine first")
+            raise RuntimeError("megarl sync group not initialised: call /init_weight_transfer_engine first")
         t0 = time.perf_counter()
-        entries = [WireEntry.from_json(self.rank, e) for e in update_info.entries]
-        received = self._receive(entries)
+        error = None
+        try:
+            entries = [WireEntry.from_json(self.rank, e) for e in update_info.entries]
+            received = self._receive(entries)
+            blocks = self._assemble(entries, received)
+            self._check_complete(blocks)
+        except Exception as err:  # noqa: BLE001 - shared with the other TP ranks, then raised by all of them
+            error = f"{type(err).__name__}: {err}"
+        self._agree_with_tp_peers(error)
         t1 = time.perf_counter()
-        reads: set = set()
-        blocks = self._assemble(entries, received)
-        self._check_complete(blocks)
+        reads = ReadLog(digests=update_info.digests)
         self._load(blocks, reads)
-        self.report = {
+        self.report = self._make_report(update_info, received, blocks, reads)
+        self.report.update(receive_seconds=t1 - t0, load_seconds=time.perf_counter() - t1)
+
+    def _make_report(self, update_info: PartitionedUpdateInfo, received: dict[tuple[int, int], torch.Tensor],
+                     blocks: dict[str, tuple[HFSlice, torch.Tensor]], reads: ReadLog) -> dict[str, Any]:
+        """What this worker received and what vLLM's loaders read of it (JSON-able, for `collective_rpc`)."""
+        report: dict[str, Any] = {
             "version": update_info.version,
             "rank": self.rank,
             "bytes_received": sum(b.numel() for b in received.values()),
-            "bytes_read_by_loaders": sum(nbytes for _, _, nbytes in reads),
+            "bytes_read_by_loaders": reads.total_bytes,
             "blocks": {n: [list(b) for b in block.box] for n, (block, _) in blocks.items()},
-            "receive_seconds": t1 - t0,
-            "load_seconds": time.perf_counter() - t1,
         }
         if update_info.digests:
-            self.report["sha256"] = {n: hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
-                                     for n, (_, t) in blocks.items()}
+            report["sha256"] = {n: sha256_of(t) for n, (_, t) in blocks.items()}
+            report["loader_reads"] = [[name, [list(b) for b in box], digest]
+                                      for (name, box), digest in sorted(reads.sha256.items())]
+        return report
+
+    def _agree_with_tp_peers(self, error: str | None) -> None:
+        """Every TP rank of this replica learns every rank's outcome; any failure is raised on all of them."""
+        group = _tp_cpu_group()
+        outcomes: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(outcomes, (self.rank, error), group=group)
+        failed = [f"worker {rank}: {err}" for rank, err in outcomes if err is not None]
+        if failed:
+            raise ValueError(f"megarl weight update rejected, model left unchanged on every TP rank of this replica "
+                             f"({len(failed)} of {len(outcomes)} failed): " + " | ".join(failed))
 
     def _receive(self, entries: list[WireEntry]) -> dict[tuple[int, int], torch.Tensor]:
         """Post one receive per (sender, bucket) and wait for all of them."""
@@ -168,12 +208,13 @@ class PartitionedWeightTransferEngine(WeightTransferEngine[PartitionedInitInfo, 
         wrong = sorted(n for n in set(need) & set(got) if need[n] != got[n])
         if missing or extra or wrong:
             raise ValueError(
-                f"megarl weight update for worker {self.rank} rejected, model left unchanged: "
+                f"update does not hold exactly this rank's slices: "
                 f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, unexpected {extra[:5]}, "
                 f"wrong boxes {[(n, got[n].box, need[n].box) for n in wrong[:3]]}"
             )
 
-    def _load(self, blocks: dict[str, tuple[HFSlice, torch.Tensor]], reads: set) -> None:
+    def _load(self, blocks: dict[str, tuple[HFSlice, torch.Tensor]], reads: ReadLog) -> None:
+        """vLLM's layerwise reload around the model's own `load_weights`, fed with received blocks."""
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
         initialize_layerwise_reload(self.model)

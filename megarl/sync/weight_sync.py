@@ -3,10 +3,12 @@
 Every trainer rank constructs a `PartitionedWeightSync` and calls `push(local_slices, version)`
 together (a collective over the trainer ranks). Rank 0 also drives the fleet over HTTP:
 
-    rank 0:  pause generation -> start_weight_update -> update_weights(plan per worker) [thread] ...
+    rank 0:  /pause -> /start_weight_update on every replica; broadcast go / no-go to the trainer ranks
+    rank 0:  /update_weights (each TP worker's part of the plan), one thread per replica ...
     every trainer rank: send its planned blocks, bucketed, point-to-point to the vLLM workers
-    rank 0:  ... update_weights returns (workers received, checked and loaded) -> finish_weight_update(version)
-             -> resume generation -> collect each worker's report (bytes received / read by loaders)
+    rank 0:  ... /update_weights returns (workers received, agreed, loaded) -> /finish_weight_update(version)
+             -> /collective_rpc megarl_sync_report (bytes received / read by loaders) -> /resume
+    all:     all-gather bytes sent; rank 0 broadcasts the outcome, a failure is raised on every rank
 
 The plan is built once (shapes never change): trainer ranks all-gather *metadata* of the blocks
 they hold, `plan_transfers` assigns each block a vLLM worker needs to one sender.
@@ -16,48 +18,58 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from megarl.rollout.client import RolloutClient
+from megarl.rollout.client import RolloutClient, RolloutServerError
 from megarl.sync.plan import plan_transfers, vllm_rank_slices
 from megarl.sync.slices import HFSlice
 from megarl.sync.transport import WireEntry, device, layout_buckets, make_sync_group, to_bytes
 
 
 class WeightSyncError(RuntimeError):
-    pass
+    """A weight sync failed; raised on every trainer rank (the fleet keeps serving the previous weights)."""
 
 
 @dataclass
 class SyncStats:
+    """Accounting of one push. vLLM workers are keyed by their sync-group rank `T + replica*tp + tp_rank`."""
+
     version: int
-    seconds: float
+    seconds: float  # wall time of the whole push on this trainer rank (plan on first use, HTTP lifecycle, sends)
     bytes_sent: dict[int, int]  # trainer rank -> bytes it sent
-    bytes_received: dict[int, int] = field(default_factory=dict)  # sync rank of a vLLM worker -> bytes
-    bytes_read_by_loaders: dict[int, int] = field(default_factory=dict)
+    bytes_received: dict[int, int] = field(default_factory=dict)  # vLLM worker -> bytes it received (its report)
+    bytes_read_by_loaders: dict[int, int] = field(default_factory=dict)  # vLLM worker -> bytes its loaders read
+    bytes_needed: dict[int, int] = field(default_factory=dict)  # vLLM worker -> bytes of the slices it holds
     reports: list[dict[str, Any]] = field(default_factory=list)  # the workers' own reports
 
     @property
     def gbps(self) -> float:
+        """Effective bandwidth: all bytes sent over the push's wall time, in GB/s."""
         return sum(self.bytes_sent.values()) / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    @property
+    def receive_ratio(self) -> dict[int, float]:
+        """Per vLLM worker: bytes received / bytes of its own slices (1.0 = nothing redundant was moved)."""
+        return {r: self.bytes_received[r] / need for r, need in self.bytes_needed.items() if r in self.bytes_received}
 
 
 class _Thread(threading.Thread):
-    """A thread that re-raises its exception on join."""
+    """A thread that keeps its exception for whoever joins it."""
 
-    def __init__(self, fn) -> None:
+    def __init__(self, fn: Callable[[], object]) -> None:
         super().__init__(daemon=True)
-        self.fn, self.error = fn, None
+        self.fn: Callable[[], object] = fn
+        self.error: BaseException | None = None
 
     def run(self) -> None:
         try:
             self.fn()
-        except BaseException as err:  # noqa: BLE001 - re-raised in join
+        except BaseException as err:  # noqa: BLE001 - kept for the joiner
             self.error = err
 
     def join_or_raise(self) -> None:
@@ -66,7 +78,22 @@ class _Thread(threading.Thread):
             raise self.error
 
 
+def _best_effort(fn: Callable[[], object]) -> None:
+    """Clean-up call on a server that may be the reason of the failure being reported: its own error is dropped."""
+    try:
+        fn()
+    except RolloutServerError:
+        pass
+
+
 class PartitionedWeightSync:
+    """The trainer's end of the sync group. Construct it on every trainer rank (a collective: rank 0 asks
+    every rollout server to join the group, hosts its TCPStore at `store_host:store_port` and drives the
+    fleet with `clients`, one per replica; other ranks pass no clients), then call `push` on every rank.
+
+    `hf_config` is the rollout model's HF config (it decides what each vLLM TP rank holds); `bucket_bytes`
+    bounds one point-to-point message; `digests` makes the workers report sha256 digests (tests)."""
+
     def __init__(self, rank: int, world_size: int, hf_config: dict[str, Any], clients: list[RolloutClient],
                  rollout_tp: int, rollout_replicas: int, store_host: str, store_port: int, bucket_bytes: int,
                  timeout_s: float = 600.0, digests: bool = False) -> None:
@@ -75,6 +102,7 @@ class PartitionedWeightSync:
         self.bucket_bytes, self.digests = bucket_bytes, digests
         self.sync_world = world_size + rollout_replicas * rollout_tp
         self.entries: list[WireEntry] | None = None
+        self.bytes_needed: dict[int, int] = {}
         inits = []
         if rank == 0:
             if len(clients) != rollout_replicas:
@@ -89,9 +117,11 @@ class PartitionedWeightSync:
             t.join_or_raise()
 
     def worker_rank(self, replica: int, tp_rank: int) -> int:
+        """Sync-group rank of TP rank `tp_rank` of replica `replica`."""
         return self.trainers + replica * self.tp + tp_rank
 
     def _plan(self, local: list[tuple[HFSlice, torch.Tensor]]) -> list[WireEntry]:
+        """All-gather what every trainer rank holds (metadata only), plan who sends what, lay out buckets."""
         meta = ([b for b, _ in local], {b.name: t.dtype for b, t in local})
         gathered: list[Any] = [None] * self.trainers
         dist.all_gather_object(gathered, meta)
@@ -99,53 +129,92 @@ class PartitionedWeightSync:
         dtypes = {k: v for _, d in gathered for k, v in d.items()}
         needs = {self.worker_rank(rep, r): vllm_rank_slices(self.hf, self.tp, r)
                  for rep in range(self.replicas) for r in range(self.tp)}
+        missing = sorted({b.name for blocks in needs.values() for b in blocks} - set(dtypes))
+        if missing:
+            raise WeightSyncError(f"no trainer rank holds {missing[:5]} ({len(missing)} HF tensors): the trainer's "
+                                  "model does not match the rollout model's config")
+        self.bytes_needed = {r: sum(b.numel * dtypes[b.name].itemsize for b in blocks) for r, blocks in needs.items()}
         return layout_buckets(plan_transfers(holdings, needs), dtypes, self.bucket_bytes)
 
     def push(self, local_slices: Iterable[tuple[HFSlice, torch.Tensor]], version: int) -> SyncStats:
-        """Send this rank's planned blocks; on rank 0 also run the fleet's update lifecycle."""
+        """Push new weights labelled `version` (collective over the trainer ranks; see the module docstring).
+
+        `local_slices` are this rank's `(HFSlice, tensor)` pairs. Raises `WeightSyncError` on every rank if
+        the fleet could not take the update; replicas that rejected it keep serving their previous weights."""
         t0 = time.perf_counter()
         local = list(local_slices)
         if self.entries is None:
             self.entries = self._plan(local)
-        updates = []
-        if self.rank == 0:
-            for rep, client in enumerate(self.clients):
-                client.pause()
-                client.start_weight_update()
-                info = [{"version": version, "digests": self.digests,
-                         "entries": [e.to_json() for e in self.entries if e.receiver == self.worker_rank(rep, r)]}
-                        for r in range(self.tp)]
-                updates.append(_Thread(lambda c=client, info=info: c.update_weights(info)))
-                updates[-1].start()
+        self._raise_everywhere(self._open_fleet_update() if self.rank == 0 else None, version)
+        updates = self._start_transfers(version) if self.rank == 0 else []
         sent = self._send(local)
-        reports: list[dict[str, Any]] = []
-        error: Exception | None = None
-        if self.rank == 0:
-            try:
-                for t in updates:
-                    t.join_or_raise()
-                for client in self.clients:
-                    client.finish_weight_update(version)
-                    reports += client.collective_rpc("megarl_sync_report")
-            except Exception as err:  # noqa: BLE001 - shared with every trainer rank below, then raised
-                error = err
-            finally:  # a failed update leaves the old weights in place: let the fleet serve them again
-                for client in self.clients:
-                    client.resume()
-        # every rank learns the outcome, so a failure is raised everywhere instead of deadlocking the others
-        all_sent: list[Any] = [None] * self.trainers
-        dist.all_gather_object(all_sent, (sent, None if error is None else f"{type(error).__name__}: {error}"))
-        failure = all_sent[0][1]
-        if failure is not None:
-            if error is not None:
-                raise error
-            raise WeightSyncError(f"weight sync to version {version} failed on trainer rank 0: {failure}")
-        all_sent = [s for s, _ in all_sent]
+        reports, failure = self._close_fleet_update(updates, version) if self.rank == 0 else ([], None)
+        gathered: list[Any] = [None] * self.trainers
+        dist.all_gather_object(gathered, sent)
+        self._raise_everywhere(failure, version)
         return SyncStats(
-            version=version, seconds=time.perf_counter() - t0, bytes_sent=dict(enumerate(all_sent)),
+            version=version, seconds=time.perf_counter() - t0, bytes_sent=dict(enumerate(gathered)),
             bytes_received={r["rank"]: r["bytes_received"] for r in reports},
-            bytes_read_by_loaders={r["rank"]: r["bytes_read_by_loaders"] for r in reports}, reports=reports,
+            bytes_read_by_loaders={r["rank"]: r["bytes_read_by_loaders"] for r in reports},
+            bytes_needed=dict(self.bytes_needed), reports=reports,
         )
+
+    def _raise_everywhere(self, failure: str | None, version: int) -> None:
+        """Rank 0 tells every trainer rank whether the fleet failed; all of them raise the same error."""
+        box = [failure]
+        dist.broadcast_object_list(box, src=0)
+        if box[0] is not None:
+            raise WeightSyncError(f"weight sync to version {version} failed: {box[0]}")
+
+    def _open_fleet_update(self) -> str | None:
+        """Rank 0: pause every replica and open its update session; on failure undo it and return why."""
+        paused: list[RolloutClient] = []
+        opened: list[RolloutClient] = []
+        try:
+            for client in self.clients:
+                client.pause()
+                paused.append(client)
+                client.start_weight_update()
+                opened.append(client)
+        except Exception as err:  # noqa: BLE001 - returned, then raised on every trainer rank
+            for client in opened:
+                _best_effort(lambda c=client: c.finish_weight_update(None))  # closes the session, label unchanged
+            for client in paused:
+                _best_effort(client.resume)
+            return f"could not start the update: {type(err).__name__}: {err}"
+        return None
+
+    def _start_transfers(self, version: int) -> list[_Thread]:
+        """Rank 0: one `/update_weights` call per replica, each in a thread (it returns once its workers
+        have received, checked and loaded their blocks), carrying each TP rank's part of the plan."""
+        threads = []
+        for rep, client in enumerate(self.clients):
+            info = [{"version": version, "digests": self.digests,
+                     "entries": [e.to_json() for e in self.entries or [] if e.receiver == self.worker_rank(rep, r)]}
+                    for r in range(self.tp)]
+            threads.append(_Thread(lambda c=client, info=info: c.update_weights(info)))
+            threads[-1].start()
+        return threads
+
+    def _close_fleet_update(self, updates: list[_Thread], version: int) -> tuple[list[dict[str, Any]], str | None]:
+        """Rank 0: label every replica that loaded the update with `version`, collect its workers' reports,
+        and resume generation everywhere. Returns the reports and what failed (None if nothing did)."""
+        reports: list[dict[str, Any]] = []
+        failures = []
+        for rep, (client, thread) in enumerate(zip(self.clients, updates, strict=True)):
+            thread.join()
+            try:
+                if thread.error is not None:  # its workers all refused it: no session left open, old weights serve
+                    raise thread.error
+                client.finish_weight_update(version)
+                reports += client.collective_rpc("megarl_sync_report")
+            except Exception as err:  # noqa: BLE001 - reported on every trainer rank
+                failures.append(f"replica {rep} ({client.url}): {type(err).__name__}: {err}")
+            finally:
+                _best_effort(client.resume)
+        if not failures:
+            return reports, None
+        return reports, "; ".join(failures) + " (those replicas keep serving their previous weights)"
 
     def _send(self, local: list[tuple[HFSlice, torch.Tensor]]) -> int:
         """Build and send every bucket this rank owes; returns the bytes sent."""
@@ -166,4 +235,5 @@ class PartitionedWeightSync:
         return total
 
     def close(self) -> None:
+        """Drop this rank's handles on the sync group (the store closes with the last handle)."""
         self.group, self.store = None, None

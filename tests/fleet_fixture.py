@@ -1,0 +1,48 @@
+"""Session fixtures for the real rollout fleet: the tiny MoE checkpoint and ONE vLLM server
+(tensor parallel 2) shared by every test of the session, killed (whole process group) at the end.
+
+Imported by `tests/conftest.py`; tests that change the server's weights must say so, and tests
+that need particular weights push them first (`PartitionedWeightSync.push`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from megarl.models.tiny import make_tiny_checkpoint
+from megarl.rollout.fleet import FleetHandle, FleetSpec, launch
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "moe", kind="moe")
+
+
+@pytest.fixture(scope="session")
+def moe_fleet(tiny_moe_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetHandle]:
+    """A real vLLM OpenAI-compatible server, TP 2, serving the tiny MoE with megarl's weight-transfer backend."""
+    with launch(FleetSpec(model_dir=tiny_moe_dir, tp=2, log_dir=tmp_path_factory.mktemp("fleet_logs"))) as fleet:
+        yield fleet
+    groups = {proc.pid for proc in fleet.procs}  # each server leads its own process group
+    deadline = time.time() + 10  # SIGKILL is asynchronous
+    while _live_members(groups) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not _live_members(groups), f"vLLM processes outlived the fleet: {_live_members(groups)}"
+
+
+def _live_members(groups: set[int]) -> list[int]:
+    """Pids of running (not zombie) processes in the given process groups, from /proc."""
+    live = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # exited while we looked
+        state, pgid = fields[0], int(fields[2])
+        if pgid in groups and state != "Z":
+            live.append(int(stat.parent.name))
+    return live
