@@ -49,3 +49,39 @@ def test_plan_splits_needs_across_holders_and_balances_replicas():
 def test_missing_block_is_named():
     with pytest.raises(ValueError, match=r"no trainer rank holds all of w"):
         plan_transfers({0: [HFSlice("w", (8,), ((0, 4),))]}, {1: [HFSlice("w", (8,), ((0, 8),))]})
+
+
+def test_dense_mlp_and_padded_vocabulary_boxes():
+    dense = {k: v for k, v in HF.items() if k not in ("num_local_experts", "moe_intermediate_size")}
+    dense |= {"model_type": "qwen3", "intermediate_size": 256, "vocab_size": 100}
+    r1 = {s.name: s.box for s in vllm_rank_slices(dense, 2, 1)}
+    assert r1["model.layers.0.mlp.gate_proj.weight"] == ((128, 256), (0, 128))
+    assert r1["model.layers.0.mlp.down_proj.weight"] == ((0, 128), (128, 256))
+    # vocab 100 is padded to 128 and split 64 / 64: rank 1 holds the real rows 64..99
+    assert r1["lm_head.weight"] == ((64, 100), (0, 128))
+    # at TP 4 each rank gets 32 padded rows: the last holds only 4 real ones
+    assert [{s.name: s.box for s in vllm_rank_slices(dense, 4, r)}["model.embed_tokens.weight"][0]
+            for r in range(4)] == [(0, 32), (32, 64), (64, 96), (96, 100)]
+
+
+def test_plan_over_expert_parallel_holders_is_exact_and_balanced():
+    """Two trainer ranks, expert parallel 2: each holds half the experts and a replica of everything else.
+    Every vLLM TP rank's need is covered exactly once, experts come from their owner, and the replicated
+    tensors are spread evenly over both holders."""
+    whole = {s.name: s.full_shape for s in vllm_rank_slices(HF, 1, 0)}
+
+    def held_by(rank: int) -> list[HFSlice]:
+        return [HFSlice.whole(n, shape) for n, shape in whole.items()
+                if ".experts." not in n or int(n.split(".experts.")[1].split(".")[0]) % 2 == rank]
+
+    needs = {2 + r: vllm_rank_slices(HF, 2, r) for r in range(2)}
+    plan = plan_transfers({0: held_by(0), 1: held_by(1)}, needs)
+    for receiver, blocks in needs.items():
+        for need in blocks:
+            pieces = [t.block for t in plan if t.receiver == receiver and t.block.name == need.name]
+            assert sum(p.numel for p in pieces) == need.numel and all(need.contains(p) for p in pieces)
+    for t in plan:
+        if ".experts." in t.block.name:
+            assert int(t.block.name.split(".experts.")[1].split(".")[0]) % 2 == t.sender
+    sent = [sum(t.block.numel for t in plan if t.sender == s) for s in (0, 1)]
+    assert abs(sent[0] - sent[1]) / sum(sent) < 0.1
