@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 from megarl.config.schema import OptimizerConfig
 from megarl.models.tiny import make_tiny_checkpoint
+from megarl.parallel.groups import TrainerLayout
 from tests.dist_utils import free_port, run_distributed
 
 B, S = 4, 7
@@ -52,7 +53,17 @@ def _per_expert(named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _hf_reference(hf_dir: Path):
+def _optimizer(grad_clip: float) -> OptimizerConfig:
+    # Adam's first step moves every element by lr * g / (|g| + eps): the ~1.2e-7 gradient differences between the
+    # two implementations move an element with a near-zero gradient by up to lr * 1.2e-7 / eps. eps = 1e-5 bounds
+    # that by 1.2e-5, below the 2e-5 tolerance of the update check (2% of lr). weight_decay = 1 makes decoupled
+    # decay visible at that tolerance: lr * 1 * |w| = 1e-3 on norms (must NOT decay) and up to 2.5e-4 on matrices.
+    return OptimizerConfig(lr=1e-3, betas=(0.9, 0.95), eps=1e-5, weight_decay=1.0, grad_clip=grad_clip)
+
+
+def _hf_reference(hf_dir: Path, clip_fraction: float):
+    """transformers on the whole batch: log-probs, entropy, the gradient norm, the clipped gradients and the
+    parameters after one AdamW step (decay on matrices only, as the policy does); HF checkpoint names."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
@@ -61,37 +72,49 @@ def _hf_reference(hf_dir: Path):
     lp = logsm.gather(-1, targets[..., None]).squeeze(-1)
     ent = -(logsm.exp() * logsm).sum(-1)
     _loss(lp, ent, mask, weights).backward()
+    norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")))
+    clip = clip_fraction * norm
+    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
     grads = _per_expert({n: p.grad.clone() for n, p in model.named_parameters()})
-    params = load_file(hf_dir / "model.safetensors")  # the checkpoint itself is the reference for exports
-    assert params.keys() == grads.keys()
-    return lp.detach(), ent.detach(), grads, params
+    cfg = _optimizer(clip)
+    params = list(model.parameters())
+    torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
+                       {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
+                      lr=cfg.lr, betas=cfg.betas, eps=cfg.eps).step()
+    stepped = _per_expert({n: p.detach().clone() for n, p in model.named_parameters()})
+    initial = load_file(hf_dir / "model.safetensors")  # the checkpoint itself is the reference for exports
+    assert initial.keys() == grads.keys() == stepped.keys()
+    return lp.detach(), ent.detach(), norm, clip, grads, initial, stepped
 
 
-def _megatron_rank(rank, world, hf_dir, tp, ep, port):
+def _megatron_rank(rank, world, hf_dir, layout, clip, port):
     from megarl.models.hf_layout import layout_for
     from megarl.models.qwen_provider import read_hf_config
-    from megarl.parallel.groups import TrainerLayout, destroy_trainer_groups, dp_rank_and_size, init_trainer_groups
+    from megarl.parallel.groups import destroy_trainer_groups, dp_rank_and_size, init_trainer_groups
     from megarl.trainer.policy import MegatronPolicy
 
-    init_trainer_groups(TrainerLayout(tp, 1, ep), rank, world, "127.0.0.1", port)
+    init_trainer_groups(layout, rank, world, "127.0.0.1", port)
     try:
         hf = read_hf_config(hf_dir)
-        policy = MegatronPolicy(hf_dir, hf, OptimizerConfig(lr=1e-3, grad_clip=1e9))
+        policy = MegatronPolicy(hf_dir, hf, _optimizer(clip))
         tokens, targets, mask, weights = _batch(hf["vocab_size"])
-        lp, ent = policy.compute_logprobs(tokens, targets)
+        lp, ent = policy.compute_logprobs(tokens, targets, micro=3)  # 2 uneven microbatches
         exported = [(block, t.clone()) for block, t in policy.iter_local_hf_slices()]
         dp_rank, dp = dp_rank_and_size()
-        rows = slice(dp_rank * B // dp, (dp_rank + 1) * B // dp)
-        mb = {"tokens": tokens[rows], "targets": targets[rows], "mask": mask[rows], "weights": weights[rows]}
+        share = {"tokens": tokens, "targets": targets, "mask": mask, "weights": weights}
+        share = {k: v[dp_rank * B // dp:(dp_rank + 1) * B // dp] for k, v in share.items()}
+        half = B // dp // 2  # two microbatches per data-parallel rank: gradients must be summed over both
+        mbs = [{k: v[:half] for k, v in share.items()}, {k: v[half:] for k, v in share.items()}]
 
-        def loss_fn(lp_, ent_, m):  # this DP share's contribution to the global loss
-            return ((lp_ * m["weights"] + 0.1 * ent_) * m["mask"]).sum() / mask.sum(), {}
+        def loss_fn(lp_, ent_, m):  # this microbatch's contribution to the global loss
+            return ((lp_ * m["weights"] + 0.1 * ent_) * m["mask"]).sum() / mask.sum(), {"tokens": m["mask"].sum()}
 
-        policy.train_step([mb], loss_fn)
-        layout = layout_for(policy.model, hf)
+        metrics = policy.train_step(mbs, loss_fn)
+        layout_map = layout_for(policy.model, hf)
         grads = [(block, p.grad[idx].clone()) for n, p in policy.model.named_parameters()
-                 for idx, block in layout.blocks(n, tuple(p.shape))]
-        return lp, ent, exported, grads
+                 for idx, block in layout_map.blocks(n, tuple(p.shape))]
+        stepped = [(block, t.clone()) for block, t in policy.iter_local_hf_slices()]
+        return lp, ent, exported, grads, stepped, metrics, policy.version
     finally:
         destroy_trainer_groups()
 
@@ -102,24 +125,36 @@ def checkpoints(tmp_path_factory):
     return {kind: make_tiny_checkpoint(root / kind, kind=kind) for kind in ("dense", "moe")}
 
 
-@pytest.mark.parametrize(("kind", "tp", "ep"), [("dense", 2, 1), ("moe", 1, 2)])
-def test_megatron_matches_transformers(checkpoints, kind, tp, ep):
+def _assert_blocks_match(per_rank_blocks, reference: dict[str, torch.Tensor], exact: bool, **tol) -> None:
+    """Every rank's `(HFSlice, tensor)` blocks equal the reference, and together they cover every tensor."""
+    covered = {n: torch.zeros_like(p, dtype=torch.bool) for n, p in reference.items()}
+    for blocks in per_rank_blocks:
+        for block, data in blocks:
+            index = tuple(slice(a, b) for a, b in block.box)
+            if exact:
+                assert torch.equal(data, reference[block.name][index]), block
+            else:
+                torch.testing.assert_close(data, reference[block.name][index], msg=block.name, **tol)
+            covered[block.name][index] = True
+    assert all(c.all() for c in covered.values()), [n for n, c in covered.items() if not c.all()]
+
+
+@pytest.mark.parametrize(("kind", "layout"), [("dense", TrainerLayout(tp=2)), ("dense", TrainerLayout(pp=2)),
+                                              ("moe", TrainerLayout(ep=2))], ids=["dense-tp2", "dense-pp2", "moe-ep2"])
+def test_megatron_matches_transformers(checkpoints, kind, layout):
     hf_dir = checkpoints[kind]
-    ref_lp, ref_ent, ref_grads, ref_params = _hf_reference(hf_dir)
-    outs = run_distributed(_megatron_rank, 2, hf_dir, tp, ep, free_port(), init_dist=False)
-    for lp, ent, _, _ in outs:
+    ref_lp, ref_ent, ref_norm, clip, ref_grads, initial, stepped = _hf_reference(hf_dir, clip_fraction=0.5)
+    outs = run_distributed(_megatron_rank, 2, hf_dir, layout, clip, free_port(), init_dist=False)
+    for lp, ent, *_ in outs:  # every rank (every pipeline stage too) returns the full log-probs
         torch.testing.assert_close(lp, ref_lp, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(ent, ref_ent, atol=1e-4, rtol=1e-4)
     # exported blocks: together they cover every HF tensor, and each equals the checkpoint bit-exactly
-    covered = {n: torch.zeros_like(p, dtype=torch.bool) for n, p in ref_params.items()}
-    for _, _, exported, _ in outs:
-        for block, data in exported:
-            index = tuple(slice(a, b) for a, b in block.box)
-            assert torch.equal(data, ref_params[block.name][index]), block
-            covered[block.name][index] = True
-    assert all(c.all() for c in covered.values()), [n for n, c in covered.items() if not c.all()]
-    # gradients of the same loss, summed over data-parallel ranks, equal transformers' gradients
-    for _, _, _, grads in outs:
-        for block, g in grads:
-            index = tuple(slice(a, b) for a, b in block.box)
-            torch.testing.assert_close(g, ref_grads[block.name][index], atol=1e-5, rtol=1e-3, msg=block.name)
+    _assert_blocks_match([o[2] for o in outs], initial, exact=True)
+    # the same loss, microbatched and data-parallel: gradients summed over both, clipped by the global norm
+    for *_, metrics, version in outs:
+        assert metrics["grad_norm"] == pytest.approx(ref_norm, rel=1e-4)
+        assert metrics["tokens"] == float(_batch(32)[2].sum())  # summed over microbatches and DP ranks
+        assert version == 1
+    _assert_blocks_match([o[3] for o in outs], ref_grads, exact=False, atol=1e-5, rtol=1e-3)
+    # one AdamW step (weight decay on matrices) lands on transformers' parameters after the same step
+    _assert_blocks_match([o[4] for o in outs], stepped, exact=False, atol=2e-5, rtol=0)

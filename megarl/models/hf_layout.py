@@ -1,7 +1,8 @@
 """Where each block of a megatron-core parameter lives in the Hugging Face checkpoint.
 
-One table serves both directions, so import and export are exact inverses by construction:
-`local_hf_blocks(name, param)` lists, for a parameter of THIS rank's model stage, pairs
+One table serves both directions (`megarl.models.hf_import` reads through it, `megarl.models.hf_slices`
+exports through it), so import and export are exact inverses by construction:
+`HFLayout.blocks(name, local_shape)` lists, for a parameter of THIS rank's model stage, pairs
 `(local_index, HFSlice)`: `param[local_index]` holds exactly the HF block `HFSlice`.
 
 Megatron layouts (local layer spec, TP rank r of T, expert-parallel rank e):
@@ -9,13 +10,14 @@ Megatron layouts (local layer spec, TP rank r of T, expert-parallel rank e):
 - `linear_fc1` is `[gate; up]`, each TP shard `[gate_r; up_r]`;
 - experts `mlp.experts.local_experts.{j}` hold global expert `e * local_count + j`;
 - layer indices are stage-local; `layer_number` (1-based) is global;
-- embeddings / output layer rows are vocab shards of the padded vocabulary (padding has no HF block).
+- embeddings / output layer rows are vocab shards of the padded vocabulary (padding has no HF block);
+- Transformer Engine spec (GPU): input / pre-MLP norms live in `linear_qkv.layer_norm_weight` /
+  `linear_fc1.layer_norm_weight` (dense layers), which map to the same HF norms.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -126,6 +128,9 @@ class HFLayout:
         simple = {
             "input_layernorm.weight": (f"{p}.input_layernorm.weight", (h,)),
             "pre_mlp_layernorm.weight": (f"{p}.post_attention_layernorm.weight", (h,)),
+            # Transformer Engine spec: the norms are fused into the following linear (`layer_norm_weight`)
+            "self_attention.linear_qkv.layer_norm_weight": (f"{p}.input_layernorm.weight", (h,)),
+            "mlp.linear_fc1.layer_norm_weight": (f"{p}.post_attention_layernorm.weight", (h,)),
             "self_attention.q_layernorm.weight": (f"{attn}.q_norm.weight", (self.d,)),
             "self_attention.k_layernorm.weight": (f"{attn}.k_norm.weight", (self.d,)),
             "mlp.router.weight": (f"{mlp}.gate.weight", (self.experts, h)),
@@ -160,11 +165,3 @@ def layout_for(model: torch.nn.Module, hf: dict[str, Any]) -> HFLayout:
     numbers = {i: layer.layer_number - 1 for i, layer in enumerate(decoder.layers)}
     return HFLayout(hf, RankCoords.current(), numbers)
 
-
-def iter_local_hf_slices(model: torch.nn.Module, hf: dict[str, Any]) -> Iterator[tuple[HFSlice, torch.Tensor]]:
-    """Every block this rank holds, in full-HF coordinates, with its data (the trainer side of a sync).
-    Replicated parameters (norms, router) are yielded by every rank that holds them."""
-    layout = layout_for(model, hf)
-    for name, param in model.named_parameters():
-        for index, block in layout.blocks(name, tuple(param.shape)):
-            yield block, param.detach()[index]

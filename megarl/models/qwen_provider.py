@@ -92,6 +92,7 @@ def transformer_config_from_hf(hf: dict[str, Any], tp: int, pp: int, ep: int,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         expert_model_parallel_size=ep,
+        pipeline_dtype=params_dtype,  # dtype of the activations sent between pipeline stages
         sequence_parallel=bool(experts) and tp > 1,
         **moe,
     )
@@ -112,6 +113,10 @@ def build_gpt_model(hf: dict[str, Any], tp: int, pp: int, ep: int, params_dtype:
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
+    tied = bool(hf.get("tie_word_embeddings", False))
+    if tied and pp > 1:
+        raise ValueError("tie_word_embeddings=true with pipeline parallel > 1 is not supported (the output layer "
+                         "would be a second copy on the last stage): use trainer.pp=1 for this model")
     config = transformer_config_from_hf(hf, tp, pp, ep, params_dtype)
     model = GPTModel(
         config=config,
@@ -120,10 +125,29 @@ def build_gpt_model(hf: dict[str, Any], tp: int, pp: int, ep: int, params_dtype:
         max_sequence_length=hf.get("max_position_embeddings", 4096),
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
-        share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)),
+        share_embeddings_and_output_weights=tied,
         position_embedding_type="rope",
         rotary_base=int(rope_theta(hf)),
     )
+    mark_tensor_parallel_weights(model)
     if torch.cuda.is_available():
         model.cuda()
     return model
+
+
+def mark_tensor_parallel_weights(model: torch.nn.Module) -> None:
+    """Set the `tensor_model_parallel` / `partition_dim` attributes that megatron's own weight
+    initialisation sets, and that `perform_initialization=False` skips (megatron-core 0.16.1, local spec):
+    without them every TP-sharded weight looks like a TP-replicated duplicate to anything that counts
+    parameters once per TP group (`param_is_not_tensor_parallel_duplicate`, the global grad norm).
+    Column-parallel and vocab-parallel weights are split along dim 0, row-parallel weights along dim 1."""
+    from megatron.core import tensor_parallel as tp_layers
+
+    split_dim = {tp_layers.ColumnParallelLinear: 0, tp_layers.VocabParallelEmbedding: 0,
+                 tp_layers.RowParallelLinear: 1}
+    for module in model.modules():
+        dim = split_dim.get(type(module))
+        weight = getattr(module, "weight", None)
+        if dim is None or weight is None or getattr(weight, "tensor_model_parallel", False):
+            continue
+        tp_layers.set_tensor_model_parallel_attributes(weight, True, dim, 1)

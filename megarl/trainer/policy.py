@@ -9,6 +9,7 @@ loss value is already a contribution to the global-batch loss.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ import torch.distributed as dist
 
 from megarl.config.schema import OptimizerConfig
 from megarl.models.hf_import import load_hf_weights
-from megarl.models.hf_layout import iter_local_hf_slices
+from megarl.models.hf_slices import iter_local_hf_slices
 from megarl.models.qwen_provider import build_gpt_model
 from megarl.parallel.vocab_logprobs import vocab_parallel_logprobs_entropy
 from megarl.sync.slices import HFSlice
@@ -45,7 +46,20 @@ def _all_reduce_sum(grads: list[torch.Tensor], group: dist.ProcessGroup) -> None
         g.copy_(new)
 
 
+def _configure_schedule(config, pp: int) -> None:
+    """Adapter to megatron's schedules (tested with megatron-core 0.16.1): every loss value is already a
+    contribution to the global loss, so the schedule must not divide by the microbatch count (the
+    3-tuple loss-function form with `calculate_per_token_loss`); with PP > 1 microbatch shapes may vary
+    between steps, so stages exchange them (`variable_seq_lengths`)."""
+    config.calculate_per_token_loss = True
+    config.variable_seq_lengths = pp > 1
+
+
 class MegatronPolicy:
+    """This rank's `GPTModel` stage, loaded from an HF checkpoint, with AdamW. Every rank of the trainer
+    world calls each method with the same arguments (its data-parallel share of the batch); results come
+    back on every rank, pipeline stages included."""
+
     def __init__(self, hf_dir: str | Path, hf: dict[str, Any], optim: OptimizerConfig, logprob_chunk: int = 4096):
         from megatron.core import parallel_state as ps
 
@@ -53,12 +67,14 @@ class MegatronPolicy:
         self.model = build_gpt_model(hf, ps.get_tensor_model_parallel_world_size(),
                                      ps.get_pipeline_model_parallel_world_size(),
                                      ps.get_expert_model_parallel_world_size())
-        if ps.get_pipeline_model_parallel_world_size() > 1:
-            raise ValueError("MegatronPolicy runs pipeline-parallel size 1 only: set trainer.pp=1")
+        _configure_schedule(self.model.config, ps.get_pipeline_model_parallel_world_size())
         load_hf_weights(self.model, hf_dir, hf)
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.dp_group = ps.get_data_parallel_group()
         self.expert_dp_group = ps.get_expert_data_parallel_group()
+        self.pp_group = ps.get_pipeline_model_parallel_group()
+        self.pp_last_rank = ps.get_pipeline_model_parallel_last_rank()  # global rank of this pipeline's last stage
+        self.is_last_stage = ps.is_pipeline_last_stage()
         self.model_parallel_group = ps.get_model_parallel_group()
         self.expert_model_parallel_group = ps.get_expert_tensor_model_pipeline_parallel_group()
         self.tp_rank = ps.get_tensor_model_parallel_rank()
@@ -70,45 +86,97 @@ class MegatronPolicy:
         )
         self.version = 0  # optimizer steps taken
 
-    # ---- forward ---------------------------------------------------------------------------------------------
-    def _logprobs(self, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`tokens, targets [B, S]` -> `(logprobs, entropy) [B, S]` through the vocab-parallel shards."""
+    # ---- forward through megatron's schedule -----------------------------------------------------------------
+    def _forward_step(self, last_stage_fn: Callable, data_iterator: Iterator[dict[str, torch.Tensor]], model):
+        """megatron `forward_step_func`: run this stage on the next microbatch (`tokens [b, s]`, causal mask
+        passed explicitly); on the last stage `last_stage_fn(microbatch, logits [b, s, V/tp])` reduces it."""
+        mb = next(data_iterator)
+        device = next(model.parameters()).device
+        tokens = mb["tokens"].to(device)
         b, s = tokens.shape
-        device = next(self.model.parameters()).device
-        tokens, targets = tokens.to(device), targets.to(device)
         positions = torch.arange(s, device=device)[None].expand(b, s)
         causal = torch.triu(torch.ones(s, s, dtype=torch.bool, device=device), diagonal=1)[None, None]
-        logits = self.model(tokens, positions, causal)  # [B, S, V/tp]
-        return vocab_parallel_logprobs_entropy(logits, targets, self.tp_group, self.chunk)
+        output = model(tokens, positions, causal)  # hidden [s, b, h] on inner stages, logits on the last
+        return output, partial(last_stage_fn, mb)
+
+    def _logprobs(self, logits: torch.Tensor, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """`logits [b, s, V/tp]` -> `(logprobs, entropy) [b, s]` on the CPU, through the vocab-parallel shards."""
+        lp, ent = vocab_parallel_logprobs_entropy(logits, mb["targets"].to(logits.device), self.tp_group, self.chunk)
+        return lp.cpu(), ent.cpu()
+
+    def _run(self, microbatches: list[dict[str, torch.Tensor]], last_stage_fn: Callable,
+             forward_only: bool) -> list[dict[str, torch.Tensor]]:
+        """All microbatches through `get_forward_backward_func()` (no pipelining at PP=1, 1F1B otherwise);
+        returns `last_stage_fn`'s per-microbatch dicts on the last stage, [] on the others."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        b, s = microbatches[0]["tokens"].shape
+        return get_forward_backward_func()(
+            forward_step_func=partial(self._forward_step, last_stage_fn), data_iterator=iter(microbatches),
+            model=self.model, num_microbatches=len(microbatches), seq_length=s, micro_batch_size=b,
+            forward_only=forward_only,
+        )
 
     @torch.no_grad()
-    def compute_logprobs(self, tokens: torch.Tensor, targets: torch.Tensor, micro: int = 64):
+    def compute_logprobs(self, tokens: torch.Tensor, targets: torch.Tensor,
+                         micro: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+        """`tokens, targets [B, S]` (long) -> `(logprobs, entropy) [B, S]` fp32 on the CPU, on every rank."""
         self.model.eval()
-        parts = [self._logprobs(tokens[i:i + micro], targets[i:i + micro]) for i in range(0, len(tokens), micro)]
-        return torch.cat([p[0] for p in parts]).cpu(), torch.cat([p[1] for p in parts]).cpu()
+        mbs = [{"tokens": tokens[i:i + micro], "targets": targets[i:i + micro]} for i in range(0, len(tokens), micro)]
+
+        def collect(mb, logits):
+            lp, ent = self._logprobs(logits, mb)
+            return torch.zeros(()), torch.tensor(1, dtype=torch.int), {"logprobs": lp, "entropy": ent}
+
+        outs = self._run(mbs, collect, forward_only=True)
+        result = torch.zeros(2, *tokens.shape)
+        if self.is_last_stage:
+            result[0] = torch.cat([o["logprobs"] for o in outs])
+            result[1] = torch.cat([o["entropy"] for o in outs])
+        return tuple(self._from_last_stage(result))
 
     # ---- training step ---------------------------------------------------------------------------------------
     def train_step(self, microbatches: list[dict[str, torch.Tensor]], loss_fn: LossFn) -> dict[str, float]:
         """Forward/backward every microbatch, sum gradients over DP, clip, AdamW step; version += 1.
-        Returns the global loss, grad norm and the loss function's metrics summed over the global batch."""
+        `loss_fn(logprobs [b, s], entropy [b, s], microbatch) -> (loss, metrics)` returns the microbatch's
+        contribution to the GLOBAL loss. Returns the global loss, the grad norm before clipping and the
+        loss function's metrics summed over the global batch (the same dict on every rank)."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=False)
-        totals: dict[str, torch.Tensor] = {}
-        for mb in microbatches:
-            logprobs, entropy = self._logprobs(mb["tokens"], mb["targets"])
-            loss, metrics = loss_fn(logprobs.cpu(), entropy.cpu(), mb)
-            loss.backward()
-            for k, v in {"loss": loss.detach(), **metrics}.items():
-                totals[k] = totals.get(k, 0.0) + v.detach().float()
+
+        def loss_on_last_stage(mb, logits):
+            loss, metrics = loss_fn(*self._logprobs(logits, mb), mb)
+            reported = {"loss": loss.detach(), **{k: v.detach() for k, v in metrics.items()}}
+            return loss, torch.tensor(1, dtype=torch.int), reported
+
+        outs = self._run(microbatches, loss_on_last_stage, forward_only=False)
         self._sum_gradients()
         grad_norm = self._clip_gradients(self.optim_cfg.grad_clip)
         self._set_lr()
         self.optimizer.step()
         self.version += 1
-        names = sorted(totals)
-        summed = torch.stack([totals[k].reshape(()) for k in names])
+        metrics = self._sum_metrics(outs) if self.is_last_stage else {}
+        return {**self._metrics_from_last_stage(metrics), "grad_norm": grad_norm}
+
+    def _sum_metrics(self, outs: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+        """Per-microbatch metric dicts of this rank -> sums over microbatches and data-parallel ranks."""
+        names = sorted({k for o in outs for k in o})
+        summed = torch.stack([sum(o[k].float().reshape(()) for o in outs if k in o) for k in names])
         dist.all_reduce(summed, group=self.dp_group)
-        return {**dict(zip(names, summed.tolist(), strict=True)), "grad_norm": grad_norm}
+        return dict(zip(names, summed.tolist(), strict=True))
+
+    def _from_last_stage(self, t: torch.Tensor) -> torch.Tensor:
+        """The last pipeline stage's `t` on every stage of this pipeline (identity at PP=1)."""
+        if dist.get_world_size(self.pp_group) > 1:
+            dist.broadcast(t, src=self.pp_last_rank, group=self.pp_group)
+        return t
+
+    def _metrics_from_last_stage(self, metrics: dict[str, float]) -> dict[str, float]:
+        if dist.get_world_size(self.pp_group) == 1:
+            return metrics
+        box = [metrics]
+        dist.broadcast_object_list(box, src=self.pp_last_rank, group=self.pp_group)
+        return box[0]
 
     def _sum_gradients(self) -> None:
         """Complete every gradient by SUMS (never means): over TP for the replicated parameters that see only
