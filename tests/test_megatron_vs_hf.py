@@ -7,11 +7,12 @@ vs separate projections, TP partial sums, the vocab-parallel softmax); differenc
 values are compared at atol 1e-4 and gradients at atol 1e-5 / rtol 1e-3.
 """
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from megarl.config.schema import OptimizerConfig
 from megarl.models.tiny import make_tiny_checkpoint
@@ -119,10 +120,24 @@ def _megatron_rank(rank, world, hf_dir, layout, clip, port):
         destroy_trainer_groups()
 
 
+def _with_vocab(src: Path, out: Path, vocab: int) -> Path:
+    """A copy of checkpoint `src` keeping only the first `vocab` tokens (a vocabulary TP does not divide)."""
+    out.mkdir()
+    config = json.loads((src / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "vocab_size": vocab}))
+    tensors = load_file(src / "model.safetensors")
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        tensors[name] = tensors[name][:vocab].clone()
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
-    return {kind: make_tiny_checkpoint(root / kind, kind=kind) for kind in ("dense", "moe")}
+    made = {kind: make_tiny_checkpoint(root / kind, kind=kind) for kind in ("dense", "moe")}
+    made["dense-vocab31"] = _with_vocab(made["dense"], root / "dense-vocab31", 31)
+    return made
 
 
 def _assert_blocks_match(per_rank_blocks, reference: dict[str, torch.Tensor], exact: bool, **tol) -> None:
@@ -139,8 +154,12 @@ def _assert_blocks_match(per_rank_blocks, reference: dict[str, torch.Tensor], ex
     assert all(c.all() for c in covered.values()), [n for n, c in covered.items() if not c.all()]
 
 
-@pytest.mark.parametrize(("kind", "layout"), [("dense", TrainerLayout(tp=2)), ("dense", TrainerLayout(pp=2)),
-                                              ("moe", TrainerLayout(ep=2))], ids=["dense-tp2", "dense-pp2", "moe-ep2"])
+@pytest.mark.parametrize(("kind", "layout"), [
+    ("dense", TrainerLayout(tp=2)),
+    ("dense-vocab31", TrainerLayout(tp=2)),  # padded to 32: TP rank 1's shard ends in a padding row
+    ("dense", TrainerLayout(pp=2)),
+    ("moe", TrainerLayout(ep=2)),
+], ids=["dense-tp2", "dense-vocab31-tp2", "dense-pp2", "moe-ep2"])
 def test_megatron_matches_transformers(checkpoints, kind, layout):
     hf_dir = checkpoints[kind]
     ref_lp, ref_ent, ref_norm, clip, ref_grads, initial, stepped = _hf_reference(hf_dir, clip_fraction=0.5)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from megarl.config.schema import OptimizerConfig
 from megarl.models.hf_import import load_hf_weights
 from megarl.models.hf_slices import iter_local_hf_slices
-from megarl.models.qwen_provider import build_gpt_model
+from megarl.models.qwen_provider import build_gpt_model, padded_vocab_size
 from megarl.parallel.vocab_logprobs import vocab_parallel_logprobs_entropy
 from megarl.sync.slices import HFSlice
 
@@ -78,6 +78,10 @@ class MegatronPolicy:
         self.model_parallel_group = ps.get_model_parallel_group()
         self.expert_model_parallel_group = ps.get_expert_tensor_model_pipeline_parallel_group()
         self.tp_rank = ps.get_tensor_model_parallel_rank()
+        tp = ps.get_tensor_model_parallel_world_size()
+        shard = padded_vocab_size(hf, tp) // tp
+        # real (unpadded) vocabulary columns in this rank's logits shard [tp_rank*shard, (tp_rank+1)*shard)
+        self.local_vocab = min(max(hf["vocab_size"] - self.tp_rank * shard, 0), shard)
         decay = [p for p in self.model.parameters() if p.ndim >= 2]
         no_decay = [p for p in self.model.parameters() if p.ndim < 2]
         self.optimizer = torch.optim.AdamW(
@@ -101,6 +105,9 @@ class MegatronPolicy:
 
     def _logprobs(self, logits: torch.Tensor, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """`logits [b, s, V/tp]` -> `(logprobs, entropy) [b, s]` on the CPU, through the vocab-parallel shards."""
+        if self.local_vocab < logits.shape[-1]:  # padding columns (vocab padded to a multiple of TP) are no tokens
+            logits = logits.clone()
+            logits[..., self.local_vocab:] = torch.finfo(logits.dtype).min
         lp, ent = vocab_parallel_logprobs_entropy(logits, mb["targets"].to(logits.device), self.tp_group, self.chunk)
         return lp.cpu(), ent.cpu()
 
