@@ -163,3 +163,7 @@ def test_incomplete_update_is_rejected_and_old_weights_serve(moe_fleet, new_chec
     for engine, ref in zip(results[0]["engine"], reference, strict=True):
         torch.testing.assert_close(torch.tensor(engine), ref, atol=1e-4, rtol=0)
     assert {s.policy_version for s in results[0]["samples"]} == {5}
+    # the rejection left the server able to take the next update
+    again = run_distributed(_trainer, 2, new_checkpoint, moe_fleet.urls[0], free_port(), free_port(), False,
+                            init_dist=False)
+    assert again[0]["stats"].receive_ratio == {2: 1.0, 3: 1.0}

@@ -9,19 +9,23 @@ One update, on each vLLM worker (tensor-parallel rank):
    NCCL on GPU) and checks that the blocks tile the slices this worker needs.
 2. The replica's TP workers agree (all-gather over vLLM's own CPU TP group): if any of them failed
    to receive or rejected its part, all of them refuse the update, so no replica is left with some
-   ranks updated and others not.
+   ranks updated and others not. A refusal is *reported*, not raised (see 4): vLLM 0.32's
+   multiprocess executor stops reading worker replies at the first failed one, so an exception
+   raised by several workers leaves stale replies queued that later RPCs would read as theirs.
 3. Only then does it touch the model: vLLM's layerwise reload (`initialize_layerwise_reload`), the
    model's own `load_weights` fed with `ReceivedBlock`s (full HF shape, only the received block
    stored), `finalize_layerwise_reload`. All of it runs inside one engine RPC while generation is
    paused, so generation never sees a half-updated model, and a failed transfer leaves the old
    weights serving. (`start_weight_update` / `finish_weight_update` therefore have nothing to do:
    entering the reload there would expose a model whose parameters are placeholders until finish.)
-4. It keeps a report (bytes received, bytes the loaders read, seconds) that the worker extension
-   `MegarlWorkerExtension.megarl_sync_report` returns over `collective_rpc`.
+4. It keeps a report (update id, outcome or error, bytes received, bytes the loaders read, seconds)
+   that the worker extension `MegarlWorkerExtension.megarl_sync_report` returns over
+   `collective_rpc`; the trainer reads it before `finish_weight_update` and raises on any error.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +41,8 @@ from vllm.distributed.weight_transfer.base import (
 from megarl.rollout.received_block import ReadLog, sha256_of, wrap
 from megarl.sync.slices import HFSlice
 from megarl.sync.transport import WireEntry, bucket_sizes, device, from_bytes, make_sync_group
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -55,6 +61,7 @@ class PartitionedUpdateInfo(WeightTransferUpdateInfo):
     """One worker's part of the plan for one update (the server hands each TP rank its own)."""
 
     version: int
+    update_id: str = ""  # unique per push: the trainer matches the workers' reports to it
     entries: list[dict[str, Any]] = field(default_factory=list)  # this worker's WireEntry.to_json() list
     digests: bool = False  # also record sha256 digests of the received blocks and of every loader read (tests)
 
@@ -126,31 +133,45 @@ class PartitionedWeightTransferEngine(WeightTransferEngine[PartitionedInitInfo, 
         """Nothing left: `receive_weights` loads and finalises in one step (see the module docstring)."""
 
     def receive_weights(self, update_info: PartitionedUpdateInfo) -> None:
-        """Receive every planned block, check they are exactly this rank's slices, then load them (see above)."""
-        if self.group is None:
-            raise RuntimeError("megarl sync group not initialised: call /init_weight_transfer_engine first")
+        """Receive every planned block, check they are exactly this rank's slices, agree with the other TP
+        ranks, then load (see above). The outcome, success or error, goes to `self.report`."""
+        self.report = {"update_id": update_info.update_id, "version": update_info.version, "rank": self.rank}
         t0 = time.perf_counter()
         error = None
         try:
+            if self.group is None:
+                raise RuntimeError("megarl sync group not initialised: call /init_weight_transfer_engine first")
             entries = [WireEntry.from_json(self.rank, e) for e in update_info.entries]
             received = self._receive(entries)
             blocks = self._assemble(entries, received)
             self._check_complete(blocks)
-        except Exception as err:  # noqa: BLE001 - shared with the other TP ranks, then raised by all of them
+        except Exception as err:  # noqa: BLE001 - shared with the other TP ranks, then reported
             error = f"{type(err).__name__}: {err}"
-        self._agree_with_tp_peers(error)
+        failed = self._tp_peer_failures(error)
+        if failed:
+            self._refuse("megarl weight update rejected, model left unchanged on every TP rank of this replica "
+                         f"({len(failed)} failed): " + " | ".join(failed))
+            return
         t1 = time.perf_counter()
         reads = ReadLog(digests=update_info.digests)
-        self._load(blocks, reads)
-        self.report = self._make_report(update_info, received, blocks, reads)
+        try:
+            self._load(blocks, reads)
+        except Exception as err:  # noqa: BLE001 - reported; the trainer raises it
+            self._refuse(f"megarl weight update failed while vLLM's loaders ran, the model on worker {self.rank} "
+                         f"may be partly updated (push again): {type(err).__name__}: {err}")
+            return
+        self.report.update(self._make_report(update_info, received, blocks, reads))
         self.report.update(receive_seconds=t1 - t0, load_seconds=time.perf_counter() - t1)
+
+    def _refuse(self, message: str) -> None:
+        """Record (and log) why this update was not applied; the trainer reads it from the report."""
+        logger.error("%s", message)
+        self.report["error"] = message
 
     def _make_report(self, update_info: PartitionedUpdateInfo, received: dict[tuple[int, int], torch.Tensor],
                      blocks: dict[str, tuple[HFSlice, torch.Tensor]], reads: ReadLog) -> dict[str, Any]:
         """What this worker received and what vLLM's loaders read of it (JSON-able, for `collective_rpc`)."""
         report: dict[str, Any] = {
-            "version": update_info.version,
-            "rank": self.rank,
             "bytes_received": sum(b.numel() for b in received.values()),
             "bytes_read_by_loaders": reads.total_bytes,
             "blocks": {n: [list(b) for b in block.box] for n, (block, _) in blocks.items()},
@@ -161,15 +182,12 @@ class PartitionedWeightTransferEngine(WeightTransferEngine[PartitionedInitInfo, 
                                       for (name, box), digest in sorted(reads.sha256.items())]
         return report
 
-    def _agree_with_tp_peers(self, error: str | None) -> None:
-        """Every TP rank of this replica learns every rank's outcome; any failure is raised on all of them."""
+    def _tp_peer_failures(self, error: str | None) -> list[str]:
+        """Every TP rank of this replica learns every rank's outcome: the failures, `worker <rank>: <why>`."""
         group = _tp_cpu_group()
         outcomes: list[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(outcomes, (self.rank, error), group=group)
-        failed = [f"worker {rank}: {err}" for rank, err in outcomes if err is not None]
-        if failed:
-            raise ValueError(f"megarl weight update rejected, model left unchanged on every TP rank of this replica "
-                             f"({len(failed)} of {len(outcomes)} failed): " + " | ".join(failed))
+        return [f"worker {rank}: {err}" for rank, err in outcomes if err is not None]
 
     def _receive(self, entries: list[WireEntry]) -> dict[tuple[int, int], torch.Tensor]:
         """Post one receive per (sender, bucket) and wait for all of them."""

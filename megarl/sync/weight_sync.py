@@ -6,8 +6,9 @@ together (a collective over the trainer ranks). Rank 0 also drives the fleet ove
     rank 0:  /pause -> /start_weight_update on every replica; broadcast go / no-go to the trainer ranks
     rank 0:  /update_weights (each TP worker's part of the plan), one thread per replica ...
     every trainer rank: send its planned blocks, bucketed, point-to-point to the vLLM workers
-    rank 0:  ... /update_weights returns (workers received, agreed, loaded) -> /finish_weight_update(version)
-             -> /collective_rpc megarl_sync_report (bytes received / read by loaders) -> /resume
+    rank 0:  ... /update_weights returns (workers received, agreed, loaded or refused)
+             -> /collective_rpc megarl_sync_report (outcome, bytes received / read by loaders)
+             -> /finish_weight_update(version), or (None) to close a refused update unlabelled -> /resume
     all:     all-gather bytes sent; rank 0 broadcasts the outcome, a failure is raised on every rank
 
 The plan is built once (shapes never change): trainer ranks all-gather *metadata* of the blocks
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -76,6 +78,17 @@ class _Thread(threading.Thread):
         self.join()
         if self.error is not None:
             raise self.error
+
+
+def _report_errors(reports: list[dict[str, Any]], update_id: str) -> str:
+    """The errors in one replica's worker reports for update `update_id` ('' if every worker loaded it)."""
+    errors = []
+    for report in reports:
+        if report.get("update_id") != update_id:
+            errors.append(f"worker {report.get('rank')} has no report for this update (last: {report})")
+        elif "error" in report:
+            errors.append(report["error"])
+    return " || ".join(dict.fromkeys(errors))  # TP peers share one message: keep it once
 
 
 def _best_effort(fn: Callable[[], object]) -> None:
@@ -146,9 +159,10 @@ class PartitionedWeightSync:
         if self.entries is None:
             self.entries = self._plan(local)
         self._raise_everywhere(self._open_fleet_update() if self.rank == 0 else None, version)
-        updates = self._start_transfers(version) if self.rank == 0 else []
+        update_id = uuid.uuid4().hex
+        updates = self._start_transfers(version, update_id) if self.rank == 0 else []
         sent = self._send(local)
-        reports, failure = self._close_fleet_update(updates, version) if self.rank == 0 else ([], None)
+        reports, failure = self._close_fleet_update(updates, version, update_id) if self.rank == 0 else ([], None)
         gathered: list[Any] = [None] * self.trainers
         dist.all_gather_object(gathered, sent)
         self._raise_everywhere(failure, version)
@@ -184,30 +198,36 @@ class PartitionedWeightSync:
             return f"could not start the update: {type(err).__name__}: {err}"
         return None
 
-    def _start_transfers(self, version: int) -> list[_Thread]:
+    def _start_transfers(self, version: int, update_id: str) -> list[_Thread]:
         """Rank 0: one `/update_weights` call per replica, each in a thread (it returns once its workers
         have received, checked and loaded their blocks), carrying each TP rank's part of the plan."""
         threads = []
         for rep, client in enumerate(self.clients):
-            info = [{"version": version, "digests": self.digests,
+            info = [{"version": version, "update_id": update_id, "digests": self.digests,
                      "entries": [e.to_json() for e in self.entries or [] if e.receiver == self.worker_rank(rep, r)]}
                     for r in range(self.tp)]
             threads.append(_Thread(lambda c=client, info=info: c.update_weights(info)))
             threads[-1].start()
         return threads
 
-    def _close_fleet_update(self, updates: list[_Thread], version: int) -> tuple[list[dict[str, Any]], str | None]:
-        """Rank 0: label every replica that loaded the update with `version`, collect its workers' reports,
-        and resume generation everywhere. Returns the reports and what failed (None if nothing did)."""
+    def _close_fleet_update(self, updates: list[_Thread], version: int,
+                            update_id: str) -> tuple[list[dict[str, Any]], str | None]:
+        """Rank 0: read each replica's worker reports; label a replica whose workers all loaded the update
+        with `version`, close the session of one that refused it without a new label; resume generation
+        everywhere. Returns the reports and what failed (None if nothing did)."""
         reports: list[dict[str, Any]] = []
         failures = []
         for rep, (client, thread) in enumerate(zip(self.clients, updates, strict=True)):
             thread.join()
             try:
-                if thread.error is not None:  # its workers all refused it: no session left open, old weights serve
+                if thread.error is not None:  # the RPC itself failed (vLLM closed the session): old weights serve
                     raise thread.error
-                client.finish_weight_update(version)
-                reports += client.collective_rpc("megarl_sync_report")
+                replica_reports = client.collective_rpc("megarl_sync_report")
+                errors = _report_errors(replica_reports, update_id)
+                client.finish_weight_update(None if errors else version)
+                if errors:
+                    raise WeightSyncError(errors)
+                reports += replica_reports
             except Exception as err:  # noqa: BLE001 - reported on every trainer rank
                 failures.append(f"replica {rep} ({client.url}): {type(err).__name__}: {err}")
             finally:
