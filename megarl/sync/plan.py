@@ -11,11 +11,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from megarl.config.load import num_experts
-from megarl.models.qwen_provider import head_dim
 from megarl.sync.slices import HFSlice
 
 VLLM_VOCAB_PADDING = 64  # vLLM pads vocabularies to a multiple of 64 before splitting them over TP ranks
+
+
+# This module also runs inside vLLM worker processes (the receiver checks its update against it), so it
+# reads the HF config itself instead of importing the trainer's config / model modules.
+def _head_dim(hf: dict[str, Any]) -> int:
+    return int(hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"])
+
+
+def _num_experts(hf: dict[str, Any]) -> int:
+    """Expert count of a MoE config, 0 for dense (transformers 5 spells it `num_local_experts`)."""
+    return int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
 
 
 def _split_rows(name: str, shape: tuple[int, ...], rank: int, size: int) -> HFSlice:
@@ -37,7 +46,7 @@ def _vocab_rows(name: str, vocab: int, hidden: int, rank: int, size: int) -> lis
 
 def vllm_rank_slices(hf: dict[str, Any], tp_size: int, tp_rank: int) -> list[HFSlice]:
     """The HF blocks vLLM tensor-parallel rank `tp_rank` of `tp_size` loads (no expert parallel in vLLM)."""
-    h, d = hf["hidden_size"], head_dim(hf)
+    h, d = hf["hidden_size"], _head_dim(hf)
     heads = hf["num_attention_heads"]
     kv = hf.get("num_key_value_heads", heads)
     qwen2 = hf.get("model_type", "").startswith("qwen2")
@@ -49,7 +58,7 @@ def vllm_rank_slices(hf: dict[str, Any], tp_size: int, tp_rank: int) -> list[HFS
         kv_rank, kv_size = tp_rank, tp_size
     else:  # more ranks than KV heads: each KV head is replicated on tp_size / kv ranks
         kv_rank, kv_size = tp_rank // (tp_size // kv), kv
-    experts = num_experts(hf)
+    experts = _num_experts(hf)
     for layer in range(hf["num_hidden_layers"]):
         p = f"model.layers.{layer}"
         a = f"{p}.self_attn"
