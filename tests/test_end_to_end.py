@@ -19,7 +19,7 @@ def _expected_lag(batch: int, m: int, n: int) -> int:
 
 @pytest.mark.parametrize(
     ("m", "n", "steps", "algorithm", "old_logprobs"),
-    [(4, 0, 6, "rec_gspo_is", "engine"), (1, 4, 7, "gspo", "engine"), (2, 1, 5, "rec_gspo_nois", "trainer")],
+    [(4, 0, 6, "off_policy_grpo", "engine"), (1, 4, 7, "gspo", "engine"), (2, 1, 5, "rec_gspo_nois", "trainer")],
 )
 def test_measured_lags_follow_the_schedule(moe_fleet, tiny_moe_dir, tmp_path, m, n, steps, algorithm, old_logprobs):
     cfg = prepare(None, [

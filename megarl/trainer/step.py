@@ -22,6 +22,8 @@ def train_on_batch(
     lag: int,
 ) -> dict[str, float]:
     tensors = pack_batch(batch, pad_id)
+    # per-sequence 0/1 weights (off-policy GRPO drops zero-variance groups; all ones for the others)
+    tensors["seq_mask"] = algorithm.sequence_mask(batch.rewards, cfg.algorithm).expand_as(batch.rewards).reshape(-1)
     num_tokens = float(tensors["mask"].sum())  # response tokens of the GLOBAL batch
     share = data_parallel_share(tensors, dp_rank, dp_size)
     share["engine_logprobs"] = share["old_logprobs"]
@@ -31,7 +33,8 @@ def train_on_batch(
     def loss_fn(logprobs: torch.Tensor, entropy: torch.Tensor, mb: dict[str, torch.Tensor]):
         mask = mb["mask"]
         inp = PolicyLossInput(logprobs * mask, mb["old_logprobs"], mask, mb["advantages"], batch.num_seqs,
-                              num_tokens=int(num_tokens))
+                              num_tokens=int(num_tokens), engine_logprobs=mb["engine_logprobs"],
+                              seq_mask=mb["seq_mask"].float())
         loss, metrics = algorithm.loss(inp, cfg.algorithm)
         metrics["entropy"] = (entropy.detach() * mask).sum() / num_tokens
         gap = (logprobs.detach() - mb["engine_logprobs"]).abs()
@@ -39,6 +42,7 @@ def train_on_batch(
         return loss, metrics
 
     metrics = policy.train_step(microbatches(share, cfg.trainer.micro_batch_size), loss_fn)
+    metrics.setdefault("clip_frac", 0.0)  # algorithms without clipping clip nothing
     if lag != 0:  # the engine/trainer gap only measures numerics when both hold the same weights
         metrics["logprob/engine_vs_trainer"] = None
     return metrics
