@@ -14,18 +14,25 @@ from megarl.parallel.cpu_compat import apply_cpu_compat, init_rng_tracker
 
 @dataclass(frozen=True)
 class TrainerLayout:
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
+    """How the trainer world is split. Data parallel = world_size / (tp * pp); experts are split over `ep`
+    ranks taken from the data-parallel dimension (expert tensor parallel = tp), so expert data parallel =
+    world_size / (tp * ep * pp)."""
+
+    tp: int = 1  # tensor parallel: attention heads, MLP columns and the vocabulary are split tp ways
+    pp: int = 1  # pipeline parallel: contiguous blocks of layers per stage
+    ep: int = 1  # expert parallel: each rank holds num_experts / ep experts
 
 
 def backend() -> str:
+    """torch.distributed backend: NCCL on GPUs, gloo on CPU-only machines."""
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
 def init_trainer_groups(layout: TrainerLayout, rank: int, world_size: int, master_addr: str, master_port: int,
                         timeout_s: float = 600.0) -> None:
-    """Join the trainer world and build megatron's parallel groups (call once per process)."""
+    """Join the trainer world (`rank` of `world_size`, rendezvous at `tcp://master_addr:master_port`) and build
+    megatron's tensor / pipeline / expert / data-parallel groups and RNG tracker; call once per process.
+    On a CPU-only machine this first applies `apply_cpu_compat()`."""
     from megatron.core import parallel_state
 
     apply_cpu_compat()
@@ -41,6 +48,7 @@ def init_trainer_groups(layout: TrainerLayout, rank: int, world_size: int, maste
 
 
 def destroy_trainer_groups() -> None:
+    """Tear down megatron's groups and the trainer world (a no-op if it was never joined)."""
     from megatron.core import parallel_state
 
     if dist.is_initialized():

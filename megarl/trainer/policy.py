@@ -2,8 +2,10 @@
 
 `compute_logprobs` and `train_step` take token batches and return per-token log-probs of the
 targets and the exact entropy, computed from the vocab-parallel logits shards (the vocabulary is
-never gathered). Gradients are *summed* over microbatches and data-parallel ranks, because each
-loss value is already a contribution to the global-batch loss.
+never gathered). Forward and backward run through megatron's `get_forward_backward_func()` (no
+pipelining at PP=1, 1F1B at PP>1; the last stage's results are broadcast to the other stages).
+Gradients are *summed* over microbatches and data-parallel ranks, because each loss value is already
+a contribution to the global-batch loss; clipping uses the global norm over all TP/PP/EP shards.
 """
 
 from __future__ import annotations
@@ -57,8 +59,8 @@ def _configure_schedule(config, pp: int) -> None:
 
 class MegatronPolicy:
     """This rank's `GPTModel` stage, loaded from an HF checkpoint, with AdamW. Every rank of the trainer
-    world calls each method with the same arguments (its data-parallel share of the batch); results come
-    back on every rank, pipeline stages included."""
+    world calls each method together; the ranks of one model replica (its TP and PP peers) pass the same
+    data-parallel share of the batch, and results come back on every rank, pipeline stages included."""
 
     def __init__(self, hf_dir: str | Path, hf: dict[str, Any], optim: OptimizerConfig, logprob_chunk: int = 4096):
         from megatron.core import parallel_state as ps
