@@ -71,6 +71,7 @@ class MegatronPolicy:
                                      ps.get_expert_model_parallel_world_size())
         _configure_schedule(self.model.config, ps.get_pipeline_model_parallel_world_size())
         load_hf_weights(self.model, hf_dir, hf)
+        self.device = next(self.model.parameters()).device  # collectives run on it (NCCL takes no CPU tensors)
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.dp_group = ps.get_data_parallel_group()
         self.expert_dp_group = ps.get_expert_data_parallel_group()
@@ -97,7 +98,7 @@ class MegatronPolicy:
         """megatron `forward_step_func`: run this stage on the next microbatch (`tokens [b, s]`, causal mask
         passed explicitly); on the last stage `last_stage_fn(microbatch, logits [b, s, V/tp])` reduces it."""
         mb = next(data_iterator)
-        device = next(model.parameters()).device
+        device = self.device
         tokens = mb["tokens"].to(device)
         b, s = tokens.shape
         positions = torch.arange(s, device=device)[None].expand(b, s)
@@ -138,11 +139,12 @@ class MegatronPolicy:
             return torch.zeros(()), torch.tensor(1, dtype=torch.int), {"logprobs": lp, "entropy": ent}
 
         outs = self._run(mbs, collect, forward_only=True)
-        result = torch.zeros(2, *tokens.shape)
+        result = torch.zeros(2, *tokens.shape, device=self.device)
         if self.is_last_stage:
             result[0] = torch.cat([o["logprobs"] for o in outs])
             result[1] = torch.cat([o["entropy"] for o in outs])
-        return tuple(self._from_last_stage(result))
+        logprobs, entropy = self._from_last_stage(result).cpu()
+        return logprobs, entropy
 
     # ---- training step ---------------------------------------------------------------------------------------
     def train_step(self, microbatches: list[dict[str, torch.Tensor]], loss_fn: LossFn) -> dict[str, float]:
@@ -170,7 +172,7 @@ class MegatronPolicy:
     def _sum_metrics(self, outs: list[dict[str, torch.Tensor]]) -> dict[str, float]:
         """Per-microbatch metric dicts of this rank -> sums over microbatches and data-parallel ranks."""
         names = sorted({k for o in outs for k in o})
-        summed = torch.stack([sum(o[k].float().reshape(()) for o in outs if k in o) for k in names])
+        summed = torch.stack([sum(o[k].float().reshape(()) for o in outs if k in o) for k in names]).to(self.device)
         dist.all_reduce(summed, group=self.dp_group)
         return dict(zip(names, summed.tolist(), strict=True))
 
@@ -201,15 +203,15 @@ class MegatronPolicy:
 
     def _clip_gradients(self, max_norm: float) -> float:
         """Global L2 norm over all model shards (each element counted once), then scale down to max_norm."""
-        dense_sq = torch.zeros(())
-        expert_sq = torch.zeros(())
+        dense_sq = torch.zeros((), device=self.device)
+        expert_sq = torch.zeros((), device=self.device)
         for p in self.model.parameters():
             if p.grad is None or _is_tp_duplicate(p, self.tp_rank):
                 continue
             if _is_expert(p):
-                expert_sq += p.grad.float().pow(2).sum().cpu()
+                expert_sq += p.grad.float().pow(2).sum()
             else:
-                dense_sq += p.grad.float().pow(2).sum().cpu()
+                dense_sq += p.grad.float().pow(2).sum()
         dist.all_reduce(dense_sq, group=self.model_parallel_group)
         dist.all_reduce(expert_sq, group=self.expert_model_parallel_group)
         norm = float((dense_sq + expert_sq).sqrt())
