@@ -140,13 +140,15 @@ def mark_tensor_parallel_weights(model: torch.nn.Module) -> None:
     initialisation sets, and that `perform_initialization=False` skips (megatron-core 0.16.1, local spec):
     without them every TP-sharded weight looks like a TP-replicated duplicate to anything that counts
     parameters once per TP group (`param_is_not_tensor_parallel_duplicate`, the global grad norm).
-    Column-parallel and vocab-parallel weights are split along dim 0, row-parallel weights along dim 1."""
+    Column-parallel and vocab-parallel weights are split along dim 0, row-parallel weights along dim 1;
+    Transformer Engine linears say which through `parallel_mode` (TE normally marks them itself)."""
     from megatron.core import tensor_parallel as tp_layers
 
     split_dim = {tp_layers.ColumnParallelLinear: 0, tp_layers.VocabParallelEmbedding: 0,
                  tp_layers.RowParallelLinear: 1}
+    te_split_dim = {"column": 0, "row": 1}
     for module in model.modules():
-        dim = split_dim.get(type(module))
+        dim = split_dim.get(type(module), te_split_dim.get(getattr(module, "parallel_mode", None)))
         weight = getattr(module, "weight", None)
         if dim is None or weight is None or getattr(weight, "tensor_model_parallel", False):
             continue
