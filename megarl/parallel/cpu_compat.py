@@ -1,8 +1,9 @@
 """megatron-core on a CPU-only machine: the few places where it assumes CUDA, patched in one place.
 
 Measured with megatron-core 0.16.1 on torch 2.13.0+cpu (see docs/cpu-stack.md of the team notes).
-`apply_cpu_compat()` does nothing when CUDA is available, so GPU runs use megatron unchanged.
-Each workaround below is named after the megatron code it covers.
+`apply_cpu_compat()` changes nothing device-related when CUDA is available, so GPU runs use megatron as is.
+Each workaround below is named after the megatron code it covers. One of them is not about the CPU
+but about a missing Transformer Engine (CPU machines, or GPU machines without TE): it applies on both.
 """
 
 from __future__ import annotations
@@ -25,9 +26,20 @@ class _CudaDeviceToCpu(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def patch_router_without_te() -> None:
+    """megatron-core 0.16.1's MoE router gating (`moe_utils.RouterGatingLinearFunction`) tests
+    `te_general_gemm is not None`, but the name is only bound when Transformer Engine imports: without TE
+    every MoE forward raises NameError (seen on CPU and on an H100 without TE). None selects torch's mm."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def apply_cpu_compat() -> None:
-    """Idempotent; a no-op when CUDA is present."""
+    """Idempotent; only the Transformer Engine workaround applies when CUDA is present."""
     global _APPLIED
+    patch_router_without_te()
     if _APPLIED or torch.cuda.is_available():
         return
     # RoPE and p2p communication ask for the current CUDA device to place tensors.
@@ -36,10 +48,6 @@ def apply_cpu_compat() -> None:
     torch.cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
     # Hard-coded `device="cuda"` tensor creation (pipeline schedules, default causal mask).
     _CudaDeviceToCpu().__enter__()
-    # The MoE router references `te_general_gemm` even without Transformer Engine; None selects torch.
-    from megatron.core.transformer.moe import moe_utils
-
-    moe_utils.te_general_gemm = None
     _APPLIED = True
 
 

@@ -1,0 +1,83 @@
+"""Checks that need an NVIDIA GPU (marker `gpu`, deselected by default; run with `pytest -m gpu` on a GPU machine).
+
+They cover the CUDA side of code that CI exercises only on CPU:
+- the megatron policy built on the GPU (NCCL group, model on `cuda`, collectives on the model's device) gives the
+  log-probs, entropy, gradient norm, gradients and AdamW step of `transformers` run on the CPU in fp32;
+- the sharded log-prob/entropy function on CUDA tensors at a realistic vocabulary (151,936) equals dense
+  `torch.log_softmax` in fp64, for fp32 and bf16 logits, and its peak extra memory stays a few chunks, far
+  below one full-vocabulary fp32 tensor.
+One GPU means one NCCL rank (NCCL refuses two ranks on one device), so layouts with several ranks are
+covered by the gloo tests on CPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megarl.models.tiny import make_tiny_checkpoint
+from megarl.parallel.groups import TrainerLayout
+from megarl.parallel.vocab_logprobs import vocab_parallel_logprobs_entropy
+from tests.dist_utils import free_port, run_distributed
+from tests.test_megatron_vs_hf import _assert_blocks_match, _batch, _hf_reference, _megatron_rank
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _need_cuda():
+    if not torch.cuda.is_available():
+        pytest.fail("tests marked `gpu` need CUDA: run them on a GPU machine (`pytest -m gpu`)")
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_policy_on_gpu_matches_transformers(tmp_path, kind):
+    hf_dir = make_tiny_checkpoint(tmp_path / kind, kind=kind)
+    ref_lp, ref_ent, ref_norm, clip, ref_grads, _, stepped = _hf_reference(hf_dir, clip_fraction=0.5)
+    [(lp, ent, exported, grads, after, metrics, version)] = run_distributed(
+        _megatron_rank, 1, hf_dir, TrainerLayout(), clip, free_port(), init_dist=False
+    )
+    assert all(t.device.type == "cuda" for _, t in grads)  # the policy really trained on the GPU
+    torch.testing.assert_close(lp.cpu(), ref_lp, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(ent.cpu(), ref_ent, atol=1e-4, rtol=1e-4)
+    assert metrics["grad_norm"] == pytest.approx(ref_norm, rel=1e-4)
+    assert metrics["tokens"] == float(_batch(32)[2].sum())
+    assert version == 1
+    _assert_blocks_match([[(b, t.cpu()) for b, t in grads]], ref_grads, exact=False, atol=1e-5, rtol=1e-3)
+    _assert_blocks_match([[(b, t.cpu()) for b, t in after]], stepped, exact=False, atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_vocab_logprobs_on_gpu_realistic_vocab(dtype):
+    vocab, tokens, chunk = 151_936, 1024, 256
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(tokens, vocab, generator=g) * 4).to(dtype)
+    targets = torch.randint(0, vocab, (tokens,), generator=g)
+    w_lp, w_ent = torch.randn(tokens, generator=g), torch.randn(tokens, generator=g)
+
+    x = logits.double().requires_grad_(True)  # independent fp64 reference on the CPU
+    logsm = torch.log_softmax(x, dim=-1)
+    ref_lp = logsm.gather(-1, targets[:, None]).squeeze(-1)
+    ref_ent = -(logsm.exp() * logsm).sum(-1)
+    (ref_lp * w_lp + ref_ent * w_ent).sum().backward()
+
+    dev = torch.device("cuda")
+    y = logits.to(dev).requires_grad_(True)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    lp, ent = vocab_parallel_logprobs_entropy(y, targets.to(dev), None, chunk_size=chunk)
+    (lp * w_lp.to(dev) + ent * w_ent.to(dev)).sum().backward()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+
+    tol = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(lp.double().cpu(), ref_lp.detach(), **tol)
+    torch.testing.assert_close(ent.double().cpu(), ref_ent.detach(), **tol)
+    grad_tol = {"atol": 1e-6, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 1e-3, "rtol": 2e-2}
+    torch.testing.assert_close(y.grad.double().cpu(), x.grad.to(dtype).double(), **grad_tol)
+    # the gradient itself (one logits-sized tensor) plus a few chunk x vocab fp32 temporaries; a dense
+    # fp32 log_softmax would add at least two full [tokens, vocab] fp32 tensors (~1.2 GB here)
+    grad_bytes = logits.numel() * logits.element_size()
+    chunk_fp32 = chunk * vocab * 4
+    assert extra <= grad_bytes + 8 * chunk_fp32, (extra, grad_bytes, chunk_fp32)
