@@ -72,7 +72,8 @@ def test_missing_config_file_named(tmp_path):
          r"trainer\.ep=4 does not divide num_experts=6"),
         (TINY_MOE, {"trainer": {"tp": 2}}, r"trainer\.tp=2 with a MoE model needs sequence parallel"),
         (TINY_MOE, {"trainer": {"world_size": 3, "pp": 3}}, r"trainer\.pp=3 exceeds num_hidden_layers=2"),
-        (TINY_DENSE, {"trainer": {"pp": 2}}, r"trainer\.pp=2: the trainer does not run pipeline parallelism yet"),
+        ({**TINY_DENSE, "tie_word_embeddings": True}, {"trainer": {"pp": 2}},
+         r"trainer\.pp=2 with tie_word_embeddings=true"),
     ],
 )
 def test_layout_must_fit_model(hf, sections, message):
@@ -85,3 +86,4 @@ def test_valid_layouts_pass():
     check_against_model(validate(_cfg(trainer={"tp": 2})), TINY_DENSE, cuda=False)
     check_against_model(validate(_cfg(trainer={"ep": 2}, rollout={"tp": 2})), TINY_MOE, cuda=False)
     check_against_model(validate(_cfg(rollout={"tp": 4})), TINY_MOE, cuda=False)  # KV heads replicated
+    check_against_model(validate(_cfg(trainer={"pp": 2})), TINY_DENSE, cuda=False)
