@@ -40,11 +40,25 @@ def prepare(config_path: str | None, overrides: list[str], create_run_dir: bool 
 
         ensure_tiny_checkpoint(cfg.model.hf_dir, kind=cfg.model.tiny, seed=cfg.run.seed)
     check_against_model(cfg, read_hf_config(cfg.model.hf_dir), cuda=torch.cuda.is_available())
+    if cfg.checkpoint.resume is not None:  # fail here, before anything starts, if the checkpoint is unusable
+        from megarl.checkpoint import CheckpointError
+        from megarl.loop import resume_point
+
+        try:
+            resumed = resume_point(cfg)
+        except CheckpointError as err:
+            raise ConfigError(f"checkpoint.resume={cfg.checkpoint.resume}: {err}") from None
+        if resumed is not None and resumed.step + 1 >= cfg.run.steps:
+            raise ConfigError(
+                f"checkpoint.resume: {resumed.path} is after step {resumed.step}, so run.steps={cfg.run.steps} "
+                "leaves nothing to do; raise run.steps"
+            )
     if create_run_dir:
         run_dir = Path(cfg.run.dir)
-        if (run_dir / "metrics.jsonl").exists() and not cfg.run.overwrite:
+        if (run_dir / "metrics.jsonl").exists() and not cfg.run.overwrite and cfg.checkpoint.resume is None:
             raise ConfigError(
-                f"run.dir={run_dir} already holds a run; choose another run.dir or set run.overwrite=true"
+                f"run.dir={run_dir} already holds a run; choose another run.dir, set run.overwrite=true, or "
+                "continue it with checkpoint.resume=latest"
             )
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))

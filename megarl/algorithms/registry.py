@@ -80,6 +80,14 @@ class _RedDropAdvantages:
         keep = filters.red_drop_keep_mask(rewards, self._generator)
         return adv.red_drop_advantages(rewards, keep)
 
+    def state_dict(self) -> dict:
+        """The generator's position, saved in checkpoints so a resumed run drops the same sequences."""
+        return {"seed": self._seed, "generator": self._generator.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._seed = state["seed"]
+        self._generator.set_state(state["generator"])
+
 
 def _rec(mask: str, importance_sampling: bool) -> Algorithm:
     kind = {"onesided": "OneSide", "twosided": "TwoSide", "ring": "Ring"}[mask]

@@ -70,6 +70,21 @@ class SyncConfig(_Strict):
     )
 
 
+class CheckpointConfig(_Strict):
+    interval: int = Field(
+        0, ge=0, description="Save a checkpoint every `interval` optimizer steps (0: never) into "
+        "<run.dir>/checkpoints/. With a lagged schedule a save waits for the next step after which the fleet's "
+        "next batch begins with a weight push (every step when sync.interval=1, else every sync.interval-th "
+        "step), so the checkpoint holds the whole state and resume is exact.",
+    )
+    keep_last: int = Field(2, ge=1, description="Complete checkpoints kept; older ones are deleted after a save.")
+    resume: str | None = Field(
+        None, description="Resume instead of starting fresh: 'latest' (the newest complete checkpoint in "
+        "<run.dir>/checkpoints/) or the path of a checkpoint directory (.../checkpoints/step_00000012). The run "
+        "continues to run.steps with the same metrics.jsonl (records after the checkpoint are replaced).",
+    )
+
+
 class AlgorithmConfig(_Strict):
     """Algorithm hyper-parameters. Each algorithm reads only the keys listed for it in docs/algorithms.md
     (and in `Algorithm.config_keys`); the others are ignored."""
@@ -181,6 +196,7 @@ class Config(_Strict):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     sync: SyncConfig = Field(default_factory=SyncConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)

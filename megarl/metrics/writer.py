@@ -10,12 +10,20 @@ from typing import Any
 
 
 class MetricsWriter:
-    """Appends one JSON record per step and flushes it, so a crashed run keeps every finished step."""
+    """Appends one JSON record per step and flushes it, so a crashed run keeps every finished step.
+    `resume_at=k` continues a resumed run: the records of steps before k are kept, later ones (written by
+    the interrupted run after its checkpoint) are dropped."""
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, resume_at: int | None = None) -> None:
         self.path = Path(run_dir) / "metrics.jsonl"
         self.records: list[dict[str, Any]] = []
-        self._file = self.path.open("w")
+        if resume_at is not None and self.path.exists():
+            kept = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+            self.records = [r for r in kept if r["step"] < resume_at]
+            tmp = self.path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in self.records))
+            os.replace(tmp, self.path)
+        self._file = self.path.open("a" if resume_at is not None else "w")
 
     def write(self, record: dict[str, Any]) -> None:
         bad = [k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)]

@@ -227,6 +227,16 @@ class MegatronPolicy:
         for group in self.optimizer.param_groups:
             group["lr"] = self.optim_cfg.lr * scale
 
+    # ---- checkpoints -----------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's model shard, optimizer state and version (local shapes: resume needs the same layout)."""
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "version": self.version}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"], strict=True)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.version = int(state["version"])
+
     # ---- weight sync -----------------------------------------------------------------------------------------
     def iter_local_hf_slices(self) -> Iterator[tuple[HFSlice, torch.Tensor]]:
         return iter_local_hf_slices(self.model, self.hf)

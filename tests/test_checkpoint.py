@@ -1,0 +1,125 @@
+"""Checkpoints: when they are taken, atomic multi-rank writes, damaged or mismatched checkpoints refused,
+and exact resume of a real lagged RL run (megatron trainer on 2 gloo ranks + the session's vLLM fleet)."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from megarl.checkpoint import (
+    CheckpointError,
+    checkpoint_due,
+    latest_checkpoint,
+    open_checkpoint,
+    save_checkpoint,
+    step_dir,
+)
+from megarl.config.load import ConfigError
+from megarl.launch import prepare, train
+from megarl.sync.schedule import SyncSchedule
+from tests.dist_utils import run_distributed
+
+
+def _due_steps(m: int, n: int, interval: int, steps: int = 8) -> list[int]:
+    last, due = -1, []
+    for k in range(steps):
+        if checkpoint_due(SyncSchedule(m, n), k, interval, last):
+            due.append(k)
+            last = k
+    return due
+
+
+@pytest.mark.parametrize(("m", "n", "interval", "expected"), [
+    # after step k the fleet's next batch is j = k + n + 1; it starts with a push iff j % m == 0 and j - n > 0
+    (1, 0, 1, [0, 1, 2, 3, 4, 5, 6, 7]),
+    (1, 0, 3, [2, 5]),
+    (2, 1, 1, [0, 2, 4, 6]),  # j = k + 2 even
+    (2, 1, 3, [2, 6]),  # 3 steps since the last save, then the next even k
+    (4, 0, 1, [3, 7]),  # j = k + 1 a multiple of 4
+    (1, 4, 2, [1, 3, 5, 7]),
+    (2, 1, 0, []),  # checkpointing off
+])
+def test_checkpoints_only_where_the_fleet_holds_no_state(m, n, interval, expected):
+    assert _due_steps(m, n, interval) == expected
+
+
+def _save_ranks(rank, world, root):
+    """Rank-parallel saves: a good one, one where rank 1 fails mid-save, then pruning to the last two."""
+    meta = {"tp": 1, "world_size": world}
+    state = {"w": torch.full((3,), float(rank))}
+    save_checkpoint(root, 3, rank, world, state, {"pending": {4: "batch"}} if rank == 0 else None, meta, keep_last=2)
+    bad = {"w": lambda: None} if rank == 1 else state  # a lambda cannot be pickled: rank 1's write fails
+    with pytest.raises(CheckpointError, match=r"checkpoint of step 5 not written \(rank 1 failed\)"):
+        save_checkpoint(root, 5, rank, world, bad, {} if rank == 0 else None, meta, keep_last=2)
+    for step in (6, 7):
+        save_checkpoint(root, step, rank, world, state, {"step": step} if rank == 0 else None, meta, keep_last=2)
+    return rank
+
+
+def test_atomic_multi_rank_save_and_pruning(tmp_path):
+    root = tmp_path / "checkpoints"
+    run_distributed(_save_ranks, 2, root)
+    # the failed save left only its temporary directory, which nothing reads
+    assert not step_dir(root, 5).exists() and (root / ".step_00000005.tmp").is_dir()
+    # keep_last=2: step 3 was pruned after step 7 was published
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_00000006", "step_00000007"]
+    assert latest_checkpoint(root) == step_dir(root, 7)
+    ckpt = open_checkpoint(step_dir(root, 7), {"tp": 1, "world_size": 2})
+    assert ckpt.step == 7
+    assert torch.equal(ckpt.rank_state(1)["w"], torch.full((3,), 1.0))
+    assert ckpt.loop_state() == {"step": 7}
+
+
+def test_damaged_or_mismatched_checkpoints_are_refused(tmp_path):
+    root = tmp_path / "checkpoints"
+    run_distributed(_save_ranks, 2, root)
+    with pytest.raises(CheckpointError, match=r"written by a run that differs.*tp: checkpoint 1, config 2"):
+        open_checkpoint(step_dir(root, 7), {"tp": 2})
+    with pytest.raises(CheckpointError, match="no meta.json"):
+        open_checkpoint(root / ".step_00000005.tmp", {})
+    shard = step_dir(root, 7) / "rank_00001.pt"
+    shard.write_bytes(shard.read_bytes()[:-10])  # a truncated shard
+    with pytest.raises(CheckpointError, match=r"rank_00001\.pt: \d+ bytes, meta\.json recorded \d+: .*damaged"):
+        open_checkpoint(step_dir(root, 7), {})
+
+
+def _overrides(tiny_moe_dir, run_dir, steps, *extra):
+    return [f"model.hf_dir={tiny_moe_dir}", f"run.dir={run_dir}", f"run.steps={steps}", "trainer.world_size=2",
+            "trainer.ep=2", "rollout.tp=2", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=2",
+            "data.prompts_per_step=4", "sync.interval=2", "sync.offset=1", "sync.push_initial=true",
+            "optimizer.lr=0.003", "algorithm.name=red_drop", "checkpoint.interval=2", *extra]
+
+
+def _records(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_resume_reproduces_the_uninterrupted_run(moe_fleet, tiny_moe_dir, tmp_path):
+    """Sync (2, 1): the fleet runs a batch ahead on lagged weights, and RED-Drop's random drops are state too.
+    Run A goes 5 steps. Run B stops after step 3 (its last checkpoint is after step 2: step 3 is not a point
+    where the fleet holds no state), then resumes to 5: its steps 3 and 4 equal A's."""
+    a_dir, b_dir = tmp_path / "a", tmp_path / "b"
+    train(prepare(None, _overrides(tiny_moe_dir, a_dir, 5)), fleet_urls=moe_fleet.urls)
+    train(prepare(None, _overrides(tiny_moe_dir, b_dir, 4)), fleet_urls=moe_fleet.urls)
+    assert latest_checkpoint(b_dir / "checkpoints") == step_dir(b_dir / "checkpoints", 2)
+    with pytest.raises(ConfigError, match="already holds a run"):
+        prepare(None, _overrides(tiny_moe_dir, b_dir, 5))
+    train(prepare(None, _overrides(tiny_moe_dir, b_dir, 5, "checkpoint.resume=latest")), fleet_urls=moe_fleet.urls)
+
+    a, b = _records(a_dir), _records(b_dir)
+    assert [r["step"] for r in b] == list(range(5))  # B's first step 3 (after its checkpoint) was replaced
+    for ra, rb in zip(a[3:], b[3:], strict=True):
+        compared = [k for k in ra if not k.startswith("time/") and k != "sync/seconds"]
+        assert compared and set(compared) <= set(rb)
+        for k in compared:
+            if isinstance(ra[k], float) and math.isfinite(ra[k]):
+                assert rb[k] == pytest.approx(ra[k], rel=1e-6, abs=1e-9), (ra["step"], k, ra[k], rb[k])
+            else:
+                assert rb[k] == ra[k], (ra["step"], k)
+    assert b[3]["sync/count"] == 1 and b[3]["sync/bytes_received"] > 0  # the resumed run re-pushed before batch 4
+
+
+def test_resume_needs_a_complete_checkpoint(tiny_moe_dir, tmp_path):
+    with pytest.raises(ConfigError, match="holds no complete checkpoint"):
+        prepare(None, _overrides(tiny_moe_dir, tmp_path / "empty", 4, "checkpoint.resume=latest"))
