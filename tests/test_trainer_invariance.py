@@ -1,0 +1,289 @@
+"""Global aggregation through the REAL trainer: the same rollout batch gives the same loss and the same
+parameter gradients however it is split -- microbatches of 8, 4 or 2 sequences, data parallel 1 or 2,
+pipeline parallel 1 or 2, tensor parallel 2, expert parallel 2 (tiny MoE) -- for token-level losses
+(GRPO, REC-OneSide-IS) under `token-mean`, `seq-mean-token-mean` and `seq-mean-token-sum`, and for the
+sequence-level ones (GSPO, REC-GSPO-IS, OAPL).
+
+Every run goes through `train_on_batch` (packing, data-parallel share, microbatches, the registered
+loss) and `MegatronPolicy.train_step` (megatron's forward/backward schedule, gradient sums over
+microbatches and DP ranks); the gradients are read after the step, unclipped (`grad_clip` 1e9), and the
+weights are restored after each step so every run starts from the checkpoint.
+
+ONE reference for all of them, computed here independently: `transformers` on each sequence alone
+(no padding, no batching), dense `log_softmax`, and each loss written out from `notes/algorithms.md`
+for the whole batch at once, then `.backward()`. Engine log-probs are the reference log-probs shifted
+by fixed offsets, so token ratios and GSPO sequence ratios sit well inside or well outside the clip
+band (a 1e-6 numeric difference cannot flip a mask; asserted).
+
+Tolerances (fp32 on CPU): megatron and transformers use different kernels and reduction orders
+(fused QKV, vocab-parallel softmax, TP partial sums), ~1e-6 apart in log-probs. Losses: rtol 1e-5 and
+atol 1e-6; global grad norm: rtol 1e-4; gradients, per HF tensor block: `|g - g_ref| <= 1e-5 * max|g_ref|`
+(the model-wide largest reference gradient). A wrong normaliser (a microbatch or DP count) is off by
+>= 25%. Different splits of one layout (same kernels) agree to 2e-6 of the largest gradient. Observed:
+gradients within 2.6e-6 of the largest (OAPL), losses within 3e-7, splits within 7e-7 (MoE).
+
+Not covered: packed rows (several responses in one row): `pack_batch` puts each response in its own
+padded row, so there is no packing to test; a response is never split across microbatches or ranks.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from megarl.config.schema import AlgorithmConfig, Config, ModelConfig, OptimizerConfig, TrainerConfig
+from megarl.models.tiny import make_tiny_checkpoint
+from megarl.parallel.groups import TrainerLayout
+from megarl.rollout.batch import RolloutBatch
+from tests.dist_utils import free_port, run_distributed
+from tests.test_megatron_vs_hf import _per_expert
+
+PAD = 0
+PROMPTS = [[5, 6], [7, 8, 9], [10], [11, 12], [13, 14, 15], [16], [17, 18], [19, 20]]
+RESPONSE_LENGTHS = [3, 1, 5, 2, 6, 2, 4, 1]  # uneven: 24 response tokens, rows padded to 9 positions
+REWARDS = torch.tensor([[1.0, 0.0, 0.5, 1.0], [0.0, 0.0, 1.0, 0.25]])  # 2 groups of K = 4
+DELTAS = (0.6, -0.1, 0.1, -0.6)  # logp - engine_logp per token: ratios 1.82, 0.90, 1.11, 0.55
+EPS = 0.2  # clip band [0.8, 1.2]
+OAPL_BETA2 = 0.5  # large enough that the log-ratio term of the OAPL residual matters
+
+# (algorithm, loss_agg); loss_agg is ignored by the sequence-level algorithms
+CASES = [
+    ("grpo", "token-mean"),
+    ("grpo", "seq-mean-token-mean"),
+    ("rec_onesided_is", "token-mean"),
+    ("rec_onesided_is", "seq-mean-token-mean"),
+    ("rec_onesided_is", "seq-mean-token-sum"),
+    ("gspo", "token-mean"),
+    ("rec_gspo_is", "token-mean"),
+    ("oapl", "token-mean"),
+]
+MICRO_BATCH_SIZES = (8, 4, 2)  # 1x8, 2x4, 4x2 microbatches of the global batch (per DP rank: at most its share)
+# (name, world size, layout, checkpoint kind): all run inside ONE spawned pair of processes, one after the
+# other; a rank outside a layout's world waits for the next layout
+LAYOUTS = [
+    ("dp1", 1, TrainerLayout(), "dense"),
+    ("dp2", 2, TrainerLayout(), "dense"),
+    ("pp2", 2, TrainerLayout(pp=2), "dense"),
+    ("tp2", 2, TrainerLayout(tp=2), "dense"),
+    ("moe-ep2", 2, TrainerLayout(ep=2), "moe"),
+]
+LOSS_TOL = dict(rtol=1e-5, atol=1e-6)
+GRAD_TOL = 1e-5  # of the largest reference gradient
+SPLIT_TOL = 2e-6  # between splits of one layout, of the largest reference gradient (MoE: ~7e-7)
+
+
+def _algo_cfg(name: str, agg: str) -> AlgorithmConfig:
+    return AlgorithmConfig(name=name, loss_agg=agg, eps_low=EPS, eps_high=EPS, oapl_beta2=OAPL_BETA2)
+
+
+# ---------------------------------------------------------------- the reference: transformers, written-out losses
+
+
+def _responses() -> list[list[int]]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(3, 32, (n,), generator=g).tolist() for n in RESPONSE_LENGTHS]
+
+
+def _hf_logprobs(model, responses) -> list[torch.Tensor]:
+    """Per sequence, alone: `log pi(y_i^t | x, y_i^<t)` for its response tokens, `[|y_i|]`."""
+    out = []
+    for prompt, response in zip(PROMPTS, responses, strict=True):
+        seq = torch.tensor([prompt + response])
+        logsm = torch.log_softmax(model(seq).logits[0].float(), dim=-1)
+        positions = torch.arange(len(prompt) - 1, len(prompt) + len(response) - 1)  # position t predicts t+1
+        out.append(logsm[positions, torch.tensor(response)])
+    return out
+
+
+def _engine_logprobs(ref_lp: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [lp.detach() - torch.tensor([DELTAS[(i + t) % 4] for t in range(len(lp))])
+            for i, lp in enumerate(ref_lp)]
+
+
+def _reference_loss(name: str, agg: str, lp: list[torch.Tensor], old: list[torch.Tensor], cfg) -> torch.Tensor:
+    """The whole batch at once, from notes/algorithms.md (masks without gradient)."""
+    r = REWARDS
+    n, tokens = len(lp), sum(len(x) for x in lp)
+    mean, std = r.mean(-1, keepdim=True), r.std(-1, unbiased=False, keepdim=True)
+    adv = {"grpo": (r - mean) / (std + cfg.adv_eps), "gspo": (r - mean) / (std + cfg.adv_eps),
+           "rec_onesided_is": r - mean, "rec_gspo_is": r - mean}.get(name)
+    if name == "oapl":  # A_i = r_i - V_hat(x), V_hat = beta1 log((1/K) sum_i exp(r_i / beta1))
+        b1 = cfg.oapl_beta1
+        adv = r - b1 * torch.log(torch.exp(r / b1).mean(-1, keepdim=True))
+    adv = adv.reshape(-1)
+
+    def one_side(ratio, a):  # M = 1(A>0, ratio <= 1+eps_high) + 1(A<0, ratio >= 1-eps_low)
+        ratio = ratio.detach()
+        return (((a > 0) & (ratio <= 1 + cfg.eps_high)) | ((a < 0) & (ratio >= 1 - cfg.eps_low))).float()
+
+    if name in ("gspo", "rec_gspo_is"):  # -(1/N) sum_i A_i s_i M_i, s_i = exp(mean_t (logp - oldlogp))
+        s = torch.stack([torch.exp((x - o).mean()) for x, o in zip(lp, old, strict=True)])
+        return -(adv * s * one_side(s, adv)).sum() / n
+    if name == "oapl":  # (1/N) sum_i (beta2 (logp_i - vllm_logp_i) - A_i)^2, sequence log-probs
+        logratio = torch.stack([x.sum() - o.sum() for x, o in zip(lp, old, strict=True)])
+        return ((cfg.oapl_beta2 * logratio - adv) ** 2).sum() / n
+    per_token = []
+    for x, o, a in zip(lp, old, adv, strict=True):
+        ratio = torch.exp(x - o)
+        if name == "grpo":  # -min(ratio A, clip(ratio, 1-eps_low, 1+eps_high) A)
+            per_token.append(-torch.minimum(ratio * a, torch.clamp(ratio, 1 - cfg.eps_low, 1 + cfg.eps_high) * a))
+        else:  # REC-OneSide-IS: -A ratio M
+            per_token.append(-a * ratio * one_side(ratio, a))
+    if agg == "token-mean":
+        return sum(x.sum() for x in per_token) / tokens
+    if agg == "seq-mean-token-mean":
+        return sum(x.mean() for x in per_token) / n
+    assert agg == "seq-mean-token-sum"
+    return sum(x.sum() for x in per_token) / n
+
+
+def _reference(hf_dir, responses, engine):
+    """Per case: the loss and the gradients by HF checkpoint name."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    out = {}
+    for name, agg in CASES:
+        model.zero_grad(set_to_none=True)
+        loss = _reference_loss(name, agg, _hf_logprobs(model, responses), engine, _algo_cfg(name, agg))
+        loss.backward()
+        grads = _per_expert({n: p.grad.clone() for n, p in model.named_parameters()})
+        out[(name, agg)] = (float(loss.detach()), grads)
+    return out
+
+
+def _check_margins(ref_lp: list[torch.Tensor], engine: list[torch.Tensor]) -> None:
+    """No token ratio and no GSPO sequence ratio within 1e-2 (in log space) of a clip boundary, and the
+    batch has clipped and unclipped tokens and sequences (so the masks are exercised)."""
+    bounds = torch.tensor([math.log(1 - EPS), math.log(1 + EPS)])
+    token = torch.cat([x - o for x, o in zip(ref_lp, engine, strict=True)])
+    seq = torch.stack([(x - o).mean() for x, o in zip(ref_lp, engine, strict=True)])
+    for logratio in (token, seq):
+        assert (logratio[:, None] - bounds).abs().min() > 1e-2
+        inside = (logratio >= bounds[0]) & (logratio <= bounds[1])
+        assert inside.any() and not inside.all()
+
+
+# ---------------------------------------------------------------- the trainer: every layout in one spawned pair
+
+
+def _batch(responses, engine) -> RolloutBatch:
+    return RolloutBatch(index=0, prompt_ids=PROMPTS, response_ids=responses,
+                        engine_logprobs=[e.tolist() for e in engine], rewards=REWARDS,
+                        advantages=torch.zeros_like(REWARDS), policy_version=0)
+
+
+def _grad_errors(policy, hf, reference: dict[str, torch.Tensor]) -> list[tuple]:
+    """`(hf_name, box, max |g - g_ref|, g)` for each HF block of this rank's parameter gradients."""
+    from megarl.models.hf_layout import layout_for
+
+    layout = layout_for(policy.model, hf)
+    rows = []
+    for n, p in policy.model.named_parameters():
+        for idx, block in layout.blocks(n, tuple(p.shape)):
+            ref = reference[block.name][tuple(slice(a, b) for a, b in block.box)]
+            rows.append((block.name, block.box, float((p.grad[idx] - ref).abs().max()), p.grad[idx].clone()))
+    return rows
+
+
+def _trainer_rank(rank, world, layouts, ports, hf_dirs, responses, engines, references):
+    import dataclasses
+
+    from megarl.algorithms.registry import get_algorithm
+    from megarl.models.qwen_provider import read_hf_config
+    from megarl.parallel.groups import destroy_trainer_groups, dp_rank_and_size, init_trainer_groups
+    from megarl.trainer.policy import MegatronPolicy
+    from megarl.trainer.step import train_on_batch
+
+    results = {}
+    for (label, size, layout, kind), port in zip(layouts, ports, strict=True):
+        if rank >= size:
+            continue
+        init_trainer_groups(layout, rank, size, "127.0.0.1", port)
+        try:
+            hf_dir = hf_dirs[kind]
+            hf = read_hf_config(hf_dir)
+            policy = MegatronPolicy(hf_dir, hf, OptimizerConfig(lr=1e-3, grad_clip=1e9))
+            initial = [p.detach().clone() for p in policy.model.parameters()]
+            dp_rank, dp = dp_rank_and_size()
+            for name, agg in CASES:
+                algorithm = get_algorithm(name)
+                algo_cfg = _algo_cfg(name, agg)
+                batch = dataclasses.replace(_batch(responses, engines[kind]),
+                                            advantages=algorithm.advantages(REWARDS, algo_cfg))
+                first = None
+                for micro in MICRO_BATCH_SIZES:
+                    cfg = Config(model=ModelConfig(hf_dir=hf_dir),
+                                 trainer=TrainerConfig(world_size=size, tp=layout.tp, pp=layout.pp, ep=layout.ep,
+                                                       micro_batch_size=micro),
+                                 algorithm=algo_cfg)
+                    metrics = train_on_batch(policy, batch, algorithm, cfg, PAD, dp_rank, dp, lag=0)
+                    rows = _grad_errors(policy, hf, references[(kind, name, agg)][1])
+                    grads = [r[3] for r in rows]
+                    if first is None:
+                        first, split_diff = grads, 0.0
+                    else:
+                        split_diff = max(float((a - b).abs().max()) for a, b in zip(grads, first, strict=True))
+                    results[(label, name, agg, micro)] = (metrics["loss"], metrics["grad_norm"],
+                                                          [r[:3] for r in rows], split_diff)
+                    with torch.no_grad():  # back to the checkpoint's weights for the next run
+                        for p, p0 in zip(policy.model.parameters(), initial, strict=True):
+                            p.copy_(p0)
+        finally:
+            destroy_trainer_groups()
+    return results
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    return {kind: make_tiny_checkpoint(root / kind, kind=kind) for kind in ("dense", "moe")}
+
+
+def test_loss_and_gradients_do_not_depend_on_the_split(checkpoints):
+    from transformers import AutoModelForCausalLM
+
+    responses = _responses()
+    engines, references = {}, {}
+    for kind in ("dense", "moe"):
+        with torch.no_grad():
+            model = AutoModelForCausalLM.from_pretrained(checkpoints[kind], dtype=torch.float32)
+            ref_lp = _hf_logprobs(model, responses)
+        engines[kind] = _engine_logprobs(ref_lp)
+        _check_margins(ref_lp, engines[kind])
+        for case, value in _reference(checkpoints[kind], responses, engines[kind]).items():
+            references[(kind, *case)] = value
+    ports = [free_port() for _ in LAYOUTS]
+    per_rank = run_distributed(_trainer_rank, 2, LAYOUTS, ports, checkpoints, responses, engines, references,
+                               init_dist=False)
+
+    failures = []
+    for label, size, _layout, kind in LAYOUTS:
+        for name, agg in CASES:
+            ref_loss, ref_grads = references[(kind, name, agg)]
+            scale = max(float(g.abs().max()) for g in ref_grads.values())
+            ref_norm = math.sqrt(sum(float(g.pow(2).sum()) for g in ref_grads.values()))
+            for micro in MICRO_BATCH_SIZES:
+                case = f"{label} {name} {agg} micro={micro}"
+                covered = {n: torch.zeros_like(g, dtype=torch.bool) for n, g in ref_grads.items()}
+                worst, split_diff = 0.0, 0.0
+                for results in per_rank[:size]:
+                    loss, norm, rows, diff = results[(label, name, agg, micro)]
+                    if not math.isclose(loss, ref_loss, rel_tol=LOSS_TOL["rtol"], abs_tol=LOSS_TOL["atol"]):
+                        failures.append(f"{case}: loss {loss} vs reference {ref_loss}")
+                    if not math.isclose(norm, ref_norm, rel_tol=1e-4):
+                        failures.append(f"{case}: grad norm {norm} vs reference {ref_norm}")
+                    for hf_name, box, err in rows:
+                        covered[hf_name][tuple(slice(a, b) for a, b in box)] = True
+                        worst = max(worst, err)
+                    split_diff = max(split_diff, diff)
+                if worst > GRAD_TOL * scale:
+                    failures.append(f"{case}: max gradient error {worst:.3g} > {GRAD_TOL} * {scale:.3g}")
+                if split_diff > SPLIT_TOL * scale:
+                    failures.append(f"{case}: gradients differ from micro={MICRO_BATCH_SIZES[0]} by {split_diff:.3g}")
+                missing = [n for n, c in covered.items() if not c.all()]
+                if missing:
+                    failures.append(f"{case}: no rank holds gradients of {missing}")
+    assert not failures, "\n".join(failures)
