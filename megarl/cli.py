@@ -1,7 +1,7 @@
 """`megarl` command line.
 
     megarl train --config configs/demo_moe.yaml [section.field=value ...]
-    megarl check --config FILE [overrides]    validate a config against its model, start nothing
+    megarl check --config FILE [--gpu] [overrides]  validate a config against its model, start nothing
     megarl algorithms                         list registered algorithms
     megarl make-tiny DIR --kind moe|dense     write a tiny random HF checkpoint with its tokenizer
 """
@@ -24,6 +24,10 @@ def _parser() -> argparse.ArgumentParser:
         c = sub.add_parser(name, help=help_text)
         c.add_argument("--config", required=True, help="YAML recipe, e.g. configs/demo_moe.yaml")
         c.add_argument("overrides", nargs="*", help="section.field=value overrides, e.g. sync.interval=4")
+        if name == "check":
+            c.add_argument("--gpu", action="store_true",
+                           help="check the layout for a GPU job (default: for this machine; on a CPU machine "
+                           "MoE with trainer.tp>1 is refused, since it needs Transformer Engine)")
     sub.add_parser("algorithms", help="list registered algorithms")
     t = sub.add_parser("make-tiny", help="write a tiny random Qwen3 / Qwen3-MoE checkpoint")
     t.add_argument("out_dir")
@@ -38,9 +42,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in ("train", "check"):
             from megarl.launch import prepare, train
 
-            cfg = prepare(args.config, args.overrides, create_run_dir=args.command == "train")
+            for_gpu = True if getattr(args, "gpu", False) else None
+            cfg = prepare(args.config, args.overrides, create_run_dir=args.command == "train", for_gpu=for_gpu)
             if args.command == "check":
-                print(f"config OK: {args.config}")
+                print(f"config OK{' for a GPU job' if for_gpu else ''}: {args.config}")
                 return 0
             summary = train(cfg)
             print(f"done: reward {summary['reward/first_steps_mean']:.3f} -> {summary['reward/last_steps_mean']:.3f}; "

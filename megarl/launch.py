@@ -30,8 +30,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def prepare(config_path: str | None, overrides: list[str], create_run_dir: bool = True) -> Config:
-    """Validate the config and the model layout; make the tiny checkpoint and the run directory."""
+def prepare(config_path: str | None, overrides: list[str], create_run_dir: bool = True,
+            for_gpu: bool | None = None) -> Config:
+    """Validate the config and the model layout; make the tiny checkpoint and the run directory.
+    `for_gpu`: check the layout for a GPU job (True) or a CPU one (False); None: for this machine."""
     import torch
 
     cfg = load_config(config_path, overrides)
@@ -39,7 +41,8 @@ def prepare(config_path: str | None, overrides: list[str], create_run_dir: bool 
         from megarl.models.tiny import ensure_tiny_checkpoint
 
         ensure_tiny_checkpoint(cfg.model.hf_dir, kind=cfg.model.tiny, seed=cfg.run.seed)
-    check_against_model(cfg, read_hf_config(cfg.model.hf_dir), cuda=torch.cuda.is_available())
+    cuda = torch.cuda.is_available() if for_gpu is None else for_gpu
+    check_against_model(cfg, read_hf_config(cfg.model.hf_dir), cuda=cuda)
     if cfg.checkpoint.resume is not None:  # fail here, before anything starts, if the checkpoint is unusable
         from megarl.checkpoint import CheckpointError
         from megarl.loop import resume_point
