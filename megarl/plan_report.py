@@ -1,0 +1,297 @@
+"""`megarl plan`: parameters and bytes per trainer rank and per rollout rank, and what one weight sync moves.
+
+Everything is computed from the Hugging Face `config.json` and the run config's layouts: no weights are read
+and no model is built, so a 30B plan takes a second on a laptop.
+
+- total: every tensor of the HF checkpoint (`vllm_rank_slices` at TP 1 lists each one whole);
+- trainer rank: the shapes of megatron-core's local parameters at the rank's pipeline stage, the way
+  `megarl.models.qwen_provider.build_gpt_model` builds them: the vocabulary padded by `padded_vocab_size`
+  and split over tp, layers split evenly over pp (megatron refuses an uneven split without extra options),
+  attention and dense MLPs split over tp, experts split over ep with their MLPs split over expert tensor
+  parallel (= tp, megatron's default), norms, q/k norms and the router whole on every rank that holds their
+  layer. Names follow the local layer spec; the Transformer Engine spec (GPUs) fuses the two norms of a dense
+  layer into `linear_qkv` / `linear_fc1` under other names, with the same counts;
+- rollout rank: the HF blocks vLLM TP rank r loads (`vllm_rank_slices`): exactly what one sync sends to it
+  (vLLM's own vocabulary padding rows are not sent). One sync sends that to every replica.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from megarl.config.load import ConfigError, check_against_model, load_config, num_experts, read_hf_config
+from megarl.config.schema import Config, TrainerConfig
+from megarl.models.qwen_provider import head_dim, padded_vocab_size
+from megarl.sync.plan import vllm_rank_slices
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
+GB = 10**9  # decimal gigabytes, as model cards and network bandwidths count
+
+
+def hf_tensor_shapes(hf: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor of the HF checkpoint (no lm_head when the embeddings are tied)."""
+    return {s.name: s.full_shape for s in vllm_rank_slices(hf, 1, 0)}
+
+
+def total_params(hf: dict[str, Any]) -> int:
+    return sum(s.numel for s in vllm_rank_slices(hf, 1, 0))
+
+
+def active_params(hf: dict[str, Any]) -> int:
+    """Parameters one token runs through: all but the (experts - top_k) experts it is not routed to."""
+    experts = num_experts(hf)
+    if not experts:
+        return total_params(hf)
+    expert_params = sum(s.numel for s in vllm_rank_slices(hf, 1, 0) if ".mlp.experts." in s.name)
+    return total_params(hf) - expert_params * (experts - hf["num_experts_per_tok"]) // experts
+
+
+def megatron_local_shapes(hf: dict[str, Any], tp: int, pp: int, ep: int, pp_rank: int) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of the megatron-core parameters of one rank at pipeline stage `pp_rank` (every rank of a
+    stage holds the same shapes; local layer spec names, stage-local layer indices)."""
+    h, d = hf["hidden_size"], head_dim(hf)
+    heads = hf["num_attention_heads"]
+    groups = hf.get("num_key_value_heads", heads)
+    qwen2 = hf.get("model_type", "").startswith("qwen2")
+    experts = num_experts(hf)
+    vocab_rows = padded_vocab_size(hf, tp) // tp
+    shapes: dict[str, tuple[int, ...]] = {}
+    if pp_rank == 0:
+        shapes["embedding.word_embeddings.weight"] = (vocab_rows, h)
+    qkv_rows = (heads + 2 * groups) * d // tp  # [q; k; v] rows of this rank's query groups
+    for i in range(hf["num_hidden_layers"] // pp):
+        p = f"decoder.layers.{i}"
+        shapes[f"{p}.input_layernorm.weight"] = (h,)
+        shapes[f"{p}.self_attention.linear_qkv.weight"] = (qkv_rows, h)
+        if qwen2:
+            shapes[f"{p}.self_attention.linear_qkv.bias"] = (qkv_rows,)
+        else:
+            shapes[f"{p}.self_attention.q_layernorm.weight"] = (d,)
+            shapes[f"{p}.self_attention.k_layernorm.weight"] = (d,)
+        shapes[f"{p}.self_attention.linear_proj.weight"] = (h, heads * d // tp)
+        shapes[f"{p}.pre_mlp_layernorm.weight"] = (h,)
+        if experts:
+            shapes[f"{p}.mlp.router.weight"] = (experts, h)
+            inter = hf["moe_intermediate_size"] // tp  # expert tensor parallel = tp
+            for j in range(experts // ep):
+                shapes[f"{p}.mlp.experts.local_experts.{j}.linear_fc1.weight"] = (2 * inter, h)  # [gate; up]
+                shapes[f"{p}.mlp.experts.local_experts.{j}.linear_fc2.weight"] = (h, inter)
+        else:
+            inter = hf["intermediate_size"] // tp
+            shapes[f"{p}.mlp.linear_fc1.weight"] = (2 * inter, h)
+            shapes[f"{p}.mlp.linear_fc2.weight"] = (h, inter)
+    if pp_rank == pp - 1:
+        shapes["decoder.final_layernorm.weight"] = (h,)
+        if not hf.get("tie_word_embeddings", False):  # tied (pp = 1 only): the embedding is the output layer
+            shapes["output_layer.weight"] = (vocab_rows, h)
+    return shapes
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def pipeline_stage_of(rank: int, t: TrainerConfig) -> int:
+    """Megatron's rank order is tp-cp-ep-dp-pp: the pipeline stage is the outermost coordinate."""
+    return rank // (t.world_size // t.pp)
+
+
+@dataclass(frozen=True)
+class StageSize:
+    """What every trainer rank of one pipeline stage holds."""
+
+    stage: int
+    layers: range  # global layer indices
+    ranks: list[int]
+    params: int
+    expert_params: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    total_params: int
+    active_params: int
+    trainer_stages: list[StageSize]
+    trainer_rank_params: list[int]  # by global trainer rank
+    rollout_rank_params: list[int]  # by vLLM TP rank: elements one sync sends to that rank (each replica)
+    replicas: int
+    dtype: str
+
+    @property
+    def bytes_per_param(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def sync_bytes_per_replica(self) -> int:
+        return sum(self.rollout_rank_params) * self.bytes_per_param
+
+    @property
+    def sync_bytes_total(self) -> int:
+        return self.sync_bytes_per_replica * self.replicas
+
+
+def make_plan(hf: dict[str, Any], cfg: Config, dtype: str = "bf16") -> Plan:
+    """Sizes for the config's trainer and rollout layouts (call `check_layout_for_gpu` first)."""
+    if dtype not in DTYPE_BYTES:
+        raise ConfigError(f"--dtype={dtype}: choose one of {', '.join(DTYPE_BYTES)}")
+    t, r = cfg.trainer, cfg.rollout
+    per_stage = t.world_size // t.pp
+    layers_per_stage = hf["num_hidden_layers"] // t.pp
+    stages = []
+    for s in range(t.pp):
+        shapes = megatron_local_shapes(hf, t.tp, t.pp, t.ep, s)
+        stages.append(StageSize(
+            stage=s, layers=range(s * layers_per_stage, (s + 1) * layers_per_stage),
+            ranks=list(range(s * per_stage, (s + 1) * per_stage)),
+            params=sum(map(_numel, shapes.values())),
+            expert_params=sum(_numel(v) for k, v in shapes.items() if ".local_experts." in k),
+        ))
+    return Plan(
+        total_params=total_params(hf), active_params=active_params(hf), trainer_stages=stages,
+        trainer_rank_params=[stages[pipeline_stage_of(rank, t)].params for rank in range(t.world_size)],
+        rollout_rank_params=[sum(s.numel for s in vllm_rank_slices(hf, r.tp, k)) for k in range(r.tp)],
+        replicas=r.replicas, dtype=dtype,
+    )
+
+
+def megatron_layout_problems(cfg: Config, hf: dict[str, Any]) -> list[str]:
+    """What megatron-core itself refuses at start-up and `check_against_model` does not check yet."""
+    t = cfg.trainer
+    problems = []
+    if hf["num_hidden_layers"] % t.pp:
+        problems.append(f"trainer.pp={t.pp} does not divide num_hidden_layers={hf['num_hidden_layers']}: megatron "
+                        "splits layers evenly over pipeline stages; use a divisor")
+    if num_experts(hf) and t.world_size % (t.tp * t.ep * t.pp):
+        problems.append(f"trainer.world_size={t.world_size} is not a multiple of tp*ep*pp = {t.tp * t.ep * t.pp}: "
+                        "experts are split over ep groups of expert-tensor-parallel (= tp) ranks in every stage; "
+                        "raise trainer.world_size or lower trainer.ep")
+    return problems
+
+
+def check_layout_for_gpu(cfg: Config, hf: dict[str, Any]) -> None:
+    """`check_against_model` as for a GPU job (cuda=True) plus megatron's own start-up checks; raises ConfigError."""
+    extra = megatron_layout_problems(cfg, hf)
+    try:
+        check_against_model(cfg, hf, cuda=True)
+    except ConfigError as err:
+        raise ConfigError("\n".join([str(err), *(f"  {p}" for p in extra)])) from None
+    if extra:
+        raise ConfigError("configuration does not fit the model:\n" + "\n".join(f"  {p}" for p in extra))
+
+
+def _b(params: int) -> str:
+    return f"{params:,} ({params / 1e9:.2f} B)" if params >= 10**8 else f"{params:,}"
+
+
+def _gb(nbytes: int) -> str:
+    return f"{nbytes / GB:.2f} GB" if nbytes >= 10**7 else f"{nbytes:,} B"
+
+
+def _nbytes(nbytes: int) -> str:
+    return f"{nbytes:,} bytes" + (f" = {nbytes / GB:.2f} GB" if nbytes >= 10**7 else "")
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 else str(ranks[0])
+
+
+def format_plan(plan: Plan, cfg: Config, hf: dict[str, Any]) -> str:
+    """The report `megarl plan` prints: model totals, a table per pipeline stage, a table per vLLM TP rank."""
+    t, r, nb = cfg.trainer, cfg.rollout, plan.bytes_per_param
+    experts = num_experts(hf)
+    kv_heads = hf.get("num_key_value_heads", hf["num_attention_heads"])
+    moe = f", {experts} experts top-{hf['num_experts_per_tok']}" if experts else ""
+    lines = [
+        f"model: {hf.get('model_type', '?')} from {cfg.model.hf_dir}: {hf['num_hidden_layers']} layers, hidden "
+        f"{hf['hidden_size']}, {hf['num_attention_heads']} heads / {kv_heads} KV heads{moe}, vocab {hf['vocab_size']}",
+        f"total: {_b(plan.total_params)} parameters = {_nbytes(plan.total_params * nb)} in {plan.dtype}",
+    ]
+    if experts:
+        lines.append(f"active per token: {_b(plan.active_params)} parameters")
+    lines.append("layout: checked as for a GPU job (check_against_model with cuda=True, plus megatron's start-up "
+                 "checks): OK")
+    if experts and t.tp > 1:
+        lines.append(f"  trainer.tp={t.tp} with a MoE model needs Transformer Engine: a GPU layout, not one for the "
+                     "CPU stack")
+
+    dp = t.world_size // (t.tp * t.pp)
+    lines += ["", f"trainer: {t.world_size} ranks = tp {t.tp} x pp {t.pp} x dp {dp}"]
+    if experts:
+        lines.append(f"  experts: ep {t.ep} x expert-tp {t.tp} x expert-dp {t.world_size // (t.tp * t.ep * t.pp)} "
+                     f"per stage, {experts // t.ep} experts per rank")
+    lines.append(f"  vocabulary padded to {padded_vocab_size(hf, t.tp)} rows (a multiple of tp), "
+                 f"{padded_vocab_size(hf, t.tp) // t.tp} per rank")
+    head = f"  {'stage':>5} {'layers':>7} {'ranks':>9} {'params per rank':>28} {plan.dtype + ' per rank':>14}"
+    head += "  of which experts" if experts else ""
+    lines += [head, "  " + "-" * (len(head) - 2)]
+    for s in plan.trainer_stages:
+        row = (f"  {s.stage:>5} {f'{s.layers.start}-{s.layers.stop - 1}':>7} {_ranks(s.ranks):>9} {_b(s.params):>28} "
+               f"{_gb(s.params * nb):>14}")
+        lines.append(row + (f"  {_b(s.expert_params)}" if experts else ""))
+    held = sum(plan.trainer_rank_params)
+    lines += [f"  all ranks together: {_b(held)} = {held / plan.total_params:.2f}x the model (replicated norms"
+              + (" and router" if experts else "") + ", data-parallel copies, vocabulary padding)",
+              "  weights only: gradients and optimizer state come on top"]
+
+    lines += ["", f"rollout: {r.replicas} replica(s) x vLLM tp {r.tp}; one weight sync sends every vLLM rank exactly "
+                  "the HF blocks its weight loaders read"]
+    head = f"  {'tp rank':>7} {'params':>28} {'bytes one sync sends it':>24}"
+    lines += [head, "  " + "-" * (len(head) - 2)]
+    for k, n in enumerate(plan.rollout_rank_params):
+        lines.append(f"  {k:>7} {_b(n):>28} {n * nb:>24,}")
+    per_rep, total, every = plan.sync_bytes_per_replica, plan.sync_bytes_total, cfg.sync.interval
+    whole = "norms" + (" and the router" if experts else "") + " whole on every rank"
+    if r.tp > kv_heads:
+        whole += f", each KV head on {r.tp // kv_heads} ranks"
+    lines += [
+        f"  one replica: {_nbytes(per_rep)} = {per_rep / (plan.total_params * nb):.4f}x the model ({whole})",
+        f"one sync, all {r.replicas} replica(s): {_nbytes(total)}",
+        f"sync.interval={every}: " + (f"one sync every {every} optimizer steps, {_gb(total // every)} per step on "
+                                      f"average ({_gb(total)} per step with sync.interval=1)"
+                                      if every > 1 else f"one sync after every optimizer step, {_gb(total)} per step"),
+    ]
+    return "\n".join(lines)
+
+
+def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add the `plan` sub-command to the `megarl` CLI's sub-parsers."""
+    p = subparsers.add_parser(
+        "plan", help="parameters and bytes per trainer / rollout rank and per weight sync (no weights loaded)",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--config", required=True, help="YAML recipe, e.g. configs/qwen3_30b_a3b_guru.yaml")
+    p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16",
+                   help="bytes per parameter of the weights counted (default bf16)")
+    p.add_argument("overrides", nargs="*", help="section.field=value overrides, e.g. rollout.tp=8")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the plan for `args.config`; 2 (with the reason on stderr) for a config that cannot run."""
+    try:
+        cfg = load_config(args.config, args.overrides)
+        if cfg.model.tiny is not None:  # as `megarl check`: the tiny checkpoint is made when missing
+            from megarl.models.tiny import ensure_tiny_checkpoint
+
+            ensure_tiny_checkpoint(cfg.model.hf_dir, kind=cfg.model.tiny, seed=cfg.run.seed)
+        hf = read_hf_config(cfg.model.hf_dir)
+        check_layout_for_gpu(cfg, hf)
+        plan = make_plan(hf, cfg, args.dtype)
+    except ConfigError as err:
+        print(f"megarl plan: {err}", file=sys.stderr)
+        return 2
+    print(f"megarl plan --config {args.config}" + "".join(f" {o}" for o in args.overrides))
+    print(format_plan(plan, cfg, hf))
+    return 0
+
+
+if __name__ == "__main__":
+    _parser = argparse.ArgumentParser(prog="python -m megarl.plan_report")
+    _args = register(_parser.add_subparsers(dest="command", required=True)).parse_args(sys.argv[1:])
+    sys.exit(run(_args))
