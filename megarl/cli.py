@@ -4,14 +4,39 @@
     megarl check --config FILE [--gpu] [overrides]  validate a config against its model, start nothing
     megarl algorithms                         list registered algorithms
     megarl make-tiny DIR --kind moe|dense     write a tiny random HF checkpoint with its tokenizer
+    megarl plan --config FILE [--dtype bf16]  parameters and bytes per trainer / rollout rank and per sync
+    megarl export CHECKPOINT_DIR --out DIR    write a run checkpoint as a Hugging Face checkpoint
+    megarl bench logprob [--tp 1 2 4 ...]     peak memory and time of the vocab-parallel log-prob + entropy
+
+`megarl COMMAND --help` describes each command's options.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 from megarl.config.load import ConfigError
+
+# Commands whose modules are heavy to import: loaded only when the command runs. Each module has
+# `register(subparsers)` (adds its sub-command) and `run(args) -> int`.
+_DELEGATED = {
+    "plan": ("megarl.plan_report", "parameters and bytes per trainer / rollout rank and per weight sync"),
+    "export": ("megarl.models.hf_export", "write a run checkpoint as a Hugging Face checkpoint"),
+    "bench": ("megarl.bench.logprob", "benchmarks: `megarl bench logprob`"),
+}
+
+
+def _run_delegated(argv: list[str]) -> int:
+    command, rest = argv[0], argv[1:]
+    module = importlib.import_module(_DELEGATED[command][0])
+    if command == "bench":  # `megarl bench logprob ...`: the benchmarks are sub-commands of `bench`
+        parser = argparse.ArgumentParser(prog="megarl bench")
+    else:
+        parser, rest = argparse.ArgumentParser(prog="megarl"), argv
+    module.register(parser.add_subparsers(dest="command", required=True))
+    return module.run(parser.parse_args(rest))
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -29,6 +54,8 @@ def _parser() -> argparse.ArgumentParser:
                            help="check the layout for a GPU job (default: for this machine; on a CPU machine "
                            "MoE with trainer.tp>1 is refused, since it needs Transformer Engine)")
     sub.add_parser("algorithms", help="list registered algorithms")
+    for name, (_, help_text) in _DELEGATED.items():
+        sub.add_parser(name, help=help_text, add_help=False)
     t = sub.add_parser("make-tiny", help="write a tiny random Qwen3 / Qwen3-MoE checkpoint")
     t.add_argument("out_dir")
     t.add_argument("--kind", choices=("moe", "dense"), default="moe")
@@ -37,6 +64,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in _DELEGATED:
+        return _run_delegated(argv)
     args = _parser().parse_args(argv)
     try:
         if args.command in ("train", "check"):

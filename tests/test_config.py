@@ -44,9 +44,14 @@ def test_world_size_not_multiple_of_tp_pp():
         validate(_cfg(trainer={"world_size": 3, "tp": 2}))
 
 
-def test_more_expert_ranks_than_processes():
-    with pytest.raises(ConfigError, match=r"trainer\.ep=4 does not divide the ranks of one pipeline stage \(2\)"):
-        validate(_cfg(trainer={"world_size": 2, "ep": 4}))
+@pytest.mark.parametrize(("trainer", "dp"), [
+    ({"world_size": 2, "ep": 4}, 2),
+    # 4 ranks of one stage, but megatron-core's expert tensor parallel is tp: tp 2 x ep 4 needs 8 ranks
+    ({"world_size": 4, "tp": 2, "ep": 4}, 2),
+])
+def test_expert_parallel_must_divide_data_parallel(trainer, dp):
+    with pytest.raises(ConfigError, match=rf"trainer\.ep=4 does not divide the data-parallel size {dp}"):
+        validate(_cfg(trainer=trainer))
 
 
 def test_override_typing_and_bad_override():
@@ -72,6 +77,8 @@ def test_missing_config_file_named(tmp_path):
          r"trainer\.ep=4 does not divide num_experts=6"),
         (TINY_MOE, {"trainer": {"tp": 2}}, r"trainer\.tp=2 with a MoE model needs sequence parallel"),
         (TINY_MOE, {"trainer": {"world_size": 3, "pp": 3}}, r"trainer\.pp=3 exceeds num_hidden_layers=2"),
+        ({**TINY_DENSE, "num_hidden_layers": 3}, {"trainer": {"pp": 2}},
+         r"trainer\.pp=2 does not divide num_hidden_layers=3"),
         ({**TINY_DENSE, "tie_word_embeddings": True}, {"trainer": {"pp": 2}},
          r"trainer\.pp=2 with tie_word_embeddings=true"),
     ],

@@ -115,6 +115,11 @@ def check_against_model(cfg: Config, hf: dict[str, Any], cuda: bool) -> None:
         )
     if t.pp > hf["num_hidden_layers"]:
         problems.append(f"trainer.pp={t.pp} exceeds num_hidden_layers={hf['num_hidden_layers']}: lower trainer.pp")
+    elif hf["num_hidden_layers"] % t.pp:
+        problems.append(
+            f"trainer.pp={t.pp} does not divide num_hidden_layers={hf['num_hidden_layers']} (megatron-core splits "
+            "layers evenly over pipeline stages): use a divisor of the layer count"
+        )
     if experts == 0 and t.ep > 1:
         problems.append(f"trainer.ep={t.ep} but the model is dense: set trainer.ep=1")
     if experts and experts % t.ep:

@@ -211,9 +211,10 @@ class Config(_Strict):
                 "set trainer.world_size to a multiple of tp*pp (data parallel = world_size / (tp*pp))"
             )
         dp = t.world_size // (t.tp * t.pp)
-        if (dp * t.tp) % t.ep:
+        if dp % t.ep:  # megatron-core: expert tensor parallel = tp, so world_size % (tp * ep * pp) == 0
             raise ValueError(
-                f"trainer.ep={t.ep} does not divide the ranks of one pipeline stage ({dp * t.tp}): "
-                "lower trainer.ep or raise trainer.world_size"
+                f"trainer.ep={t.ep} does not divide the data-parallel size {dp} (world_size / (tp*pp)): megatron-core "
+                "places the expert-parallel ranks inside data parallel (with expert tensor parallel = tp), so "
+                "world_size must be a multiple of tp*pp*ep; lower trainer.ep or raise trainer.world_size"
             )
         return self
