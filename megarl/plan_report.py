@@ -160,29 +160,9 @@ def make_plan(hf: dict[str, Any], cfg: Config, dtype: str = "bf16") -> Plan:
     )
 
 
-def megatron_layout_problems(cfg: Config, hf: dict[str, Any]) -> list[str]:
-    """What megatron-core itself refuses at start-up and `check_against_model` does not check yet."""
-    t = cfg.trainer
-    problems = []
-    if hf["num_hidden_layers"] % t.pp:
-        problems.append(f"trainer.pp={t.pp} does not divide num_hidden_layers={hf['num_hidden_layers']}: megatron "
-                        "splits layers evenly over pipeline stages; use a divisor")
-    if num_experts(hf) and t.world_size % (t.tp * t.ep * t.pp):
-        problems.append(f"trainer.world_size={t.world_size} is not a multiple of tp*ep*pp = {t.tp * t.ep * t.pp}: "
-                        "experts are split over ep groups of expert-tensor-parallel (= tp) ranks in every stage; "
-                        "raise trainer.world_size or lower trainer.ep")
-    return problems
-
-
 def check_layout_for_gpu(cfg: Config, hf: dict[str, Any]) -> None:
-    """`check_against_model` as for a GPU job (cuda=True) plus megatron's own start-up checks; raises ConfigError."""
-    extra = megatron_layout_problems(cfg, hf)
-    try:
-        check_against_model(cfg, hf, cuda=True)
-    except ConfigError as err:
-        raise ConfigError("\n".join([str(err), *(f"  {p}" for p in extra)])) from None
-    if extra:
-        raise ConfigError("configuration does not fit the model:\n" + "\n".join(f"  {p}" for p in extra))
+    """`check_against_model` as for a GPU job (cuda=True); raises ConfigError naming every problem."""
+    check_against_model(cfg, hf, cuda=True)
 
 
 def _b(params: int) -> str:
@@ -214,8 +194,7 @@ def format_plan(plan: Plan, cfg: Config, hf: dict[str, Any]) -> str:
     ]
     if experts:
         lines.append(f"active per token: {_b(plan.active_params)} parameters")
-    lines.append("layout: checked as for a GPU job (check_against_model with cuda=True, plus megatron's start-up "
-                 "checks): OK")
+    lines.append("layout: checked as for a GPU job (megarl check --gpu): OK")
     if experts and t.tp > 1:
         lines.append(f"  trainer.tp={t.tp} with a MoE model needs Transformer Engine: a GPU layout, not one for the "
                      "CPU stack")
