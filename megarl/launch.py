@@ -93,7 +93,8 @@ def _trainer_rank(rank: int, cfg_data: dict[str, Any], fleet_urls: list[str], po
     init_trainer_groups(TrainerLayout(t.tp, t.pp, t.ep), rank, t.world_size, "127.0.0.1", ports["master"])
     try:
         hf = read_hf_config(cfg.model.hf_dir)
-        policy = MegatronPolicy(cfg.model.hf_dir, hf, cfg.optimizer, logprob_chunk=t.logprob_chunk_tokens)
+        policy = MegatronPolicy(cfg.model.hf_dir, hf, cfg.optimizer, logprob_chunk=t.logprob_chunk_tokens,
+                                distributed_optimizer=t.distributed_optimizer, recompute=t.recompute)
         clients = [RolloutClient(url) for url in fleet_urls] if rank == 0 else []
         weight_sync = PartitionedWeightSync(
             rank=rank, world_size=t.world_size, hf_config=hf, clients=clients, rollout_tp=cfg.rollout.tp,

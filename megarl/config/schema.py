@@ -45,6 +45,24 @@ class TrainerConfig(_Strict):
     logprob_chunk_tokens: int = Field(
         4096, ge=1, description="Tokens per chunk in the vocab-parallel log-prob/entropy (bounds peak memory)."
     )
+    pack_sequences: bool = Field(
+        False, description="Feed each microbatch to the model as ONE row: its sequences cut to their real length "
+        "and concatenated, with a block-diagonal causal mask (no compute on padding). Losses still see one row per "
+        "response, so sequence-level quantities (GSPO, OAPL) are per whole response. Local (CPU) layer spec only: "
+        "Transformer Engine needs THD packed-sequence parameters, not implemented yet.",
+    )
+    distributed_optimizer: bool = Field(
+        False, description="Shard the AdamW state over data-parallel replicas (ZeRO-1, torch's "
+        "ZeroRedundancyOptimizer): dense parameters over the data-parallel group, expert parameters over the "
+        "expert-data-parallel group, so each rank holds about 1/DP of the state; owners broadcast the parameters "
+        "they update (gradients are still all-reduced). Same updates as off. Checkpoints hold each rank's own "
+        "shard: resume with the same layout and the same setting.",
+    )
+    recompute: Literal["none", "full", "selective"] = Field(
+        "none", description="Activation recomputation (megatron's recompute_granularity): 'full' keeps only each "
+        "transformer layer's input and reruns the layer in backward; 'selective' reruns only the core attention "
+        "(its [b, heads, s, s] scores). Same loss and gradients, less activation memory, more compute.",
+    )
 
 
 class RolloutConfig(_Strict):

@@ -39,9 +39,24 @@ def use_transformer_engine() -> bool:
     return True
 
 
+def recompute_fields(recompute: str) -> dict[str, Any]:
+    """`trainer.recompute` -> megatron's activation-recomputation fields (megatron-core 0.16.1 names).
+    "full": every transformer layer is its own recompute unit (only each layer's input is kept; the layer runs
+    again in backward); "selective": only the core attention reruns (its [b, heads, s, s] scores and softmax
+    are not kept); "none": megatron's defaults (everything kept)."""
+    if recompute == "none":
+        return {}
+    if recompute == "full":
+        return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if recompute == "selective":
+        return dict(recompute_granularity="selective", recompute_modules=["core_attn"])
+    raise ValueError(f"recompute={recompute!r}: use 'none', 'full' or 'selective'")
+
+
 def transformer_config_from_hf(hf: dict[str, Any], tp: int, pp: int, ep: int,
-                               params_dtype: torch.dtype = torch.float32):
-    """The megatron `TransformerConfig` equivalent to an HF Qwen config (dropout 0, as RL training uses)."""
+                               params_dtype: torch.dtype = torch.float32, recompute: str = "none"):
+    """The megatron `TransformerConfig` equivalent to an HF Qwen config (dropout 0, as RL training uses),
+    with the activation recomputation of `recompute_fields(recompute)`."""
     from megatron.core.transformer import TransformerConfig
 
     qwen2 = hf.get("model_type", "").startswith("qwen2")
@@ -95,6 +110,7 @@ def transformer_config_from_hf(hf: dict[str, Any], tp: int, pp: int, ep: int,
         pipeline_dtype=params_dtype,  # dtype of the activations sent between pipeline stages
         sequence_parallel=bool(experts) and tp > 1,
         **moe,
+        **recompute_fields(recompute),
     )
 
 
@@ -107,7 +123,8 @@ def layer_spec(hf: dict[str, Any], config):
     return specs.get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, qk_layernorm=config.qk_layernorm)
 
 
-def build_gpt_model(hf: dict[str, Any], tp: int, pp: int, ep: int, params_dtype: torch.dtype = torch.float32):
+def build_gpt_model(hf: dict[str, Any], tp: int, pp: int, ep: int, params_dtype: torch.dtype = torch.float32,
+                    recompute: str = "none"):
     """This rank's megatron `GPTModel` stage (parallel groups must already be initialised); weights are
     uninitialised until `megarl.models.hf_import.load_hf_weights`."""
     from megatron.core import parallel_state
@@ -117,7 +134,7 @@ def build_gpt_model(hf: dict[str, Any], tp: int, pp: int, ep: int, params_dtype:
     if tied and pp > 1:
         raise ValueError("tie_word_embeddings=true with pipeline parallel > 1 is not supported (the output layer "
                          "would be a second copy on the last stage): use trainer.pp=1 for this model")
-    config = transformer_config_from_hf(hf, tp, pp, ep, params_dtype)
+    config = transformer_config_from_hf(hf, tp, pp, ep, params_dtype, recompute)
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(hf, config),

@@ -36,6 +36,17 @@ def patch_router_without_te() -> None:
         moe_utils.te_general_gemm = None
 
 
+def patch_recompute_rng_on_cpu() -> None:
+    """Activation recomputation (`tensor_parallel.checkpoint`, megatron-core 0.16.1) saves and restores the
+    CPU RNG, the CUDA RNG (`_get_cuda_rng_state` / `_set_cuda_rng_state`, which initialise CUDA) and the
+    tracker's states around the recomputed forward. Without CUDA there is no CUDA RNG to save: an empty
+    placeholder and a no-op setter leave the CPU RNG and the (no-op) tracker handled as before."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom._get_cuda_rng_state = lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8)
+    mrandom._set_cuda_rng_state = lambda *args, **kwargs: None
+
+
 def apply_cpu_compat() -> None:
     """Idempotent; only the Transformer Engine workaround applies when CUDA is present."""
     global _APPLIED
@@ -48,6 +59,8 @@ def apply_cpu_compat() -> None:
     torch.cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
     # Hard-coded `device="cuda"` tensor creation (pipeline schedules, default causal mask).
     _CudaDeviceToCpu().__enter__()
+    # Activation recomputation saves and restores a CUDA RNG state.
+    patch_recompute_rng_on_cpu()
     _APPLIED = True
 
 

@@ -24,6 +24,7 @@ from megarl.models.hf_slices import iter_local_hf_slices
 from megarl.models.qwen_provider import build_gpt_model, padded_vocab_size
 from megarl.parallel.vocab_logprobs import vocab_parallel_logprobs_entropy
 from megarl.sync.slices import HFSlice
+from megarl.trainer.optimizer import ShardedAdamW, check_optimizer_state
 
 LossFn = Callable[[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
@@ -62,13 +63,16 @@ class MegatronPolicy:
     world calls each method together; the ranks of one model replica (its TP and PP peers) pass the same
     data-parallel share of the batch, and results come back on every rank, pipeline stages included."""
 
-    def __init__(self, hf_dir: str | Path, hf: dict[str, Any], optim: OptimizerConfig, logprob_chunk: int = 4096):
+    def __init__(self, hf_dir: str | Path, hf: dict[str, Any], optim: OptimizerConfig, logprob_chunk: int = 4096,
+                 distributed_optimizer: bool = False, recompute: str = "none"):
+        """`distributed_optimizer`: shard the AdamW state over data-parallel replicas (`ShardedAdamW`);
+        `recompute`: activation recomputation, "none" / "full" / "selective" (`qwen_provider.recompute_fields`)."""
         from megatron.core import parallel_state as ps
 
         self.hf, self.optim_cfg, self.chunk = hf, optim, logprob_chunk
         self.model = build_gpt_model(hf, ps.get_tensor_model_parallel_world_size(),
                                      ps.get_pipeline_model_parallel_world_size(),
-                                     ps.get_expert_model_parallel_world_size())
+                                     ps.get_expert_model_parallel_world_size(), recompute=recompute)
         _configure_schedule(self.model.config, ps.get_pipeline_model_parallel_world_size())
         load_hf_weights(self.model, hf_dir, hf)
         self.device = next(self.model.parameters()).device  # collectives run on it (NCCL takes no CPU tensors)
@@ -87,32 +91,51 @@ class MegatronPolicy:
         self.local_vocab = min(max(hf["vocab_size"] - self.tp_rank * shard, 0), shard)
         decay = [p for p in self.model.parameters() if p.ndim >= 2]
         no_decay = [p for p in self.model.parameters() if p.ndim < 2]
-        self.optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=optim.lr, betas=optim.betas, eps=optim.eps,
-        )
+        self.distributed_optimizer = distributed_optimizer
+        if distributed_optimizer:  # ZeRO-1: dense state over the DP group, expert state over the expert-DP group
+            self.optimizer = ShardedAdamW(
+                list(self.model.parameters()), _is_expert, self.dp_group, self.expert_dp_group,
+                lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay,
+            )
+        else:
+            self.optimizer = torch.optim.AdamW(
+                [{"params": decay, "weight_decay": optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+                lr=optim.lr, betas=optim.betas, eps=optim.eps,
+            )
         self.version = 0  # optimizer steps taken
 
     # ---- forward through megatron's schedule -----------------------------------------------------------------
     def _forward_step(self, last_stage_fn: Callable, data_iterator: Iterator[dict[str, torch.Tensor]], model):
         """megatron `forward_step_func`: run this stage on the next microbatch (`tokens [b, s]`, causal mask
-        passed explicitly); on the last stage `last_stage_fn(microbatch, logits [b, s, V/tp])` reduces it."""
+        passed explicitly; a packed microbatch's one row gets a block-diagonal causal mask, True = masked);
+        on the last stage `last_stage_fn(microbatch, logits [b, s, V/tp])` reduces it."""
         mb = next(data_iterator)
         device = self.device
-        tokens = mb["tokens"].to(device)
+        packed = "packed_tokens" in mb
+        tokens = (mb["packed_tokens"] if packed else mb["tokens"]).to(device)
         b, s = tokens.shape
-        positions = torch.arange(s, device=device)[None].expand(b, s)
         causal = torch.triu(torch.ones(s, s, dtype=torch.bool, device=device), diagonal=1)[None, None]
+        if packed:  # RoPE depends only on relative positions, so a sequence's offset in the row changes nothing
+            positions = mb["packed_positions"].to(device)
+            segments = mb["packed_segments"].to(device)
+            causal = causal | (segments[:, None, :, None] != segments[:, None, None, :])
+        else:
+            positions = torch.arange(s, device=device)[None].expand(b, s)
         output = model(tokens, positions, causal)  # hidden [s, b, h] on inner stages, logits on the last
         return output, partial(last_stage_fn, mb)
 
     def _logprobs(self, logits: torch.Tensor, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """`logits [b, s, V/tp]` -> `(logprobs, entropy) [b, s]` on the CPU, through the vocab-parallel shards."""
+        """`logits [b, s, V/tp]` -> `(logprobs, entropy) [b, s]` on the CPU, through the vocab-parallel shards.
+        A packed microbatch's row is gathered back to one row per sequence, `[b, S]` (`unpack_index`)."""
         if self.local_vocab < logits.shape[-1]:  # padding columns (vocab padded to a multiple of TP) are no tokens
             logits = logits.clone()
             logits[..., self.local_vocab:] = torch.finfo(logits.dtype).min
-        lp, ent = vocab_parallel_logprobs_entropy(logits, mb["targets"].to(logits.device), self.tp_group, self.chunk)
-        return lp.cpu(), ent.cpu()
+        targets = mb["packed_targets"] if "packed_targets" in mb else mb["targets"]
+        lp, ent = vocab_parallel_logprobs_entropy(logits, targets.to(logits.device), self.tp_group, self.chunk)
+        lp, ent = lp.cpu(), ent.cpu()
+        if "unpack_index" in mb:
+            lp, ent = lp.reshape(-1)[mb["unpack_index"]], ent.reshape(-1)[mb["unpack_index"]]
+        return lp, ent
 
     def _run(self, microbatches: list[dict[str, torch.Tensor]], last_stage_fn: Callable,
              forward_only: bool) -> list[dict[str, torch.Tensor]]:
@@ -120,7 +143,7 @@ class MegatronPolicy:
         returns `last_stage_fn`'s per-microbatch dicts on the last stage, [] on the others."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        b, s = microbatches[0]["tokens"].shape
+        b, s = microbatches[0]["packed_tokens" if "packed_tokens" in microbatches[0] else "tokens"].shape
         return get_forward_backward_func()(
             forward_step_func=partial(self._forward_step, last_stage_fn), data_iterator=iter(microbatches),
             model=self.model, num_microbatches=len(microbatches), seq_length=s, micro_batch_size=b,
@@ -229,13 +252,24 @@ class MegatronPolicy:
 
     # ---- checkpoints -----------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """This rank's model shard, optimizer state and version (local shapes: resume needs the same layout)."""
+        """This rank's model shard, optimizer state and version (local shapes: resume needs the same layout).
+        With the distributed optimizer the optimizer state is this rank's shard only (resume needs the same
+        `distributed_optimizer` setting too)."""
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "version": self.version}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        check_optimizer_state(state["optimizer"], sharded=self.distributed_optimizer)
         self.model.load_state_dict(state["model"], strict=True)
         self.optimizer.load_state_dict(state["optimizer"])
         self.version = int(state["version"])
+
+    def optimizer_state_bytes(self) -> dict[str, int]:
+        """Bytes of the optimizer state tensors this rank holds, for dense and expert parameters."""
+        held = {"dense": 0, "expert": 0}
+        for param, state in self.optimizer.state.items():
+            held["expert" if _is_expert(param) else "dense"] += sum(
+                t.numel() * t.element_size() for t in state.values() if torch.is_tensor(t))
+        return held
 
     # ---- weight sync -----------------------------------------------------------------------------------------
     def iter_local_hf_slices(self) -> Iterator[tuple[HFSlice, torch.Tensor]]:

@@ -1,0 +1,219 @@
+"""Training-side scale options of `MegatronPolicy`, in one world of 2 gloo processes running several cases:
+
+- `distributed_optimizer` (ZeRO-1): the tiny dense Qwen3 at DP=2 and the tiny MoE at EP=2 (dense DP=2, expert
+  DP=1) take the same optimizer steps as the unsharded AdamW (bitwise: the same element-wise update runs on
+  the owner, which broadcasts the result); each rank holds about half the dense optimizer state, and the
+  shards of the two ranks add up to exactly the unsharded state (counted tensor by tensor); a save/load
+  round trip of `policy.state_dict()` into a fresh policy, then one more step, equals the uninterrupted run.
+- `recompute` full / selective: the same loss and gradients as without, and the recomputation happens:
+  megatron's config carries the fields, and a forward hook counts the transformer layer (full) or its core
+  attention (selective) running twice per microbatch.
+"""
+
+import io
+
+import pytest
+import torch
+
+from megarl.config.schema import OptimizerConfig
+from megarl.models.tiny import make_tiny_checkpoint
+from megarl.parallel.groups import TrainerLayout
+from tests.dist_utils import free_port, run_distributed
+
+B, S = 4, 7  # global batch; 2 sequences per data-parallel rank, as 2 microbatches of 1
+# decay on matrices, an active clip, and a warmup: the learning rate set per step must reach the shard optimizers
+OPTIM = OptimizerConfig(lr=1e-2, weight_decay=0.1, grad_clip=1.0, warmup_steps=2)
+
+
+def _batch(vocab: int, step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    tokens = torch.randint(3, vocab, (B, S), generator=g)
+    mask = torch.ones(B, S)
+    mask[:, :2] = 0
+    return {"tokens": tokens, "targets": torch.roll(tokens, -1, dims=1), "mask": mask,
+            "weights": torch.randn(B, S, generator=g)}
+
+
+def _train(policy, step: int) -> dict[str, float]:
+    """One optimizer step on step `step`'s global batch: this rank's DP share, in 2 microbatches."""
+    from megarl.parallel.groups import dp_rank_and_size
+
+    batch = _batch(policy.hf["vocab_size"], step)
+    dp_rank, dp = dp_rank_and_size()
+    share = {k: v[dp_rank * B // dp:(dp_rank + 1) * B // dp] for k, v in batch.items()}
+    mbs = [{k: v[i:i + 1] for k, v in share.items()} for i in range(len(share["tokens"]))]
+    total = batch["mask"].sum()
+
+    def loss_fn(lp, ent, m):  # the microbatch's contribution to the global loss
+        return ((lp * m["weights"] + 0.1 * ent) * m["mask"]).sum() / total, {}
+
+    return policy.train_step(mbs, loss_fn)
+
+
+def _params(policy) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in policy.model.named_parameters()}
+
+
+def _grads(policy) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in policy.model.named_parameters()}
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[n] - b[n]).abs().max()) for n in a)
+
+
+def _round_trip(state):
+    """What a checkpoint file gives back (the live state dict would keep changing with the next step)."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+def _count_forwards(policy) -> dict[str, int]:
+    """Forward calls of the first transformer layer and of its core attention, counted by hooks."""
+    counts = {"layer": 0, "core_attn": 0}
+    layer = policy.model.decoder.layers[0]
+    for name, module in (("layer", layer), ("core_attn", layer.self_attention.core_attention)):
+        module.register_forward_hook(lambda *_, name=name: counts.__setitem__(name, counts[name] + 1))
+    return counts
+
+
+def _optimizer_cases(hf_dir, resume: bool) -> dict:
+    """Plain AdamW vs the distributed optimizer over 2 steps (and with `resume` a third, after a round trip
+    of the sharded state into a fresh policy)."""
+    from megarl.models.qwen_provider import read_hf_config
+    from megarl.trainer.policy import MegatronPolicy
+
+    hf = read_hf_config(hf_dir)
+    out: dict = {}
+    plain = MegatronPolicy(hf_dir, hf, OPTIM)
+    counts = _count_forwards(plain)
+    out["none_loss"] = _train(plain, 0)["loss"]
+    out["none_counts"], none_grads = dict(counts), _grads(plain)
+    _train(plain, 1)
+    plain_p2, out["bytes_plain"] = _params(plain), plain.optimizer_state_bytes()
+    out["param_bytes"] = sum(p.numel() * p.element_size() for p in plain.model.parameters())
+    out["param_tensors"] = len(list(plain.model.parameters()))
+    if resume:
+        _train(plain, 2)
+        plain_p3 = _params(plain)
+
+    zero = MegatronPolicy(hf_dir, hf, OPTIM, distributed_optimizer=True)
+    _train(zero, 0)
+    _train(zero, 1)
+    out["diff_step2"], out["bytes_zero"] = _max_diff(_params(zero), plain_p2), zero.optimizer_state_bytes()
+    if resume:
+        saved = _round_trip(zero.state_dict())
+        _train(zero, 2)
+        out["diff_step3"] = _max_diff(_params(zero), plain_p3)
+        del zero
+        resumed = MegatronPolicy(hf_dir, hf, OPTIM, distributed_optimizer=True)
+        resumed.load_state_dict(saved)
+        _train(resumed, 2)
+        out["diff_resumed"] = _max_diff(_params(resumed), plain_p3)
+        out["version_resumed"] = resumed.version
+        try:  # a shard must not load into an unsharded optimizer
+            plain.load_state_dict(saved)
+            out["mismatch_error"] = ""
+        except ValueError as err:
+            out["mismatch_error"] = str(err)
+    out["none_grads"] = none_grads
+    return out
+
+
+def _recompute_cases(hf_dir, none_grads: dict[str, torch.Tensor]) -> dict:
+    from megarl.models.qwen_provider import read_hf_config
+    from megarl.trainer.policy import MegatronPolicy
+
+    hf = read_hf_config(hf_dir)
+    out = {}
+    for mode in ("full", "selective"):
+        policy = MegatronPolicy(hf_dir, hf, OPTIM, recompute=mode)
+        counts = _count_forwards(policy)
+        metrics = _train(policy, 0)
+        c = policy.model.config
+        out[mode] = {"counts": dict(counts), "loss": metrics["loss"],
+                     "grad_diff": _max_diff(_grads(policy), none_grads),
+                     "config": (c.recompute_granularity, c.recompute_method, c.recompute_num_layers,
+                                list(c.recompute_modules or []))}
+    return out
+
+
+def _scale_rank(rank, world, dense_dir, moe_dir, port):
+    from megatron.core import parallel_state
+
+    from megarl.parallel.cpu_compat import init_rng_tracker
+    from megarl.parallel.groups import destroy_trainer_groups, init_trainer_groups
+
+    init_trainer_groups(TrainerLayout(), rank, world, "127.0.0.1", port)  # dense: DP = 2
+    try:
+        dense = _optimizer_cases(dense_dir, resume=True)
+        dense["recompute"] = _recompute_cases(dense_dir, dense.pop("none_grads"))
+        parallel_state.destroy_model_parallel()  # the same world, regrouped: EP = 2 (dense DP 2, expert DP 1)
+        parallel_state.initialize_model_parallel(expert_model_parallel_size=2)
+        init_rng_tracker()
+        moe = _optimizer_cases(moe_dir, resume=False)
+        moe.pop("none_grads")
+        return {"dense": dense, "moe": moe}
+    finally:
+        destroy_trainer_groups()
+
+
+@pytest.fixture(scope="module")
+def scale_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("scale")
+    dense, moe = make_tiny_checkpoint(root / "dense", kind="dense"), make_tiny_checkpoint(root / "moe", kind="moe")
+    return run_distributed(_scale_rank, 2, dense, moe, free_port(), init_dist=False)
+
+
+def _report(runs, kind):
+    for rank, r in enumerate(runs):
+        print(f"{kind} rank {rank}: params {r[kind]['param_bytes']} B; optimizer state plain {r[kind]['bytes_plain']} "
+              f"B, distributed {r[kind]['bytes_zero']} B")
+
+
+def test_distributed_optimizer_dense_dp2(scale_runs):
+    runs = [r["dense"] for r in scale_runs]
+    _report(scale_runs, "dense")
+    for r in runs:  # bitwise: the same AdamW update on the owner, broadcast to the other rank
+        assert r["diff_step2"] == 0.0 and r["diff_step3"] == 0.0, r
+        assert r["diff_resumed"] == 0.0 and r["version_resumed"] == 3, r
+        assert "trainer.distributed_optimizer" in r["mismatch_error"]
+        assert r["bytes_plain"]["expert"] == r["bytes_zero"]["expert"] == 0
+        assert r["bytes_zero"]["dense"] <= 0.55 * r["bytes_plain"]["dense"], r  # about half per rank
+        # AdamW: exp_avg and exp_avg_sq of every parameter, and one fp32 step scalar per parameter tensor
+        assert r["bytes_plain"]["dense"] == 2 * r["param_bytes"] + 4 * r["param_tensors"], r
+    assert runs[0]["bytes_plain"] == runs[1]["bytes_plain"]
+    # every state tensor is held by exactly one of the two data-parallel replicas
+    assert runs[0]["bytes_zero"]["dense"] + runs[1]["bytes_zero"]["dense"] == runs[0]["bytes_plain"]["dense"]
+
+
+def test_distributed_optimizer_moe_ep2(scale_runs):
+    runs = [r["moe"] for r in scale_runs]
+    _report(scale_runs, "moe")
+    for r in runs:
+        assert r["diff_step2"] == 0.0, r
+        assert r["bytes_plain"]["expert"] > 0
+        assert sum(r["bytes_plain"].values()) == 2 * r["param_bytes"] + 4 * r["param_tensors"], r
+        # experts: expert-data-parallel size 1, nothing to share; dense: split between the 2 replicas
+        assert r["bytes_zero"]["expert"] == r["bytes_plain"]["expert"], r
+        assert r["bytes_zero"]["dense"] <= 0.55 * r["bytes_plain"]["dense"], r
+    assert runs[0]["bytes_zero"]["dense"] + runs[1]["bytes_zero"]["dense"] == runs[0]["bytes_plain"]["dense"]
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_recompute_same_loss_and_gradients(scale_runs, mode):
+    for r in scale_runs:
+        dense = r["dense"]
+        got = dense["recompute"][mode]
+        assert got["grad_diff"] == 0.0 and got["loss"] == dense["none_loss"], got
+        # 2 microbatches on this rank: each layer (core attention) forward runs once more in backward
+        if mode == "full":
+            assert got["config"][:3] == ("full", "uniform", 1)
+            assert got["counts"] == {"layer": 4, "core_attn": 4}
+        else:
+            assert got["config"] == ("selective", None, None, ["core_attn"])
+            assert got["counts"] == {"layer": 2, "core_attn": 4}
+        assert dense["none_counts"] == {"layer": 2, "core_attn": 2}
