@@ -1,6 +1,8 @@
 """megatron-core, loaded from a tiny HF checkpoint under TP / EP, against `transformers` itself:
 log-probs and entropy of the same tokens, parameter gradients of the same loss, and the HF blocks
 each rank exports for the weight sync (their union must rebuild every HF tensor bit-exactly).
+Layouts: world 2 (dense TP=2 / PP=2, MoE EP=2, Qwen2 with q/k/v biases at TP=2) and world 4 (dense
+TP=2 x PP=2, MoE EP=2 x PP=2: expert data parallel 1, dense data parallel 2).
 
 Tolerance: both sides run fp32 on CPU, but with different kernels and reduction orders (fused QKV
 vs separate projections, TP partial sums, the vocab-parallel softmax); differences are ~1e-6, so
@@ -135,7 +137,7 @@ def _with_vocab(src: Path, out: Path, vocab: int) -> Path:
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
-    made = {kind: make_tiny_checkpoint(root / kind, kind=kind) for kind in ("dense", "moe")}
+    made = {kind: make_tiny_checkpoint(root / kind, kind=kind) for kind in ("dense", "moe", "qwen2")}
     made["dense-vocab31"] = _with_vocab(made["dense"], root / "dense-vocab31", 31)
     return made
 
@@ -154,16 +156,19 @@ def _assert_blocks_match(per_rank_blocks, reference: dict[str, torch.Tensor], ex
     assert all(c.all() for c in covered.values()), [n for n, c in covered.items() if not c.all()]
 
 
-@pytest.mark.parametrize(("kind", "layout"), [
-    ("dense", TrainerLayout(tp=2)),
-    ("dense-vocab31", TrainerLayout(tp=2)),  # padded to 32: TP rank 1's shard ends in a padding row
-    ("dense", TrainerLayout(pp=2)),
-    ("moe", TrainerLayout(ep=2)),
-], ids=["dense-tp2", "dense-vocab31-tp2", "dense-pp2", "moe-ep2"])
-def test_megatron_matches_transformers(checkpoints, kind, layout):
+@pytest.mark.parametrize(("kind", "layout", "world"), [
+    ("dense", TrainerLayout(tp=2), 2),
+    ("dense-vocab31", TrainerLayout(tp=2), 2),  # padded to 32: TP rank 1's shard ends in a padding row
+    ("dense", TrainerLayout(pp=2), 2),
+    ("moe", TrainerLayout(ep=2), 2),
+    ("qwen2", TrainerLayout(tp=2), 2),  # Qwen2 / Qwen2.5: q/k/v biases split with their query groups, no q/k norms
+    ("dense", TrainerLayout(tp=2, pp=2), 4),
+    ("moe", TrainerLayout(ep=2, pp=2), 4),
+], ids=["dense-tp2", "dense-vocab31-tp2", "dense-pp2", "moe-ep2", "qwen2-tp2", "dense-tp2-pp2", "moe-ep2-pp2"])
+def test_megatron_matches_transformers(checkpoints, kind, layout, world):
     hf_dir = checkpoints[kind]
     ref_lp, ref_ent, ref_norm, clip, ref_grads, initial, stepped = _hf_reference(hf_dir, clip_fraction=0.5)
-    outs = run_distributed(_megatron_rank, 2, hf_dir, layout, clip, free_port(), init_dist=False)
+    outs = run_distributed(_megatron_rank, world, hf_dir, layout, clip, free_port(), init_dist=False)
     for lp, ent, *_ in outs:  # every rank (every pipeline stage too) returns the full log-probs
         torch.testing.assert_close(lp, ref_lp, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(ent, ref_ent, atol=1e-4, rtol=1e-4)

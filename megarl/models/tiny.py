@@ -1,9 +1,12 @@
-"""Tiny random Qwen3 / Qwen3-MoE checkpoints, made with transformers' own classes.
+"""Tiny random Qwen3 / Qwen3-MoE / Qwen2 (Qwen2.5) checkpoints, made with transformers' own classes.
 
 They are real HF checkpoints (config.json + safetensors + tokenizer), small enough for CPU tests and
 the CPU demo, and shaped to respect the real stack's CPU limits: head_dim 64 (vLLM's CPU attention
 kernel refuses 16), KV heads divisible by the tensor-parallel sizes used in tests (2), experts
 divisible by the expert-parallel size (2). The same seed gives byte-identical files.
+Kinds: "moe" (Qwen3-MoE), "dense" (Qwen3: q/k norms, no biases), "qwen2" (Qwen2 / Qwen2.5: the same sizes
+as "dense", q/k/v biases and no q/k norms; its biases are drawn at random, since transformers initialises
+them to zero and a zero bias would not exercise its mapping).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from typing import Literal
 
 from megarl.data.tokenizer import BOS, EOS, PAD, save_tokenizer, token_id, vocabulary
 
-TinyKind = Literal["moe", "dense"]
+TinyKind = Literal["moe", "dense", "qwen2"]
 
 # Shared by both tiny models; vocab is the tokenizer's 25 tokens padded up to 32.
 _COMMON = dict(
@@ -37,7 +40,14 @@ _MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm
 def make_tiny_checkpoint(out_dir: str | Path, kind: TinyKind = "moe", seed: int = 0) -> Path:
     """Create (or overwrite) a tiny random checkpoint with its tokenizer in `out_dir`; return the path."""
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import (
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -49,10 +59,18 @@ def make_tiny_checkpoint(out_dir: str | Path, kind: TinyKind = "moe", seed: int 
     elif kind == "dense":
         config = Qwen3Config(**_COMMON, **ids)
         model_cls = Qwen3ForCausalLM
+    elif kind == "qwen2":
+        config = Qwen2Config(**_COMMON, **ids)
+        model_cls = Qwen2ForCausalLM
     else:
-        raise ValueError(f"unknown tiny model kind {kind!r}: use 'moe' or 'dense'")
+        raise ValueError(f"unknown tiny model kind {kind!r}: use 'moe', 'dense' or 'qwen2'")
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32)
+    if kind == "qwen2":  # after the model's own initialisation, so the other kinds' bytes are unchanged
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("_proj.bias"):
+                    param.normal_(0.0, 0.5)
     model.save_pretrained(out, safe_serialization=True)
     save_tokenizer(out, model_max_length=_COMMON["max_position_embeddings"])
     gen = {"bos_token_id": ids["bos_token_id"], "eos_token_id": ids["eos_token_id"],
