@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from megarl.rollout.batch import RolloutBatch
-from megarl.trainer.batching import data_parallel_share, microbatches, pack_batch
+from megarl.trainer.batching import data_parallel_share, microbatches, pack_batch, pack_microbatch, packed_length
 
 
 def _batch():
@@ -28,6 +28,24 @@ def test_pack_aligns_targets_mask_and_logprobs():
     assert t["mask"].tolist() == [[0, 0, 1, 1, 0], [0, 1, 0, 0, 0]]
     assert t["old_logprobs"].tolist() == [[0, 0, -0.5, -0.25, 0], [0, -1.5, 0, 0, 0]]
     assert t["advantages"].tolist() == [0.5, -0.5]
+    assert t["lengths"].tolist() == [5, 3]
+
+
+def test_packed_row_concatenates_sequences_and_maps_back():
+    mb = pack_batch(_batch(), pad_id=0)
+    assert packed_length([mb]) == 8
+    p = pack_microbatch(mb, length=10, pad_id=0)
+    assert p["packed_tokens"].tolist() == [[5, 6, 7, 10, 2, 8, 9, 11, 0, 0]]
+    assert p["packed_targets"].tolist() == [[6, 7, 10, 2, 0, 9, 11, 0, 0, 0]]
+    assert p["packed_positions"].tolist() == [[0, 1, 2, 3, 4, 0, 1, 2, 0, 0]]
+    assert p["packed_segments"].tolist() == [[0, 0, 0, 0, 0, 1, 1, 1, -1, -1]]
+    # gathering any per-position value of the packed row through unpack_index restores the padded rows
+    # wherever a sequence has a token (targets there, 0 = pad past the end where the mask is 0 anyway)
+    unpacked = p["packed_targets"].reshape(-1)[p["unpack_index"]]
+    real = torch.arange(5)[None] < p["lengths"][:, None]
+    assert torch.equal(unpacked[real], mb["targets"][real])
+    with pytest.raises(ValueError, match="8 tokens do not fit a packed row of 7"):
+        pack_microbatch(mb, length=7, pad_id=0)
 
 
 def test_shares_and_microbatches_partition_rows():

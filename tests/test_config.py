@@ -94,3 +94,10 @@ def test_valid_layouts_pass():
     check_against_model(validate(_cfg(trainer={"ep": 2}, rollout={"tp": 2})), TINY_MOE, cuda=False)
     check_against_model(validate(_cfg(rollout={"tp": 4})), TINY_MOE, cuda=False)  # KV heads replicated
     check_against_model(validate(_cfg(trainer={"pp": 2})), TINY_DENSE, cuda=False)
+
+
+def test_packed_sequences_are_cpu_only_for_now():
+    cfg = validate(_cfg(trainer={"pack_sequences": True}))
+    check_against_model(cfg, TINY_DENSE, cuda=False)
+    with pytest.raises(ConfigError, match=r"trainer\.pack_sequences=true on a GPU.*set trainer\.pack_sequences=false"):
+        check_against_model(cfg, TINY_DENSE, cuda=True)

@@ -22,8 +22,10 @@ atol 1e-6; global grad norm: rtol 1e-4; gradients, per HF tensor block: `|g - g_
 >= 25%. Different splits of one layout (same kernels) agree to 2e-6 of the largest gradient. Observed:
 gradients within 2.6e-6 of the largest (OAPL), losses within 3e-7, splits within 7e-7 (MoE).
 
-Not covered: packed rows (several responses in one row): `pack_batch` puts each response in its own
-padded row, so there is no packing to test; a response is never split across microbatches or ranks.
+Packed microbatches (`trainer.pack_sequences`: a microbatch's responses concatenated in one row under a
+block-diagonal causal mask) must give the same losses and gradients: the per-token log-probs are gathered
+back to one row per response, so GSPO's and OAPL's sequence quantities stay per whole response.
+A response is never split across microbatches or ranks (rows are whole responses).
 """
 
 from __future__ import annotations
@@ -62,12 +64,16 @@ CASES = [
 MICRO_BATCH_SIZES = (8, 4, 2)  # 1x8, 2x4, 4x2 microbatches of the global batch (per DP rank: at most its share)
 # (name, world size, layout, checkpoint kind): all run inside ONE spawned pair of processes, one after the
 # other; a rank outside a layout's world waits for the next layout
+# (name, world size, layout, checkpoint kind, packed): "packed" feeds each microbatch to the model as one row
+# (trainer.pack_sequences), the responses of a microbatch side by side under a block-diagonal causal mask
 LAYOUTS = [
-    ("dp1", 1, TrainerLayout(), "dense"),
-    ("dp2", 2, TrainerLayout(), "dense"),
-    ("pp2", 2, TrainerLayout(pp=2), "dense"),
-    ("tp2", 2, TrainerLayout(tp=2), "dense"),
-    ("moe-ep2", 2, TrainerLayout(ep=2), "moe"),
+    ("dp1", 1, TrainerLayout(), "dense", False),
+    ("dp2", 2, TrainerLayout(), "dense", False),
+    ("pp2", 2, TrainerLayout(pp=2), "dense", False),
+    ("tp2", 2, TrainerLayout(tp=2), "dense", False),
+    ("moe-ep2", 2, TrainerLayout(ep=2), "moe", False),
+    ("dp2-packed", 2, TrainerLayout(), "dense", True),
+    ("pp2-packed", 2, TrainerLayout(pp=2), "dense", True),
 ]
 LOSS_TOL = dict(rtol=1e-5, atol=1e-6)
 GRAD_TOL = 1e-5  # of the largest reference gradient
@@ -198,7 +204,7 @@ def _trainer_rank(rank, world, layouts, ports, hf_dirs, responses, engines, refe
     from megarl.trainer.step import train_on_batch
 
     results = {}
-    for (label, size, layout, kind), port in zip(layouts, ports, strict=True):
+    for (label, size, layout, kind, packed), port in zip(layouts, ports, strict=True):
         if rank >= size:
             continue
         init_trainer_groups(layout, rank, size, "127.0.0.1", port)
@@ -217,7 +223,7 @@ def _trainer_rank(rank, world, layouts, ports, hf_dirs, responses, engines, refe
                 for micro in MICRO_BATCH_SIZES:
                     cfg = Config(model=ModelConfig(hf_dir=hf_dir),
                                  trainer=TrainerConfig(world_size=size, tp=layout.tp, pp=layout.pp, ep=layout.ep,
-                                                       micro_batch_size=micro),
+                                                       micro_batch_size=micro, pack_sequences=packed),
                                  algorithm=algo_cfg)
                     metrics = train_on_batch(policy, batch, algorithm, cfg, PAD, dp_rank, dp, lag=0)
                     rows = _grad_errors(policy, hf, references[(kind, name, agg)][1])
@@ -260,7 +266,7 @@ def test_loss_and_gradients_do_not_depend_on_the_split(checkpoints):
                                init_dist=False)
 
     failures = []
-    for label, size, _layout, kind in LAYOUTS:
+    for label, size, _layout, kind, _packed in LAYOUTS:
         for name, agg in CASES:
             ref_loss, ref_grads = references[(kind, name, agg)]
             scale = max(float(g.abs().max()) for g in ref_grads.values())

@@ -129,5 +129,11 @@ def check_against_model(cfg: Config, hf: dict[str, Any], cuda: bool) -> None:
             f"trainer.tp={t.tp} with a MoE model needs sequence parallel, which megatron-core's local (CPU) "
             "layer spec cannot do: on CPU use trainer.tp=1 with trainer.ep>1 (GPU runs use Transformer Engine)"
         )
+    if t.pack_sequences and cuda:
+        problems.append(
+            "trainer.pack_sequences=true on a GPU: Transformer Engine's attention ignores the block-diagonal mask "
+            "packing relies on (it needs THD packed-sequence parameters, not implemented yet); set "
+            "trainer.pack_sequences=false"
+        )
     if problems:
         raise ConfigError("configuration does not fit the model:\n" + "\n".join(f"  {p}" for p in problems))

@@ -3,6 +3,12 @@
 Token layout per sequence: `tokens = prompt + response` (right-padded); position `t` predicts
 `targets[t] = tokens[t+1]`; `mask[t] = 1` exactly where `targets[t]` is a response token, and
 `old_logprobs[t]` is the engine's log-prob of that token.
+
+Packed microbatches (`trainer.pack_sequences`): the model sees the microbatch's sequences, each cut to
+its real length, concatenated into ONE row (no padding inside), with a block-diagonal causal mask so a
+sequence attends only to itself. The losses still see one row per response: the model's per-token
+log-probs are gathered back into the `[b, S]` layout (`unpack_index`), so GSPO/OAPL sequence quantities
+are per whole response, whatever the packing.
 """
 
 from __future__ import annotations
@@ -29,8 +35,9 @@ def pack_batch(batch: RolloutBatch, pad_id: int) -> dict[str, torch.Tensor]:
         first, last = len(prompt) - 1, len(seq) - 1  # positions predicting the response tokens
         mask[i, first:last] = 1.0
         old[i, first:last] = torch.tensor(lps, dtype=torch.float32)
+    lengths = torch.tensor([len(q) for q in seqs], dtype=torch.long)
     return {"tokens": tokens, "targets": targets, "mask": mask, "old_logprobs": old,
-            "advantages": batch.advantages.reshape(-1).float()}
+            "advantages": batch.advantages.reshape(-1).float(), "lengths": lengths}
 
 
 def data_parallel_share(tensors: dict[str, torch.Tensor], dp_rank: int, dp_size: int) -> dict[str, torch.Tensor]:
@@ -46,3 +53,35 @@ def data_parallel_share(tensors: dict[str, torch.Tensor], dp_rank: int, dp_size:
 def microbatches(tensors: dict[str, torch.Tensor], size: int) -> list[dict[str, torch.Tensor]]:
     n = next(iter(tensors.values())).shape[0]
     return [{k: v[i:i + size] for k, v in tensors.items()} for i in range(0, n, size)]
+
+
+def packed_length(microbatches: list[dict[str, torch.Tensor]]) -> int:
+    """The row length that holds every microbatch packed (one shape for all: pipeline stages exchange
+    activations of a fixed shape)."""
+    return max(int(mb["lengths"].sum()) for mb in microbatches)
+
+
+def pack_microbatch(mb: dict[str, torch.Tensor], length: int, pad_id: int) -> dict[str, torch.Tensor]:
+    """Add the packed model inputs to a microbatch of `b` padded rows `[b, S]` with real `lengths [b]`:
+    `packed_tokens`, `packed_targets`, `packed_positions` (position within its own sequence) and
+    `packed_segments` (which sequence, -1 on the padding at the end), all `[1, length]`, and
+    `unpack_index [b, S]`: where each (sequence, position) sits in the packed row (0 past a sequence's
+    end, where `mask` is 0)."""
+    b, s = mb["tokens"].shape
+    lengths = mb["lengths"].tolist()
+    if sum(lengths) > length:
+        raise ValueError(f"{sum(lengths)} tokens do not fit a packed row of {length}")
+    tokens = torch.full((1, length), pad_id, dtype=torch.long)
+    targets = torch.full((1, length), pad_id, dtype=torch.long)
+    positions = torch.zeros(1, length, dtype=torch.long)
+    segments = torch.full((1, length), -1, dtype=torch.long)
+    index = torch.zeros(b, s, dtype=torch.long)
+    start = 0
+    for i, n in enumerate(lengths):
+        row = slice(start, start + n)
+        tokens[0, row], targets[0, row] = mb["tokens"][i, :n], mb["targets"][i, :n]
+        positions[0, row], segments[0, row] = torch.arange(n), i
+        index[i, :n] = torch.arange(start, start + n)
+        start += n
+    return {**mb, "packed_tokens": tokens, "packed_targets": targets, "packed_positions": positions,
+            "packed_segments": segments, "unpack_index": index}

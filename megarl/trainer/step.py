@@ -14,7 +14,7 @@ from megarl.algorithms.losses import PolicyLossInput
 from megarl.algorithms.registry import Algorithm
 from megarl.config.schema import Config
 from megarl.rollout.batch import RolloutBatch
-from megarl.trainer.batching import data_parallel_share, microbatches, pack_batch
+from megarl.trainer.batching import data_parallel_share, microbatches, pack_batch, pack_microbatch, packed_length
 
 
 def train_on_batch(
@@ -41,7 +41,11 @@ def train_on_batch(
         metrics["logprob/engine_vs_trainer"] = (gap * mask).sum() / num_tokens
         return loss, metrics
 
-    metrics = policy.train_step(microbatches(share, cfg.trainer.micro_batch_size), loss_fn)
+    mbs = microbatches(share, cfg.trainer.micro_batch_size)
+    if cfg.trainer.pack_sequences:  # one row per microbatch for the model; the losses still see [b, S]
+        length = packed_length(mbs)
+        mbs = [pack_microbatch(mb, length, pad_id) for mb in mbs]
+    metrics = policy.train_step(mbs, loss_fn)
     metrics.setdefault("clip_frac", 0.0)  # algorithms without clipping clip nothing
     if lag != 0:  # the engine/trainer gap only measures numerics when both hold the same weights
         metrics["logprob/engine_vs_trainer"] = None
