@@ -55,8 +55,10 @@ def checkpoint_identity(cfg: Config) -> dict[str, Any]:
     """What a checkpoint must share with the config that resumes it (recorded in its meta.json)."""
     t = cfg.trainer
     model = hashlib.sha256((Path(cfg.model.hf_dir) / "config.json").read_bytes()).hexdigest()
-    return {"world_size": t.world_size, "tp": t.tp, "pp": t.pp, "ep": t.ep, "sync_interval": cfg.sync.interval,
-            "sync_offset": cfg.sync.offset, "algorithm": cfg.algorithm.name, "model_config_sha256": model}
+    return {"world_size": t.world_size, "tp": t.tp, "pp": t.pp, "ep": t.ep,
+            "distributed_optimizer": t.distributed_optimizer,  # each rank's optimizer file holds its own shard
+            "sync_interval": cfg.sync.interval, "sync_offset": cfg.sync.offset, "algorithm": cfg.algorithm.name,
+            "model_config_sha256": model}
 
 
 def resume_point(cfg: Config) -> Checkpoint | None:

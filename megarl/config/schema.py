@@ -27,9 +27,9 @@ class RunConfig(_Strict):
 
 class ModelConfig(_Strict):
     hf_dir: Path = Field(description="Hugging Face checkpoint directory (config.json, safetensors, tokenizer).")
-    tiny: Literal["moe", "dense"] | None = Field(
-        None, description="Create a tiny random Qwen3 ('dense') or Qwen3-MoE ('moe') checkpoint at hf_dir if "
-        "it is missing. Leave unset for real checkpoints.",
+    tiny: Literal["moe", "dense", "qwen2"] | None = Field(
+        None, description="Create a tiny random Qwen3-MoE ('moe'), Qwen3 ('dense') or Qwen2 ('qwen2') checkpoint "
+        "at hf_dir if it is missing. Leave unset for real checkpoints.",
     )
 
 
