@@ -38,7 +38,6 @@ import io
 import json
 import math
 import os
-import socket
 import statistics
 import sys
 import time
@@ -49,6 +48,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from megarl.launch import free_port
 
 METHODS = ("sharded", "gathered", "megatron")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -342,19 +343,13 @@ def _rank_main(rank: int, tp: int, port: int, queue, cfg: LogprobBenchConfig, me
         queue.put((rank, False, traceback.format_exc()))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn_ranks(tp: int, cfg: LogprobBenchConfig, methods: tuple[str, ...],
                  ref: dict[str, torch.Tensor]) -> list[dict[str, Any]]:
     """Run `methods` in a fresh group of `tp` processes; per-rank results, or the first rank's failure."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    queue, port = ctx.SimpleQueue(), _free_port()
+    queue, port = ctx.SimpleQueue(), free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, tp, port, queue, cfg, methods, ref)) for r in range(tp)]
     for p in procs:
         p.start()
