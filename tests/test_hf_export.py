@@ -166,6 +166,14 @@ def test_export_round_trip_and_trained_state(tmp_path, kind, layout, dtype, as_l
         for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
             assert (out0 / name).read_bytes() == (hf_dir / name).read_bytes(), name
         assert not (tmp_path / "out0.tmp").exists()
+    if kind == "moe":  # a model directory that does not fit the rank files (no sha256 in meta.json to catch it early)
+        step0 = run_dir / "checkpoints" / "step_00000000"
+        meta = json.loads((step0 / "meta.json").read_text())
+        (step0 / "meta.json").write_text(json.dumps({k: v for k, v in meta.items() if k != "model_config_sha256"}))
+        dense = make_tiny_checkpoint(tmp_path / "dense", kind="dense")
+        with pytest.raises(ExportError, match=r"cannot be built at the checkpoint's layout tp=1 pp=1 ep=2 \(wrong"):
+            export_checkpoint(step0, dense, tmp_path / "wrong")
+        assert not (tmp_path / "wrong").exists() and not (tmp_path / "wrong.tmp").exists()
 
     # (b) a trained state: exactly original + noise, and transformers agrees with the trainer's log-probs
     out1 = tmp_path / "out1"

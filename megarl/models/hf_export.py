@@ -244,7 +244,11 @@ def load_rank_model(checkpoint_dir: Path, rank: int, model_dir: Path, hf: dict[s
                           "file") from None
     dtype = next((v.dtype for v in model_state.values() if torch.is_tensor(v) and v.is_floating_point()),
                  torch.float32)
-    model = build_gpt_model(hf, tp=tp, pp=pp, ep=ep, params_dtype=dtype)
+    try:
+        model = build_gpt_model(hf, tp=tp, pp=pp, ep=ep, params_dtype=dtype)
+    except (ValueError, AssertionError) as err:
+        raise ExportError(f"the model of {model_dir}/config.json cannot be built at the checkpoint's layout tp={tp} "
+                          f"pp={pp} ep={ep} (wrong --model-dir?): {err}") from None
     try:
         model.load_state_dict(to_local_spec(model_state, set(model.state_dict())), strict=True)
     except RuntimeError as err:
