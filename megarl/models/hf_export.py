@@ -4,12 +4,13 @@
 
 The checkpoint's trainer layout (`meta.json`: world_size, tp, pp, ep) is started again as world_size CPU
 processes joined by gloo (no GPU needed, whatever machine trained it). Each builds its megatron-core
-model stage, loads the model state of its rank file, and cuts it into HF blocks through the table the
-importer reads (`megarl.models.hf_layout`), so export is the exact inverse of import. Rank 0 writes:
-HF tensor after HF tensor, it receives each block from ONE rank holding it (point-to-point), assembles
-the tensor, casts it to the dtype the run's model checkpoint stores it in, and streams its bytes into
-the current safetensors shard (whose header is laid out in advance from the shapes). No process holds
-more than its own model shard plus one HF tensor. Files go to `OUT.tmp`, renamed to `OUT` at the end.
+model stage, maps the model state of its rank file into it (memory-mapped, no copy), and cuts it into HF
+blocks through the table the importer reads (`megarl.models.hf_layout`), so export is the exact inverse
+of import. Rank 0 writes: HF tensor after HF tensor, it receives each block from ONE rank holding it
+(point-to-point), assembles the tensor, casts it to the dtype the run's model checkpoint stores it in, and
+streams its bytes into the current safetensors shard (whose header is laid out in advance from the
+shapes). No process materialises the model: rank 0 holds one HF tensor at a time, every rank reads from
+its file only the blocks it sends. Files go to `OUT.tmp`, renamed to `OUT` at the end.
 
 The result: `config.json`, generation and tokenizer files copied from the run's model directory, and
 `model.safetensors` or `model-0000k-of-0000n.safetensors` + `model.safetensors.index.json`.
@@ -232,7 +233,8 @@ def to_local_spec(state: dict[str, Any], local_keys: set[str]) -> dict[str, Any]
 
 def load_rank_model(checkpoint_dir: Path, rank: int, model_dir: Path, hf: dict[str, Any], tp: int, pp: int,
                     ep: int) -> torch.nn.Module:
-    """This rank's megatron model stage holding the model state of its rank file (parallel groups initialised)."""
+    """This rank's megatron model stage holding the model state of its rank file (parallel groups initialised);
+    its parameters are memory-mapped views of the file."""
     from megarl.models.qwen_provider import build_gpt_model
 
     file = Path(checkpoint_dir) / f"rank_{rank:05d}.pt"
@@ -250,7 +252,9 @@ def load_rank_model(checkpoint_dir: Path, rank: int, model_dir: Path, hf: dict[s
         raise ExportError(f"the model of {model_dir}/config.json cannot be built at the checkpoint's layout tp={tp} "
                           f"pp={pp} ep={ep} (wrong --model-dir?): {err}") from None
     try:
-        model.load_state_dict(to_local_spec(model_state, set(model.state_dict())), strict=True)
+        # assign: the parameters become the memory-mapped tensors of the rank file (no copy; pages are read when
+        # a block is sent, so ranks that only hold replicas of other ranks' blocks read nothing)
+        model.load_state_dict(to_local_spec(model_state, set(model.state_dict())), strict=True, assign=True)
     except RuntimeError as err:
         raise ExportError(f"{file} does not fit the model built from {model_dir}/config.json at tp={tp} pp={pp} "
                           f"ep={ep} (wrong --model-dir?): {err}") from None
