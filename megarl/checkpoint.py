@@ -164,13 +164,20 @@ def open_checkpoint(path: Path, expected: dict[str, Any]) -> Checkpoint:
     meta = json.loads(meta_file.read_text())
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"{meta_file}: format {meta.get('format')!r}, expected {FORMAT!r}")
-    for name, size in meta["files"].items():
+    files: dict[str, int | None] = dict(meta.get("files", {}))
+    for rank in range(int(meta.get("world_size", 0))):  # one file per trainer rank, whatever the listing says
+        files.setdefault(f"rank_{rank:05d}.pt", None)
+    for name, size in files.items():
         file = path / name
-        if not file.is_file() or file.stat().st_size != size:
-            found = file.stat().st_size if file.is_file() else "missing"
+        if not file.is_file():
             raise CheckpointError(
-                f"{file}: {found} bytes, meta.json recorded {size}: the checkpoint is damaged; resume from an "
-                "earlier one (checkpoint.resume=<path>)"
+                f"{file} is missing: every trainer rank wrote a file and all of them are needed; copy the whole "
+                "step directory, or use another checkpoint"
+            )
+        if size is not None and file.stat().st_size != size:
+            raise CheckpointError(
+                f"{file}: {file.stat().st_size} bytes, meta.json recorded {size}: the checkpoint is damaged or "
+                "still being copied; copy it again, or use another checkpoint"
             )
     wrong = [f"{k}: checkpoint {meta.get(k)!r}, config {v!r}" for k, v in expected.items() if meta.get(k) != v]
     if wrong:

@@ -24,7 +24,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import struct
 import sys
 from collections.abc import Iterator
@@ -34,9 +33,10 @@ from typing import Any
 
 import torch
 
+from megarl.checkpoint import CheckpointError, open_checkpoint
+from megarl.launch import free_port
 from megarl.sync.slices import HFSlice
 
-CHECKPOINT_FORMAT = "megarl-checkpoint-v1"  # megarl.checkpoint.FORMAT (not imported: it pulls in the sync stack)
 DEFAULT_SHARD_SIZE = 5 * 10**9
 # files of a model directory that travel with the weights (everything but the weights themselves)
 COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model",
@@ -64,21 +64,13 @@ def read_checkpoint_meta(checkpoint_dir: Path) -> dict[str, Any]:
         if path.name.startswith(".step_") and path.name.endswith(".tmp"):
             hint = ": it is a save that never finished; export a complete step_XXXXXXXX directory" + hint
         raise ExportError(f"{path} is not a megarl checkpoint (no meta.json){hint}")
-    meta = json.loads(meta_file.read_text())
-    if meta.get("format") != CHECKPOINT_FORMAT:
-        raise ExportError(f"{meta_file}: format {meta.get('format')!r}, expected {CHECKPOINT_FORMAT!r}")
+    try:  # complete, in megarl's format, every rank file at its recorded size
+        meta = open_checkpoint(path, expected={}).meta
+    except CheckpointError as err:
+        raise ExportError(str(err)) from None
     for key in ("world_size", "tp", "pp", "ep"):
         if not isinstance(meta.get(key), int):
             raise ExportError(f"{meta_file}: no trainer layout ({key!r} missing): not written by megarl's trainer")
-    for rank in range(meta["world_size"]):
-        name = f"rank_{rank:05d}.pt"
-        file, size = path / name, meta.get("files", {}).get(name)
-        if not file.is_file():
-            raise ExportError(f"{file} is missing: every one of the {meta['world_size']} trainer ranks wrote a file "
-                              "and export needs all of them; copy the whole step directory, or export another step")
-        if size is not None and file.stat().st_size != size:
-            raise ExportError(f"{file}: {file.stat().st_size} bytes, meta.json recorded {size}: the file is damaged "
-                              "or still being copied; copy it again, or export another step")
     return meta
 
 
@@ -375,12 +367,6 @@ def _export_rank(rank: int, world: int, layout: tuple[int, int, int], checkpoint
 
 
 # ---- the whole export ----------------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextmanager
 def _cpu_only() -> Iterator[None]:
     """Processes spawned inside see no GPU: export runs on gloo and megatron's local spec on any machine."""
@@ -421,7 +407,7 @@ def export_checkpoint(checkpoint_dir: str | Path, model_dir: str | Path | None, 
     tmp.mkdir(parents=True)
     try:
         args = (meta["world_size"], (meta["tp"], meta["pp"], meta["ep"]), str(checkpoint_dir), str(model_dir),
-                str(tmp), shard_size, _free_port())
+                str(tmp), shard_size, free_port())
         with _cpu_only():
             try:
                 mp.start_processes(_export_rank, args=args, nprocs=meta["world_size"], start_method="spawn", join=True)
