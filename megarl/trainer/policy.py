@@ -24,7 +24,7 @@ from megarl.models.hf_slices import iter_local_hf_slices
 from megarl.models.qwen_provider import build_gpt_model, padded_vocab_size
 from megarl.parallel.vocab_logprobs import vocab_parallel_logprobs_entropy
 from megarl.sync.slices import HFSlice
-from megarl.trainer.optimizer import ShardedAdamW, check_optimizer_state
+from megarl.trainer.optimizer import ShardedAdamW, adamw_param_groups, check_optimizer_state
 
 LossFn = Callable[[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
@@ -89,8 +89,6 @@ class MegatronPolicy:
         shard = padded_vocab_size(hf, tp) // tp
         # real (unpadded) vocabulary columns in this rank's logits shard [tp_rank*shard, (tp_rank+1)*shard)
         self.local_vocab = min(max(hf["vocab_size"] - self.tp_rank * shard, 0), shard)
-        decay = [p for p in self.model.parameters() if p.ndim >= 2]
-        no_decay = [p for p in self.model.parameters() if p.ndim < 2]
         self.distributed_optimizer = distributed_optimizer
         if distributed_optimizer:  # ZeRO-1: dense state over the DP group, expert state over the expert-DP group
             self.optimizer = ShardedAdamW(
@@ -99,7 +97,7 @@ class MegatronPolicy:
             )
         else:
             self.optimizer = torch.optim.AdamW(
-                [{"params": decay, "weight_decay": optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+                adamw_param_groups(list(self.model.parameters()), optim.weight_decay),
                 lr=optim.lr, betas=optim.betas, eps=optim.eps,
             )
         self.version = 0  # optimizer steps taken
