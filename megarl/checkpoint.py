@@ -6,6 +6,7 @@
             loop.pt               rank 0: the loop's own state (batches generated ahead, algorithm state)
             meta.json             written last; lists every file with its size, the layout and the schedule
         .step_00000014.tmp/       being written (or left by a crash): never read, removed by the next save
+                                  of the same step (delete left-over ones by hand)
 
 A checkpoint directory only exists under its final name once every rank's file was written, flushed and
 checked against its size, so a crash mid-save can leave a `.tmp` directory but never a checkpoint that
@@ -161,7 +162,11 @@ def open_checkpoint(path: Path, expected: dict[str, Any]) -> Checkpoint:
             f"{path} is not a complete megarl checkpoint (no meta.json: it was never finished or is not a "
             "checkpoint); resume from another one, e.g. checkpoint.resume=latest"
         )
-    meta = json.loads(meta_file.read_text())
+    try:
+        meta = json.loads(meta_file.read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{meta_file} cannot be read ({err}): the checkpoint is damaged; use another one"
+                              ) from None
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"{meta_file}: format {meta.get('format')!r}, expected {FORMAT!r}")
     files: dict[str, int | None] = dict(meta.get("files", {}))
@@ -183,7 +188,7 @@ def open_checkpoint(path: Path, expected: dict[str, Any]) -> Checkpoint:
     if wrong:
         raise CheckpointError(
             f"{path} was written by a run that differs from this config ({'; '.join(wrong)}): resume with the "
-            "same trainer layout, model and sync schedule"
+            "settings the run was saved with (trainer layout, model, sync schedule, seed, data, sampling, algorithm)"
         )
     return Checkpoint(path, meta)
 

@@ -51,6 +51,15 @@ def prepare(config_path: str | None, overrides: list[str], create_run_dir: bool 
             resumed = resume_point(cfg)
         except CheckpointError as err:
             raise ConfigError(f"checkpoint.resume={cfg.checkpoint.resume}: {err}") from None
+        newer = [] if resumed is None else [
+            p for p in Path(cfg.run.dir, "checkpoints").glob("step_*") if (p / "meta.json").is_file()
+            and int(p.name.removeprefix("step_")) > resumed.step]
+        if newer:
+            raise ConfigError(
+                f"checkpoint.resume: {resumed.path} is older than {', '.join(sorted(p.name for p in newer))} in "
+                f"{cfg.run.dir}/checkpoints, which the resumed run would mix with its own saves; move those away "
+                "(or resume from the newest with checkpoint.resume=latest)"
+            )
         if resumed is not None and resumed.step + 1 >= cfg.run.steps:
             raise ConfigError(
                 f"checkpoint.resume: {resumed.path} is after step {resumed.step}, so run.steps={cfg.run.steps} "

@@ -58,7 +58,12 @@ def checkpoint_identity(cfg: Config) -> dict[str, Any]:
     return {"world_size": t.world_size, "tp": t.tp, "pp": t.pp, "ep": t.ep,
             "distributed_optimizer": t.distributed_optimizer,  # each rank's optimizer file holds its own shard
             "sync_interval": cfg.sync.interval, "sync_offset": cfg.sync.offset, "algorithm": cfg.algorithm.name,
-            "model_config_sha256": model}
+            "model_config_sha256": model,
+            # prompts, sampling seeds and the algorithm's hyper-parameters decide what each later step computes
+            "seed": cfg.run.seed, "data": cfg.data.model_dump(mode="json"),
+            "sampling": cfg.rollout.model_dump(mode="json", include={"samples_per_prompt", "max_new_tokens",
+                                                                      "temperature", "top_p"}),
+            "algorithm_config": cfg.algorithm.model_dump(mode="json")}
 
 
 def resume_point(cfg: Config) -> Checkpoint | None:

@@ -123,3 +123,26 @@ def test_resume_reproduces_the_uninterrupted_run(moe_fleet, tiny_moe_dir, tmp_pa
 def test_resume_needs_a_complete_checkpoint(tiny_moe_dir, tmp_path):
     with pytest.raises(ConfigError, match="holds no complete checkpoint"):
         prepare(None, _overrides(tiny_moe_dir, tmp_path / "empty", 4, "checkpoint.resume=latest"))
+
+
+def test_resume_refuses_an_older_checkpoint_while_newer_ones_exist(tiny_moe_dir, tmp_path):
+    """Resuming from step 2 while step 4 of the abandoned run is still there would mix the two runs' checkpoints
+    (and `latest` would later pick the abandoned one). Complete checkpoints are made by hand from the identity."""
+    from megarl.checkpoint import FORMAT
+    from megarl.loop import checkpoint_identity
+
+    run_dir = tmp_path / "run"
+    cfg = prepare(None, _overrides(tiny_moe_dir, run_dir, 8), create_run_dir=False)
+    for step in (2, 4):
+        path = step_dir(run_dir / "checkpoints", step)
+        path.mkdir(parents=True)
+        for rank in range(2):
+            (path / f"rank_{rank:05d}.pt").write_bytes(b"x")
+        meta = {**checkpoint_identity(cfg), "format": FORMAT, "step": step, "files": {}}
+        (path / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(ConfigError, match=r"step_00000002 is older than step_00000004 .*move those away"):
+        prepare(None, _overrides(tiny_moe_dir, run_dir, 8, f"checkpoint.resume={step_dir(run_dir / 'checkpoints', 2)}"))
+    # the newest resumes; a different seed is refused (prompts and sampling seeds follow it)
+    assert prepare(None, _overrides(tiny_moe_dir, run_dir, 8, "checkpoint.resume=latest")).checkpoint.resume
+    with pytest.raises(ConfigError, match=r"differs from this config \(seed: checkpoint 0, config 1\)"):
+        prepare(None, _overrides(tiny_moe_dir, run_dir, 8, "checkpoint.resume=latest", "run.seed=1"))

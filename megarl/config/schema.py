@@ -47,9 +47,10 @@ class TrainerConfig(_Strict):
     )
     pack_sequences: bool = Field(
         False, description="Feed each microbatch to the model as ONE row: its sequences cut to their real length "
-        "and concatenated, with a block-diagonal causal mask (no compute on padding). Losses still see one row per "
-        "response, so sequence-level quantities (GSPO, OAPL) are per whole response. Local (CPU) layer spec only: "
-        "Transformer Engine needs THD packed-sequence parameters, not implemented yet.",
+        "and concatenated, with a block-diagonal causal mask (no projection/MLP compute on padding; attention is a "
+        "dense masked row). Losses still see one row per response, so sequence-level quantities (GSPO, OAPL) are "
+        "per whole response. The training step only: the recompute of algorithm.old_logprobs=trainer stays padded. "
+        "Local (CPU) layer spec only: Transformer Engine needs THD packed-sequence parameters, not implemented yet.",
     )
     distributed_optimizer: bool = Field(
         False, description="Shard the AdamW state over data-parallel replicas (ZeRO-1, torch's "

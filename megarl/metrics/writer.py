@@ -18,8 +18,13 @@ class MetricsWriter:
         self.path = Path(run_dir) / "metrics.jsonl"
         self.records: list[dict[str, Any]] = []
         if resume_at is not None and self.path.exists():
-            kept = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
-            self.records = [r for r in kept if r["step"] < resume_at]
+            kept = []
+            for line in self.path.read_text().splitlines():
+                try:
+                    kept.append(json.loads(line))
+                except ValueError:  # a line cut short by the crash that made the run resume: a later step anyway
+                    continue
+            self.records = [r for r in kept if r.get("step", resume_at) < resume_at]
             tmp = self.path.with_suffix(".jsonl.tmp")
             tmp.write_text("".join(json.dumps(r) + "\n" for r in self.records))
             os.replace(tmp, self.path)

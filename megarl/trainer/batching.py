@@ -56,8 +56,8 @@ def microbatches(tensors: dict[str, torch.Tensor], size: int) -> list[dict[str, 
 
 
 def packed_length(microbatches: list[dict[str, torch.Tensor]]) -> int:
-    """The row length that holds every microbatch packed (one shape for all: pipeline stages exchange
-    activations of a fixed shape)."""
+    """The row length that holds every microbatch packed: one shape for all microbatches, since the policy
+    passes megatron's schedule a single `seq_length` per step."""
     return max(int(mb["lengths"].sum()) for mb in microbatches)
 
 
