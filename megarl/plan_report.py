@@ -18,11 +18,12 @@ and no model is built, so a 30B plan takes a second on a laptop.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from dataclasses import dataclass
 from typing import Any
 
-from megarl.config.load import ConfigError, check_against_model, load_config, num_experts, read_hf_config
+from megarl.config.load import ConfigError, num_experts, read_hf_config
 from megarl.config.schema import Config, TrainerConfig
 from megarl.models.qwen_provider import head_dim, padded_vocab_size
 from megarl.sync.plan import vllm_rank_slices
@@ -90,13 +91,6 @@ def megatron_local_shapes(hf: dict[str, Any], tp: int, pp: int, ep: int, pp_rank
     return shapes
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
 def pipeline_stage_of(rank: int, t: TrainerConfig) -> int:
     """Megatron's rank order is tp-cp-ep-dp-pp: the pipeline stage is the outermost coordinate."""
     return rank // (t.world_size // t.pp)
@@ -137,7 +131,7 @@ class Plan:
 
 
 def make_plan(hf: dict[str, Any], cfg: Config, dtype: str = "bf16") -> Plan:
-    """Sizes for the config's trainer and rollout layouts (call `check_layout_for_gpu` first)."""
+    """Sizes for the config's trainer and rollout layouts (validate the config first, as `run` does)."""
     if dtype not in DTYPE_BYTES:
         raise ConfigError(f"--dtype={dtype}: choose one of {', '.join(DTYPE_BYTES)}")
     t, r = cfg.trainer, cfg.rollout
@@ -149,8 +143,8 @@ def make_plan(hf: dict[str, Any], cfg: Config, dtype: str = "bf16") -> Plan:
         stages.append(StageSize(
             stage=s, layers=range(s * layers_per_stage, (s + 1) * layers_per_stage),
             ranks=list(range(s * per_stage, (s + 1) * per_stage)),
-            params=sum(map(_numel, shapes.values())),
-            expert_params=sum(_numel(v) for k, v in shapes.items() if ".local_experts." in k),
+            params=sum(map(math.prod, shapes.values())),
+            expert_params=sum(math.prod(v) for k, v in shapes.items() if ".local_experts." in k),
         ))
     return Plan(
         total_params=total_params(hf), active_params=active_params(hf), trainer_stages=stages,
@@ -158,11 +152,6 @@ def make_plan(hf: dict[str, Any], cfg: Config, dtype: str = "bf16") -> Plan:
         rollout_rank_params=[sum(s.numel for s in vllm_rank_slices(hf, r.tp, k)) for k in range(r.tp)],
         replicas=r.replicas, dtype=dtype,
     )
-
-
-def check_layout_for_gpu(cfg: Config, hf: dict[str, Any]) -> None:
-    """`check_against_model` as for a GPU job (cuda=True); raises ConfigError naming every problem."""
-    check_against_model(cfg, hf, cuda=True)
 
 
 def _b(params: int) -> str:
@@ -254,13 +243,11 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     """Print the plan for `args.config`; 2 (with the reason on stderr) for a config that cannot run."""
     try:
-        cfg = load_config(args.config, args.overrides)
-        if cfg.model.tiny is not None:  # as `megarl check`: the tiny checkpoint is made when missing
-            from megarl.models.tiny import ensure_tiny_checkpoint
+        from megarl.launch import prepare
 
-            ensure_tiny_checkpoint(cfg.model.hf_dir, kind=cfg.model.tiny, seed=cfg.run.seed)
+        # as `megarl check --gpu`: the layout is checked for the GPU job it plans (tiny checkpoints are made)
+        cfg = prepare(args.config, args.overrides, create_run_dir=False, for_gpu=True)
         hf = read_hf_config(cfg.model.hf_dir)
-        check_layout_for_gpu(cfg, hf)
         plan = make_plan(hf, cfg, args.dtype)
     except ConfigError as err:
         print(f"megarl plan: {err}", file=sys.stderr)
