@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from megarl.sync.schedule import SyncSchedule
 
-FORMAT = "megarl-checkpoint-v1"
+FORMAT = "megarl-checkpoint-v2"  # v2: saved batches carry rewards only; advantages are computed when consumed
 
 
 class CheckpointError(RuntimeError):
@@ -168,7 +168,11 @@ def open_checkpoint(path: Path, expected: dict[str, Any]) -> Checkpoint:
         raise CheckpointError(f"{meta_file} cannot be read ({err}): the checkpoint is damaged; use another one"
                               ) from None
     if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{meta_file}: format {meta.get('format')!r}, expected {FORMAT!r}")
+        raise CheckpointError(
+            f"{meta_file}: format {meta.get('format')!r}, expected {FORMAT!r}: the checkpoint was written by another "
+            "megarl version (v1 saved batches with advantages already drawn); resume it with that version, or start "
+            "fresh"
+        )
     files: dict[str, int | None] = dict(meta.get("files", {}))
     for rank in range(int(meta.get("world_size", 0))):  # one file per trainer rank, whatever the listing says
         files.setdefault(f"rank_{rank:05d}.pt", None)

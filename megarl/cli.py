@@ -7,6 +7,7 @@
     megarl plan --config FILE [--dtype bf16]  parameters and bytes per trainer / rollout rank and per sync
     megarl export CHECKPOINT_DIR --out DIR    write a run checkpoint as a Hugging Face checkpoint
     megarl bench logprob [--tp 1 2 4 ...]     peak memory and time of the vocab-parallel log-prob + entropy
+    megarl bench pipeline [--offsets 0 1 2]   wall time per step and overlap with the pipeline off and on
 
 `megarl COMMAND --help` describes each command's options.
 """
@@ -24,7 +25,7 @@ from megarl.config.load import ConfigError
 _DELEGATED = {
     "plan": ("megarl.plan_report", "parameters and bytes per trainer / rollout rank and per weight sync"),
     "export": ("megarl.models.hf_export", "write a run checkpoint as a Hugging Face checkpoint"),
-    "bench": ("megarl.bench.logprob", "benchmarks: `megarl bench logprob`"),
+    "bench": ("megarl.bench", "benchmarks: `megarl bench logprob`, `megarl bench pipeline`"),
 }
 
 

@@ -19,7 +19,8 @@ import yaml
 
 from megarl.config.load import ConfigError, check_against_model, load_config, read_hf_config
 from megarl.config.schema import Config
-from megarl.metrics.plot import plot_run
+from megarl.metrics.plot import plot_run, plot_timeline
+from megarl.metrics.timeline import load_spans, overlap_summary
 from megarl.metrics.writer import summarize, write_json_atomic
 from megarl.sync.schedule import SyncSchedule
 
@@ -89,11 +90,10 @@ def _trainer_rank(rank: int, cfg_data: dict[str, Any], fleet_urls: list[str], po
         warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
         # torch's deprecation notes for the collectives megatron's MoE dispatcher calls
         warnings.filterwarnings("ignore", category=FutureWarning, message=r"`torch\.distributed\.")
-    from megarl.algorithms.registry import get_algorithm
     from megarl.loop import run_loop
     from megarl.parallel.groups import TrainerLayout, destroy_trainer_groups, dp_rank_and_size, init_trainer_groups
     from megarl.rollout.client import RolloutClient
-    from megarl.rollout.producer import RolloutProducer
+    from megarl.rollout.task import start_rollout_worker
     from megarl.sync.weight_sync import PartitionedWeightSync
     from megarl.trainer.policy import MegatronPolicy
 
@@ -110,8 +110,11 @@ def _trainer_rank(rank: int, cfg_data: dict[str, Any], fleet_urls: list[str], po
             rollout_replicas=cfg.rollout.replicas, store_host="127.0.0.1", store_port=ports["sync"],
             bucket_bytes=int(cfg.sync.bucket_mb * 2**20),
         )
-        producer = RolloutProducer(cfg, clients, get_algorithm(cfg.algorithm.name)) if rank == 0 else None
-        run_loop(cfg, rank, policy, weight_sync, producer, dp_rank_and_size(), pad_id=hf.get("pad_token_id") or 0)
+        start_rollout = None
+        if rank == 0:
+            def start_rollout(timeline, start, saved):
+                return start_rollout_worker(cfg, clients, timeline, start, saved)
+        run_loop(cfg, rank, policy, weight_sync, start_rollout, dp_rank_and_size(), pad_id=hf.get("pad_token_id") or 0)
         weight_sync.close()
     finally:
         destroy_trainer_groups()
@@ -119,7 +122,7 @@ def _trainer_rank(rank: int, cfg_data: dict[str, Any], fleet_urls: list[str], po
 
 def sync_savings(cfg: Config, records: list[dict[str, Any]]) -> dict[str, Any]:
     """Bytes this run's schedule moved versus pushing after every step (sync_interval = 1)."""
-    batches = len(records) + cfg.sync.offset  # the fleet generated this many batches
+    batches = cfg.run.steps  # the fleet generated the batches the trainer consumed, and no others
     every_step = sum(SyncSchedule(1, cfg.sync.offset).sync_before_batch(j) is not None for j in range(batches))
     done = sum(r.get("sync/count", 0) for r in records)
     per_sync = (sum(r.get("sync/bytes_sent", 0) for r in records) / done) if done else None
@@ -150,6 +153,11 @@ def train(cfg: Config, fleet_urls: list[str] | None = None) -> dict[str, Any]:
         run_trainers(cfg, fleet_urls)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     summary = summarize(records) | sync_savings(cfg, records)
+    spans = load_spans(run_dir / "timeline.json")  # this launch's steps (a resumed run: since the resume)
+    wall = max((s.end for s in spans), default=0.0)
+    summary |= {"pipeline/overlap_enabled": cfg.rollout.overlap, **overlap_summary(spans, wall)}
     write_json_atomic(run_dir / "summary.json", summary)
     plot_run(records, run_dir / "reward_and_sync.png")
+    plot_timeline(spans, run_dir / "timeline.png", title=f"{run_dir.name}: overlap {summary['pipeline/overlap']:.2f}"
+                  if summary["pipeline/overlap"] is not None else run_dir.name)
     return summary

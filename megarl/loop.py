@@ -1,17 +1,20 @@
-"""The RL controller loop, run by every trainer rank (rank 0 also drives the rollout fleet).
+"""The RL controller loop, run by every trainer rank (rank 0 also drives the rollout side).
 
+    the rollout worker (rank 0's threads) generates and scores batches ahead, as far as the schedule allows
+    (and no further than the last batch the run trains on);
     for each step l:
-        the fleet generates batches until it is sync_offset batches ahead; before generating batch j
-        it takes the trainer's weights when the schedule says so (a partitioned broadcast);
-        batch l is scored, advantaged and broadcast to all trainer ranks;
-        one optimizer step on it (policy version += 1); rank 0 records the step;
+        if the schedule pushes the trainer's weights now: wait until the fleet has finished every batch of
+        the older weights, then push (a partitioned broadcast from every trainer rank);
+        take batch l (waiting only if it is not ready), add its advantages, broadcast it to all trainer ranks;
+        one optimizer step on it (policy version += 1); rank 0 records the step and the timeline;
         every checkpoint.interval steps (where the fleet holds no state) all ranks save a checkpoint.
 """
 
 from __future__ import annotations
 
 import hashlib
-import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +33,10 @@ from megarl.checkpoint import (
     set_rng_state,
 )
 from megarl.config.schema import Config
+from megarl.metrics.timeline import Timeline, replica_lanes, window_metrics
 from megarl.metrics.writer import MetricsWriter
+from megarl.rollout.batch import with_advantages
+from megarl.rollout.worker import RolloutWorker
 from megarl.sync.schedule import SyncSchedule
 from megarl.sync.weight_sync import SyncStats
 from megarl.trainer.step import train_on_batch
@@ -86,62 +92,102 @@ def _algorithm_state(algorithm: Algorithm) -> dict[str, Any] | None:
     return state_dict() if state_dict is not None else None
 
 
-def run_loop(cfg: Config, rank: int, policy, weight_sync, producer, dp: tuple[int, int], pad_id: int) -> list[dict]:
-    """Train until cfg.run.steps steps are done; returns the metric records (rank 0; other ranks return [])."""
+def _span(timeline: Timeline | None, lane: str, kind: str, label: str) -> AbstractContextManager:
+    return timeline.span(lane, kind, label) if timeline is not None else nullcontext()
+
+
+def run_loop(cfg: Config, rank: int, policy, weight_sync,
+             start_rollout: Callable[[Timeline, int, dict], RolloutWorker] | None,
+             dp: tuple[int, int], pad_id: int) -> list[dict]:
+    """Train until cfg.run.steps steps are done; returns the metric records (rank 0; other ranks return []).
+    Rank 0 passes `start_rollout(timeline, first_batch, saved_batches)`, which starts the rollout worker."""
     algorithm = get_algorithm(cfg.algorithm.name)
     schedule = SyncSchedule(cfg.sync.interval, cfg.sync.offset)
     world = dist.get_world_size()
-    pending: dict[int, Any] = {}
-    generated, start = 0, 0
+    start, saved = 0, {}
     resumed = resume_point(cfg)
     if resumed is not None:  # trainer state, then (rank 0) the batches generated ahead and the estimator state
         state = resumed.rank_state(rank)
         policy.load_state_dict(state["policy"])
         set_rng_state(state["rng"])
-        start, generated = resumed.step + 1, schedule.batches_ready_before_step(resumed.step)
+        start = resumed.step + 1
         if rank == 0:
             loop_state = resumed.loop_state()
-            pending = loop_state["pending"]
+            saved = loop_state["pending"]
             if loop_state["algorithm"] is not None:
                 algorithm.advantages.load_state_dict(loop_state["algorithm"])
     last_saved = resumed.step if resumed is not None else -1
     writer = MetricsWriter(cfg.run.dir, resume_at=start if resumed is not None else None) if rank == 0 else None
+    timeline = Timeline() if rank == 0 else None
     bar = tqdm(range(start, cfg.run.steps), desc="megarl train", disable=rank != 0, dynamic_ncols=True,
                initial=start, total=cfg.run.steps)
     syncs: list[SyncStats] = []
+
+    def push() -> None:  # collective over the trainer ranks
+        with _span(timeline, "push", "push", f"v{policy.version}"):
+            syncs.append(weight_sync.push(policy.iter_local_hf_slices(), version=policy.version))
+
     if cfg.sync.push_initial and resumed is None:  # a resumed run's next batch starts with a push anyway
-        syncs.append(weight_sync.push(policy.iter_local_hf_slices(), version=policy.version))
+        push()
+    rollout = start_rollout(timeline, start, saved) if rank == 0 and start_rollout is not None else None
+    window_start = 0.0
     try:
         for step in bar:
-            t0 = time.perf_counter()
-            while generated < schedule.batches_ready_before_step(step):
-                version = schedule.sync_before_batch(generated)
-                if version is not None:
-                    if version != policy.version:
-                        raise RuntimeError(f"schedule pushes version {version} but the trainer is at {policy.version}")
-                    syncs.append(weight_sync.push(policy.iter_local_hf_slices(), version=policy.version))
-                if rank == 0:
-                    pending[generated] = producer.produce(generated)
-                generated += 1
-            batch = _broadcast(pending.pop(step, None), rank)
-            t1 = time.perf_counter()
+            before = schedule.push_at_step(step)  # the batch a push of the trainer's weights precedes now
+            if before is not None and before < cfg.run.steps:  # (a push for batches never trained on is skipped)
+                if rollout is not None:
+                    with _span(timeline, "trainer", "wait", f"push point {before}"):
+                        rollout.quiesce(before)  # no replica is still generating with the older weights
+                push()
+                if rollout is not None:
+                    rollout.pushed(before)
+            record: dict[str, Any] = {"step": step, "policy_version": policy.version}
+            batch = None
+            if rollout is not None:
+                batch = with_advantages(rollout.take(step), algorithm, cfg.algorithm)
+                record["pipeline/batches_generated"] = rollout.batches_generated()
+            batch = _broadcast(batch, rank)
             lag = policy.version - batch.policy_version
-            record = {"step": step, "policy_version": policy.version, "batch_lag": lag,
-                      "reward/mean": float(batch.rewards.mean())}
-            record.update(train_on_batch(policy, batch, algorithm, cfg, pad_id, *dp, lag=lag))
+            record.update({"batch/generation_version": batch.policy_version, "batch_lag": lag,
+                           "reward/mean": float(batch.rewards.mean()), "reward/timeouts": batch.reward_timeouts})
+            with _span(timeline, "trainer", "train", f"step {step}"):
+                record.update(train_on_batch(policy, batch, algorithm, cfg, pad_id, *dp, lag=lag))
             record.update(_sync_metrics(syncs))
+            record["sync/versions"] = [s.version for s in syncs]
             syncs = []
-            record.update({"time/rollout_and_sync_s": t1 - t0, "time/train_s": time.perf_counter() - t1})
+            if timeline is not None:
+                window_end = timeline.now()
+                record.update(_step_times(timeline, window_start, window_end))
+                window_start = window_end
             if writer is not None:
                 writer.write(record)
                 bar.set_postfix(reward=f"{record['reward/mean']:.2f}", lag=lag)
             if checkpoint_due(schedule, step, cfg.checkpoint.interval, last_saved):
-                loop_state = {"pending": pending, "algorithm": _algorithm_state(algorithm)} if rank == 0 else None
+                loop_state = None
+                if rollout is not None:  # the fleet stops before the push that follows; save what it made
+                    rollout.quiesce(min(schedule.batches_ready_before_step(step), cfg.run.steps))
+                    loop_state = {"pending": rollout.pending(), "algorithm": _algorithm_state(algorithm)}
                 save_checkpoint(Path(cfg.run.dir) / "checkpoints", step, rank, world,
                                 {"policy": policy.state_dict(), "rng": rng_state()}, loop_state,
                                 checkpoint_identity(cfg), cfg.checkpoint.keep_last)
                 last_saved = step
     finally:
+        if rollout is not None:
+            rollout.close()
         if writer is not None:
             writer.close()
+        if timeline is not None:
+            timeline.save(Path(cfg.run.dir) / "timeline.json")
     return writer.records if writer is not None else []
+
+
+def _step_times(timeline: Timeline, start: float, end: float) -> dict[str, float]:
+    """Where one step's wall time [start, end) went: the trainer's waits, pushes and training, each replica's."""
+    spans = timeline.spans()
+    within = [s for s in spans if s.end > start and s.start < end]
+    lanes = replica_lanes(spans)
+    seconds = {k: sum(min(s.end, end) - max(s.start, start) for s in within if s.lane == lane and s.kind == kind)
+               for k, lane, kind in (("wait_for_data", "trainer", "wait"), ("push", "push", "push"),
+                                     ("train", "trainer", "train"))}
+    return {"time/step_s": end - start, **{f"time/{k}_s": v for k, v in seconds.items()},
+            **window_metrics(within, start, end, lanes)}

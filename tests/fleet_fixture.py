@@ -1,5 +1,6 @@
-"""Session fixtures for the real rollout fleet: the tiny MoE checkpoint and ONE vLLM server
-(tensor parallel 2) shared by every test of the session, killed (whole process group) at the end.
+"""Session fixtures for the real rollout fleet: the tiny MoE checkpoint, ONE vLLM server (tensor parallel 2)
+shared by every test of the session, and a two-replica fleet (tensor parallel 1 each) for the pipeline tests,
+each killed (whole process group) at the end.
 
 Imported by `tests/conftest.py`; tests that change the server's weights must say so, and tests
 that need particular weights push them first (`PartitionedWeightSync.push`).
@@ -27,6 +28,19 @@ def moe_fleet(tiny_moe_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
     """A real vLLM OpenAI-compatible server, TP 2, serving the tiny MoE with megarl's weight-transfer backend."""
     with launch(FleetSpec(model_dir=tiny_moe_dir, tp=2, log_dir=tmp_path_factory.mktemp("fleet_logs"))) as fleet:
         yield fleet
+    _assert_gone(fleet)
+
+
+@pytest.fixture(scope="session")
+def moe_fleet_2x1(tiny_moe_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetHandle]:
+    """Two replicas of the tiny MoE, tensor parallel 1 each: several replicas generate at the same time."""
+    with launch(FleetSpec(model_dir=tiny_moe_dir, tp=1, replicas=2,
+                          log_dir=tmp_path_factory.mktemp("fleet2_logs"))) as fleet:
+        yield fleet
+    _assert_gone(fleet)
+
+
+def _assert_gone(fleet: FleetHandle) -> None:
     groups = {proc.pid for proc in fleet.procs}  # each server leads its own process group
     deadline = time.time() + 10  # SIGKILL is asynchronous
     while _live_members(groups) and time.time() < deadline:

@@ -58,20 +58,20 @@ def test_shares_and_microbatches_partition_rows():
         data_parallel_share(tensors, 0, 4)
 
 
-def test_score_and_advantage_by_hand():
+def test_scored_batch_and_advantages_by_hand():
     from megarl.algorithms.registry import get_algorithm
     from megarl.config.schema import AlgorithmConfig
-    from megarl.data.arithmetic import Problem
-    from megarl.rollout.batch import score_and_advantage
+    from megarl.rollout.batch import scored_batch, with_advantages
     from megarl.rollout.client import Sample
 
-    texts = {10: "7", 11: "8"}
     samples = [[Sample([1], [t], [-0.5], "length", 3) for t in (10, 11, 10, 11)]]
-    batch = score_and_advantage(4, [Problem("3 + 4 =", "7")], samples, lambda ids: texts[ids[0]],
-                                get_algorithm("rec_gspo_nois"), AlgorithmConfig())
+    batch = scored_batch(4, samples, [[1.0, 0.0, 1.0, 0.0]], reward_timeouts=1)
+    assert batch.advantages is None and batch.policy_version == 3 and batch.reward_timeouts == 1
+    assert batch.response_ids == [[10], [11], [10], [11]] and batch.prompt_ids == [[1]] * 4
+    # GRPO-style group baseline without std (REC-GSPO-NOIS): r - mean = +-0.5
+    batch = with_advantages(batch, get_algorithm("rec_gspo_nois"), AlgorithmConfig())
     assert batch.rewards.tolist() == [[1.0, 0.0, 1.0, 0.0]]
-    assert batch.advantages.tolist() == [[0.5, -0.5, 0.5, -0.5]] and batch.policy_version == 3
+    assert batch.advantages.tolist() == [[0.5, -0.5, 0.5, -0.5]]
     mixed = [[Sample([1], [10], [-0.5], "length", v) for v in (3, 4)]]
     with pytest.raises(RuntimeError, match="mixes samples from policy versions"):
-        score_and_advantage(0, [Problem("3 + 4 =", "7")], mixed, lambda ids: "7", get_algorithm("gspo"),
-                            AlgorithmConfig(name="gspo"))
+        scored_batch(0, mixed, [[1.0, 1.0]])

@@ -1,6 +1,9 @@
-"""Short real RL runs (megatron trainer on 2 gloo ranks, EP=2; the session's vLLM fleet, TP=2):
-the lag of every consumed batch, *measured* as the trainer's version minus the version the engine
-reported for the batch's samples, equals (l mod m) + n; metrics are finite; outputs are written."""
+"""Short real RL runs through the overlapped pipeline (megatron trainer on 2 gloo ranks, EP=2; a real vLLM
+fleet of two replicas, so several replicas generate at once): the lag of every consumed batch, *measured* as the
+trainer's version minus the version the engine reported for the batch's samples, equals (l mod m) + n; pushes
+happen exactly where the schedule puts them (none of the initial weights); the fleet never runs further ahead
+than the schedule allows and never generates with weights older or newer than the batch's; the sequential
+controller gives the same numbers with no overlap."""
 
 import json
 import math
@@ -8,7 +11,7 @@ import math
 import pytest
 
 from megarl.launch import prepare, train
-from megarl.sync.schedule import SyncSchedule
+from megarl.metrics.timeline import load_spans
 
 
 def _expected_lag(batch: int, m: int, n: int) -> int:
@@ -17,25 +20,56 @@ def _expected_lag(batch: int, m: int, n: int) -> int:
     return (batch % m) + n if m * (batch // m) >= n else batch
 
 
+def _pushes_at_step(step: int, m: int, n: int, steps: int) -> list[int]:
+    """Versions pushed at the start of `step`: the push before batch j = step + n carries version j - n = step,
+    when j is a multiple of m; never version 0 (the fleet starts with those weights), and not for a batch past
+    the run's last (j >= steps: never trained on)."""
+    return [step] if (step + n) % m == 0 and step > 0 and step + n < steps else []
+
+
+def _window_end(step: int, m: int, n: int, steps: int) -> int:
+    """After the pushes of steps <= `step`, the fleet may have generated every batch before the next push:
+    the first multiple of m at or after step + n + 1 (and none past the run's last batch)."""
+    return min(-(-(step + n + 1) // m) * m, steps)
+
+
+def _overrides(fleet_dir, run_dir, m, n, steps, *extra):
+    return [f"model.hf_dir={fleet_dir}", f"run.dir={run_dir}", f"run.steps={steps}", "trainer.world_size=2",
+            "trainer.ep=2", "rollout.tp=1", "rollout.replicas=2", "rollout.samples_per_prompt=4",
+            "rollout.max_new_tokens=2", "data.prompts_per_step=4", f"sync.interval={m}", f"sync.offset={n}",
+            "sync.push_initial=true", "optimizer.lr=0.003", *extra]
+
+
+def _records(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _overlaps(a, b) -> bool:
+    return a.start < b.end and b.start < a.end
+
+
 @pytest.mark.parametrize(
     ("m", "n", "steps", "algorithm", "old_logprobs"),
-    [(4, 0, 6, "off_policy_grpo", "engine"), (1, 4, 7, "gspo", "engine"), (2, 1, 5, "rec_gspo_nois", "trainer")],
+    [(4, 0, 6, "off_policy_grpo", "engine"), (1, 4, 7, "gspo", "engine"), (2, 1, 5, "rec_gspo_nois", "trainer"),
+     (8, 2, 11, "rec_gspo_nois", "engine")],
 )
-def test_measured_lags_follow_the_schedule(moe_fleet, tiny_moe_dir, tmp_path, m, n, steps, algorithm, old_logprobs):
-    cfg = prepare(None, [
-        f"model.hf_dir={tiny_moe_dir}", f"run.dir={tmp_path / 'run'}", f"run.steps={steps}",
-        "trainer.world_size=2", "trainer.ep=2", "rollout.tp=2", "rollout.samples_per_prompt=4",
-        "rollout.max_new_tokens=2", "data.prompts_per_step=4", f"sync.interval={m}", f"sync.offset={n}",
-        "sync.push_initial=true", "optimizer.lr=0.003", f"algorithm.name={algorithm}",
-        f"algorithm.old_logprobs={old_logprobs}",
-    ])
-    summary = train(cfg, fleet_urls=moe_fleet.urls)
-    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+def test_pipeline_lags_pushes_and_window(moe_fleet_2x1, tiny_moe_dir, tmp_path, m, n, steps, algorithm,
+                                         old_logprobs):
+    run_dir = tmp_path / "run"
+    cfg = prepare(None, _overrides(tiny_moe_dir, run_dir, m, n, steps, f"algorithm.name={algorithm}",
+                                   f"algorithm.old_logprobs={old_logprobs}"))
+    summary = train(cfg, fleet_urls=moe_fleet_2x1.urls)
+    records = _records(run_dir)
     assert [r["step"] for r in records] == list(range(steps))
     assert [r["batch_lag"] for r in records] == [_expected_lag(b, m, n) for b in range(steps)]
     assert [r["policy_version"] for r in records] == list(range(steps))
-    pushes = [j for j in range(steps + n) if SyncSchedule(m, n).sync_before_batch(j) is not None]
-    assert summary["sync/pushes"] == len(pushes) + 1  # + the initial push
+    assert [r["batch/generation_version"] for r in records] == [b - _expected_lag(b, m, n) for b in range(steps)]
+    # pushes: the initial one (push_initial) at step 0, then exactly the schedule's; no redundant version 0
+    assert [r["sync/versions"] for r in records] == [[0]] + [_pushes_at_step(k, m, n, steps) for k in range(1, steps)]
+    assert summary["sync/pushes"] == 1 + sum(len(_pushes_at_step(k, m, n, steps)) for k in range(steps))
+    # how many batches existed when the trainer took batch k: at least k + 1, at most the schedule's window
+    for k, r in enumerate(records):
+        assert k + 1 <= r["pipeline/batches_generated"] <= _window_end(k, m, n, steps), (k, r)
     for r in records:
         for key in ("loss", "entropy", "clip_frac", "reward/mean", "grad_norm"):
             assert math.isfinite(r[key]), (key, r)
@@ -45,6 +79,56 @@ def test_measured_lags_follow_the_schedule(moe_fleet, tiny_moe_dir, tmp_path, m,
             assert r["logprob/engine_vs_trainer"] is None
         if r["sync/count"]:
             assert r["sync/bytes_sent"] == r["sync/bytes_received"] > 0
+        # every second of a step is accounted for, on each replica
+        for rep in (0, 1):
+            parts = sum(r[f"fleet/replica{rep}/{k}_s"] for k in ("generating", "paused", "idle"))
+            assert parts == pytest.approx(r["time/step_s"], abs=1e-6)
+        assert 0 <= r["time/wait_for_data_s"] + r["time/push_s"] + r["time/train_s"] <= r["time/step_s"] + 1e-6
     if old_logprobs == "trainer":  # behaviour = the trainer's own recompute: the sequence ratio starts at exactly 1
         assert all(abs(r["seq_ratio_mean"] - 1.0) < 1e-6 for r in records)
-    assert (tmp_path / "run" / "summary.json").exists() and (tmp_path / "run" / "reward_and_sync.png").exists()
+
+    # the timeline: each batch share is generated by both replicas while the fleet holds exactly the version
+    # that generates it -- after the push of that version ended, before the next push began -- and never
+    # during a push
+    spans = load_spans(run_dir / "timeline.json")
+    pushes = sorted((s for s in spans if s.kind == "push"), key=lambda s: s.start)
+    version_pushes = {int(s.label.removeprefix("v")): s for s in pushes[1:]}  # pushes[0]: the initial push
+    generated = [s for s in spans if s.kind == "generate"]
+    for lane in ("replica 0", "replica 1"):  # each replica made its share of batches 0, 1, 2, ... once each
+        mine = sorted(int(s.label.split()[1]) for s in generated if s.lane == lane)
+        assert mine == list(range(steps))
+    for g in generated:
+        j = int(g.label.split()[1])
+        version = j - _expected_lag(j, m, n)
+        assert g.start >= pushes[0].end
+        if version > 0:
+            assert g.start >= version_pushes[version].end, (g, version_pushes[version])
+        later = [p for v, p in version_pushes.items() if v > version]
+        assert all(g.end <= p.start for p in later), (g, later)
+        assert not any(_overlaps(g, p) for p in pushes)
+    assert summary["pipeline/overlap"] > 0 and (run_dir / "timeline.png").exists()
+    assert (run_dir / "summary.json").exists() and (run_dir / "reward_and_sync.png").exists()
+
+
+def test_sequential_controller_gives_the_same_run_without_overlap(moe_fleet_2x1, tiny_moe_dir, tmp_path):
+    """rollout.overlap=false: the same batches, lags, rewards and losses as the pipeline (generation is seeded
+    per request and the fleet holds the same weights for the same batch), and no generation overlaps training."""
+    runs = {}
+    for overlap in (True, False):
+        run_dir = tmp_path / f"overlap_{overlap}"
+        train(prepare(None, _overrides(tiny_moe_dir, run_dir, 2, 1, 5, f"rollout.overlap={str(overlap).lower()}")),
+              fleet_urls=moe_fleet_2x1.urls)
+        runs[overlap] = (_records(run_dir), load_spans(run_dir / "timeline.json"))
+    (on, on_spans), (off, off_spans) = runs[True], runs[False]
+    for a, b in zip(on, off, strict=True):
+        assert a["batch_lag"] == b["batch_lag"] and a["sync/versions"] == b["sync/versions"]
+        assert a["reward/mean"] == b["reward/mean"]
+        for key in ("loss", "grad_norm", "entropy"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+    # sequential: when the trainer takes batch k, exactly k + n + 1 batches exist (n = 1; 5 batches in all)
+    assert [r["pipeline/batches_generated"] for r in off] == [2, 3, 4, 5, 5]
+    train_spans = [s for s in off_spans if s.kind == "train"]
+    assert not any(_overlaps(g, t) for g in off_spans if g.kind == "generate" for t in train_spans)
+    # the pipeline did generate while the trainer trained
+    on_train = [s for s in on_spans if s.kind == "train"]
+    assert any(_overlaps(g, t) for g in on_spans if g.kind == "generate" for t in on_train)

@@ -42,3 +42,37 @@ def test_rejects_bad_parameters():
         SyncSchedule(0, 1)
     with pytest.raises(ValueError):
         SyncSchedule(2, -1)
+
+
+@pytest.mark.parametrize(("m", "n", "pushes"), [
+    # batch j is preceded by a push of version j - n when j is a multiple of m and j - n > 0 (hand-listed)
+    (1, 0, {1: 1, 2: 2, 3: 3, 4: 4, 5: 5, 6: 6, 7: 7, 8: 8, 9: 9}),
+    (4, 0, {4: 4, 8: 8}),
+    (1, 4, {5: 1, 6: 2, 7: 3, 8: 4, 9: 5}),
+    (2, 1, {2: 1, 4: 3, 6: 5, 8: 7}),
+    (8, 2, {8: 6}),
+    (3, 3, {6: 3, 9: 6}),  # batch 3 would carry version 0: the fleet already holds it, no push
+])
+def test_which_batches_are_preceded_by_a_push(m, n, pushes):
+    s = SyncSchedule(m, n)
+    assert {j: s.sync_before_batch(j) for j in range(10) if s.sync_before_batch(j) is not None} == pushes
+    # the push before batch j is made at the start of step j - n, when the trainer is at version j - n
+    made = {s.push_at_step(k): k for k in range(10) if s.push_at_step(k) is not None}
+    assert {j: k for j, k in made.items() if j < 10} == pushes
+
+
+@pytest.mark.parametrize(("m", "n", "limits"), [
+    # how many batches may exist while the fleet holds the initial weights, then after each push
+    (1, 0, {None: 1, 1: 2, 2: 3}),
+    (4, 0, {None: 4, 4: 8}),
+    (1, 4, {None: 5, 5: 6, 6: 7}),
+    (2, 1, {None: 2, 2: 4, 4: 6}),
+    (8, 2, {None: 8, 8: 16}),
+])
+def test_generation_window(m, n, limits):
+    s = SyncSchedule(m, n)
+    assert {before: s.generation_limit(before) for before in limits} == limits
+    # the sequential controller's n-ahead count never exceeds the window at the same step
+    for k in range(12):
+        last_push = max((j for j in range(k + n + 1) if s.sync_before_batch(j) is not None), default=None)
+        assert k + 1 <= s.batches_ready_before_step(k) <= s.generation_limit(last_push)

@@ -1,1 +1,21 @@
-"""Benchmarks run by `megarl bench ...`."""
+"""Benchmarks run by `megarl bench NAME ...`; each module has `register(subparsers)` and `run(args) -> int`.
+
+    megarl bench logprob    peak memory and time of the vocab-parallel log-prob + entropy
+    megarl bench pipeline   the same short RL job with the overlapped pipeline off and on, per sync offset
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+BENCHES = {"logprob": "megarl.bench.logprob", "pipeline": "megarl.bench.pipeline"}
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    for module in BENCHES.values():
+        importlib.import_module(module).register(subparsers)
+
+
+def run(args: argparse.Namespace) -> int:
+    return importlib.import_module(BENCHES[args.command]).run(args)

@@ -77,6 +77,13 @@ class RolloutConfig(_Strict):
     port: int = Field(0, ge=0, description="HTTP port of the first replica; 0 picks a free one.")
     kv_cache_gib: int = Field(1, ge=1, description="KV-cache size per engine on CPU (VLLM_CPU_KVCACHE_SPACE).")
     startup_timeout_s: float = Field(600.0, gt=0, description="Seconds to wait for an engine to become healthy.")
+    overlap: bool = Field(
+        True, description="Generate while the trainer trains: every replica generates its share of the next "
+        "batches in the background as far as the schedule allows (batch j while the fleet holds version "
+        "m*floor(j/m) - n), and the trainer waits only for a batch that is not ready. False: the sequential "
+        "controller (the fleet generates only while the trainer waits, n batches ahead); same batches, same lags, "
+        "no overlap. See docs/pipeline.md.",
+    )
 
 
 class SyncConfig(_Strict):
@@ -198,6 +205,13 @@ class DataConfig(_Strict):
 
 class RewardConfig(_Strict):
     name: Literal["exact_match"] = Field("exact_match", description="Reward: 1 if the response equals the answer.")
+    workers: int = Field(
+        2, ge=1, description="Processes that compute rewards (off the generation and training threads)."
+    )
+    timeout_s: float = Field(
+        30.0, gt=0, description="Seconds one response's reward may take; past it the worker is killed and the "
+        "response scores 0 (counted in the step's `reward/timeouts`).",
+    )
 
 
 class OptimizerConfig(_Strict):

@@ -25,3 +25,35 @@ def plot_run(records: list[dict[str, Any]], out_path: Path) -> None:
     fig.tight_layout()
     fig.savefig(out_path, dpi=100)
     plt.close(fig)
+
+
+_COLOURS = {"generate": "tab:green", "score": "tab:olive", "train": "tab:blue", "wait": "lightgrey",
+            "push": "tab:red"}
+
+
+def plot_timeline(spans: list, out_path: Path, title: str = "") -> None:
+    """One lane per replica, one for rewards, one for the trainer, one for pushes (`megarl.metrics.timeline`)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    from megarl.metrics.timeline import replica_lanes
+
+    lanes = ["push", "trainer", "reward", *reversed(replica_lanes(spans))]
+    fig, ax = plt.subplots(figsize=(11, 0.6 * len(lanes) + 1.4))
+    for y, lane in enumerate(lanes):
+        for kind, colour in _COLOURS.items():
+            bars = [(s.start, s.end - s.start) for s in spans if s.lane == lane and s.kind == kind]
+            if bars:
+                ax.broken_barh(bars, (y - 0.35, 0.7), facecolors=colour, edgecolor="black", linewidth=0.3)
+    ax.set_yticks(range(len(lanes)), lanes)
+    ax.set_xlabel("seconds")
+    ax.legend(handles=[Patch(color=c, label=k) for k, c in _COLOURS.items()], loc="upper center",
+              bbox_to_anchor=(0.5, -0.25 if len(lanes) < 6 else -0.12), ncol=len(_COLOURS), frameon=False)
+    ax.grid(axis="x", alpha=0.3)
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(out_path, dpi=100)
+    plt.close(fig)

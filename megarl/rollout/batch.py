@@ -1,20 +1,20 @@
-"""One rollout batch: problems -> K samples each from the fleet -> rewards and advantages.
+"""One rollout batch: problems -> K samples each from the fleet -> rewards; advantages at consumption.
 
-Everything here runs on the controller (trainer rank 0); the result is a plain, picklable
-`RolloutBatch` that the other trainer ranks receive by broadcast.
+The rollout side (`megarl.rollout.worker`) builds scored `RolloutBatch`es ahead of the trainer; the
+controller adds advantages when the trainer consumes a batch (`with_advantages`), so a stateful estimator
+(RED-Drop's generator) draws in consumption order whatever the fleet's lead. The result is a plain,
+picklable `RolloutBatch` that the other trainer ranks receive by broadcast.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from megarl.algorithms.registry import Algorithm
 from megarl.config.schema import AlgorithmConfig
-from megarl.data.arithmetic import Problem
-from megarl.rewards.exact_match import exact_match
 from megarl.rollout.client import Sample
 
 
@@ -25,35 +25,34 @@ class RolloutBatch:
     response_ids: list[list[int]]  # [G*K]
     engine_logprobs: list[list[float]]  # [G*K] engine log-prob of each sampled token
     rewards: torch.Tensor  # [G, K]
-    advantages: torch.Tensor  # [G, K]
-    policy_version: int  # version of the weights that generated every sample of the batch
+    advantages: torch.Tensor | None  # [G, K]; None until the controller consumes the batch
+    policy_version: int  # version of the weights that generated every sample of the batch (engine-reported)
+    reward_timeouts: int = 0  # samples whose reward function passed reward.timeout_s (scored 0)
 
     @property
     def num_seqs(self) -> int:
         return len(self.response_ids)
 
 
-def score_and_advantage(
-    index: int,
-    problems: list[Problem],
-    samples: list[list[Sample]],  # per problem, its K samples
-    decode: Callable[[list[int]], str],  # token ids -> text, special tokens skipped
-    algorithm: Algorithm,
-    algo_cfg: AlgorithmConfig,
-) -> RolloutBatch:
-    """Rewards by exact match, advantages by the algorithm's estimator; checks one policy version."""
+def scored_batch(index: int, samples: list[list[Sample]], rewards: list[list[float]],
+                 reward_timeouts: int = 0) -> RolloutBatch:
+    """A batch from its samples (per problem, its K samples) and their rewards; checks one policy version."""
     versions = {s.policy_version for group in samples for s in group}
     if len(versions) != 1:
         raise RuntimeError(f"batch {index} mixes samples from policy versions {sorted(versions)}")
-    groups = zip(problems, samples, strict=True)
-    rewards = torch.tensor([[exact_match(decode(s.response_ids), p.answer) for s in group] for p, group in groups])
     flat = [s for group in samples for s in group]
     return RolloutBatch(
         index=index,
         prompt_ids=[list(s.prompt_ids) for s in flat],
         response_ids=[list(s.response_ids) for s in flat],
         engine_logprobs=[list(s.response_logprobs) for s in flat],
-        rewards=rewards,
-        advantages=algorithm.advantages(rewards, algo_cfg),
+        rewards=torch.tensor(rewards, dtype=torch.float32),
+        advantages=None,
         policy_version=versions.pop(),
+        reward_timeouts=reward_timeouts,
     )
+
+
+def with_advantages(batch: RolloutBatch, algorithm: Algorithm, algo_cfg: AlgorithmConfig) -> RolloutBatch:
+    """The batch with the algorithm's advantages of its rewards (call once per batch, in consumption order)."""
+    return dataclasses.replace(batch, advantages=algorithm.advantages(batch.rewards, algo_cfg))

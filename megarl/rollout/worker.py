@@ -1,0 +1,186 @@
+"""The rollout side of the pipeline: the fleet generates scored batches while the trainer trains.
+
+One thread per replica generates that replica's share of batch 0, 1, 2, ... in order, as far as the
+schedule allows: batch `j` only while the fleet holds the weights that generate it (`generation_limit`:
+up to, not including, the next batch that a push precedes). When every share of a batch is in, a
+scoring thread computes its rewards in the reward pool (other processes, with a timeout) and the batch
+becomes ready. The controller (trainer rank 0) only
+
+    take(step)      blocks until batch `step` is ready (it is the trainer's only wait for data),
+    quiesce(j)      blocks until every replica has finished every batch before `j` (before a push or
+                    a checkpoint: no replica is then generating with the old weights),
+    pushed(j)       after the push before batch `j`: generation may go on up to the next push,
+    pending()       the batches generated but not yet consumed (a checkpoint saves them).
+
+With `overlap=False` the same threads generate only what the sequential controller would have
+generated before the trainer's current step (`batches_ready_before_step`), and only while the trainer
+waits for it: the two sides take turns (the comparison point of `megarl bench pipeline`).
+
+Nothing here touches torch.distributed: the component talks to the fleet over HTTP and to the
+controller through these four calls, so it can move to its own process behind an RPC.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from megarl.data.arithmetic import Problem
+from megarl.metrics.timeline import Timeline
+from megarl.rewards.pool import RewardPool
+from megarl.rollout.batch import RolloutBatch, scored_batch
+from megarl.rollout.client import RolloutClient, Sample
+from megarl.sync.schedule import SyncSchedule
+
+
+class RolloutWorkerError(RuntimeError):
+    """Generation or scoring of a batch failed; raised to the controller at its next call."""
+
+
+class RolloutWorker:
+    """Generates and scores batches ahead of the trainer (see the module docstring).
+
+    `problems(j)` gives batch j's problems, `encode`/`decode` map text to token ids and back, `sampling`
+    holds the per-request sampling arguments of `RolloutClient.generate` (`n`, `max_tokens`, ...) and
+    `seed(j)` the base seed of batch j. Batches `start` to `end - 1` are generated (`ready`: batches already
+    generated, a resumed run's saved ones); the worker owns `rewards` and closes it."""
+
+    def __init__(self, clients: list[RolloutClient], schedule: SyncSchedule, problems: Callable[[int], list[Problem]],
+                 encode: Callable[[str], list[int]], decode: Callable[[list[int]], str], sampling: dict,
+                 seed: Callable[[int], int], rewards: RewardPool, timeline: Timeline, end: int, overlap: bool = True,
+                 start: int = 0, ready: dict[int, RolloutBatch] | None = None) -> None:
+        self.clients, self.schedule, self.timeline, self.overlap, self.end = clients, schedule, timeline, overlap, end
+        self._problems, self._encode, self._decode = problems, encode, decode
+        self._sampling, self._seed, self._rewards = sampling, seed, rewards
+        self._cv = threading.Condition()
+        self._ready: dict[int, RolloutBatch] = dict(ready or {})
+        first = max([start - 1, *self._ready]) + 1  # next batch to generate
+        self._next = [first] * len(clients)  # per replica: the next batch whose share it generates
+        self._shares: dict[int, dict[int, list[list[Sample]]]] = {}
+        self._scoring = 0  # batches handed to the reward pool, not ready yet
+        # the weights the fleet holds: a resumed run stops where the next batch begins with a push
+        if first > 0 and schedule.sync_before_batch(first) is None:
+            raise ValueError(f"cannot resume generation at batch {first}: no push precedes it in {schedule}")
+        self._limit = first if first > 0 else schedule.generation_limit(None)
+        self._demand = 0  # sequential mode: batches below it may be generated
+        self._error: BaseException | None = None
+        self._closing = False
+        self._score_pool = ThreadPoolExecutor(2, thread_name_prefix="megarl-score")
+        self._threads = [threading.Thread(target=self._replica_loop, args=(r,), daemon=True,
+                                          name=f"megarl-replica{r}") for r in range(len(clients))]
+        for t in self._threads:
+            t.start()
+
+    # ---- the controller's calls ------------------------------------------------------------------------------
+    def take(self, step: int) -> RolloutBatch:
+        """Batch `step`, once it is generated and scored (the trainer's wait is recorded on the timeline)."""
+        with self.timeline.span("trainer", "wait", f"step {step}"), self._cv:
+            if not self.overlap:  # the sequential controller generated n batches ahead before each step
+                self._raise_demand(self.schedule.batches_ready_before_step(step))
+                self._wait(lambda: all(j in self._ready for j in range(step, min(self._demand, self.end))))
+            self._wait(lambda: step in self._ready)
+            return self._ready.pop(step)
+
+    def quiesce(self, before: int) -> None:
+        """Block until every replica has finished its share of every batch before `before` (none generating)."""
+        with self._cv:
+            if before > min(self._limit, self.end):
+                raise RuntimeError(f"batch {before} lies past the fleet's current window (< {self._limit})")
+            if not self.overlap:
+                self._raise_demand(before)
+            self._wait(lambda: min(self._next) >= before)
+
+    def pushed(self, before: int) -> None:
+        """The push that precedes batch `before` is done: generate up to the next push."""
+        with self._cv:
+            self._limit = self.schedule.generation_limit(before)
+            self._cv.notify_all()
+
+    def pending(self) -> dict[int, RolloutBatch]:
+        """After `quiesce`: wait for the scoring of every generated batch; the batches not consumed yet."""
+        with self._cv:
+            self._wait(lambda: self._scoring == 0 and not self._shares)
+            return dict(self._ready)
+
+    def batches_generated(self) -> int:
+        """How many batches have been fully generated so far (consumed ones included)."""
+        with self._cv:
+            return min(self._next)  # every batch below the slowest replica's next one is complete
+
+    def close(self) -> None:
+        with self._cv:
+            self._closing = True
+            self._cv.notify_all()
+        for t in self._threads:
+            t.join(timeout=5)
+        self._score_pool.shutdown(wait=False, cancel_futures=True)
+        self._rewards.close()
+
+    # ---- inside ----------------------------------------------------------------------------------------------
+    def _raise_demand(self, upto: int) -> None:
+        self._demand = max(self._demand, upto)
+        self._cv.notify_all()
+
+    def _wait(self, ready: Callable[[], bool]) -> None:
+        """Wait on the condition (held) until `ready()`; a failed thread's error is raised here."""
+        while not ready():
+            if self._error is not None:
+                raise RolloutWorkerError(f"rollout failed: {type(self._error).__name__}: {self._error}"
+                                         ) from self._error
+            self._cv.wait(timeout=1.0)
+        if self._error is not None:
+            raise RolloutWorkerError(f"rollout failed: {type(self._error).__name__}: {self._error}") from self._error
+
+    def _may_generate(self, replica: int) -> bool:
+        j = self._next[replica]
+        return j < min(self._limit, self.end) and (self.overlap or j < self._demand)
+
+    def _replica_loop(self, replica: int) -> None:
+        client = self.clients[replica]
+        try:
+            while True:
+                with self._cv:
+                    while not (self._closing or self._may_generate(replica)):
+                        self._cv.wait()
+                    if self._closing:
+                        return
+                    j = self._next[replica]
+                problems = self._problems(j)
+                mine = list(range(replica, len(problems), len(self.clients)))  # prompt i -> replica i mod R
+                with self.timeline.span(f"replica {replica}", "generate", f"batch {j}"):
+                    out = client.generate([self._encode(problems[i].prompt) for i in mine], **self._sampling,
+                                          seed=self._seed(j) + replica * 7919)
+                with self._cv:
+                    self._shares.setdefault(j, {})[replica] = [g for _, g in zip(mine, out, strict=True)]
+                    self._next[replica] = j + 1
+                    if len(self._shares[j]) == len(self.clients):
+                        self._scoring += 1
+                        self._score_pool.submit(self._score, j, problems, self._shares.pop(j))
+                    self._cv.notify_all()
+        except BaseException as err:  # noqa: BLE001 - handed to the controller
+            self._fail(err)
+
+    def _score(self, j: int, problems: list[Problem], shares: dict[int, list[list[Sample]]]) -> None:
+        try:
+            replicas = len(self.clients)
+            samples = [shares[i % replicas][i // replicas] for i in range(len(problems))]
+            items = [(self._decode(s.response_ids), p.answer) for p, group in zip(problems, samples, strict=True)
+                     for s in group]
+            with self.timeline.span("reward", "score", f"batch {j}"):
+                scored = self._rewards.score(items)
+            k = len(samples[0])
+            rewards = [scored.rewards[g * k:(g + 1) * k] for g in range(len(samples))]
+            batch = scored_batch(j, samples, rewards, reward_timeouts=len(scored.timed_out))
+            with self._cv:
+                self._ready[j] = batch
+                self._scoring -= 1
+                self._cv.notify_all()
+        except BaseException as err:  # noqa: BLE001 - handed to the controller
+            self._fail(err)
+
+    def _fail(self, err: BaseException) -> None:
+        with self._cv:
+            if self._error is None:
+                self._error = err
+            self._cv.notify_all()
