@@ -78,9 +78,12 @@ def main(argv: list[str] | None = None) -> int:
             if args.command == "check":
                 print(f"config OK{' for a GPU job' if for_gpu else ''}: {args.config}")
                 return 0
+            from megarl.metrics.timeline import describe
+
             summary = train(cfg)
             print(f"done: reward {summary['reward/first_steps_mean']:.3f} -> {summary['reward/last_steps_mean']:.3f}; "
                   f"outputs in {cfg.run.dir}")
+            print(f"pipeline: {describe(summary)} (timeline.png)")
         elif args.command == "algorithms":
             from megarl.algorithms.registry import ALGORITHMS
 

@@ -124,6 +124,7 @@ def sync_savings(cfg: Config, records: list[dict[str, Any]]) -> dict[str, Any]:
     """Bytes this run's schedule moved versus pushing after every step (sync_interval = 1)."""
     batches = cfg.run.steps  # the fleet generated the batches the trainer consumed, and no others
     every_step = sum(SyncSchedule(1, cfg.sync.offset).sync_before_batch(j) is not None for j in range(batches))
+    every_step += int(cfg.sync.push_initial)  # that run would make the initial push too
     done = sum(r.get("sync/count", 0) for r in records)
     per_sync = (sum(r.get("sync/bytes_sent", 0) for r in records) / done) if done else None
     return {"sync/pushes": done, "sync/pushes_if_interval_1": every_step, "sync/bytes_per_push": per_sync,

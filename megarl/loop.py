@@ -33,7 +33,7 @@ from megarl.checkpoint import (
     set_rng_state,
 )
 from megarl.config.schema import Config
-from megarl.metrics.timeline import Timeline, replica_lanes, window_metrics
+from megarl.metrics.timeline import Timeline, step_times
 from megarl.metrics.writer import MetricsWriter
 from megarl.rollout.batch import with_advantages
 from megarl.rollout.worker import RolloutWorker
@@ -129,9 +129,11 @@ def run_loop(cfg: Config, rank: int, policy, weight_sync,
 
     if cfg.sync.push_initial and resumed is None:  # a resumed run's next batch starts with a push anyway
         push()
-    rollout = start_rollout(timeline, start, saved) if rank == 0 and start_rollout is not None else None
-    window_start = 0.0
+    rollout, window_start = None, 0.0
     try:
+        if rank == 0 and start_rollout is not None:
+            with _span(timeline, "trainer", "startup", "rollout worker"):
+                rollout = start_rollout(timeline, start, saved)
         for step in bar:
             before = schedule.push_at_step(step)  # the batch a push of the trainer's weights precedes now
             if before is not None and before < cfg.run.steps:  # (a push for batches never trained on is skipped)
@@ -142,34 +144,35 @@ def run_loop(cfg: Config, rank: int, policy, weight_sync,
                 if rollout is not None:
                     rollout.pushed(before)
             record: dict[str, Any] = {"step": step, "policy_version": policy.version}
-            batch = None
-            if rollout is not None:
-                batch = with_advantages(rollout.take(step), algorithm, cfg.algorithm)
-                record["pipeline/batches_generated"] = rollout.batches_generated()
-            batch = _broadcast(batch, rank)
-            lag = policy.version - batch.policy_version
-            record.update({"batch/generation_version": batch.policy_version, "batch_lag": lag,
-                           "reward/mean": float(batch.rewards.mean()), "reward/timeouts": batch.reward_timeouts})
-            with _span(timeline, "trainer", "train", f"step {step}"):
+            batch = rollout.take(step) if rollout is not None else None
+            with _span(timeline, "trainer", "train", f"step {step}"):  # advantages, broadcast, optimizer step
+                if rollout is not None:
+                    batch = with_advantages(batch, algorithm, cfg.algorithm)
+                    record["pipeline/batches_generated"] = rollout.batches_generated()
+                batch = _broadcast(batch, rank)
+                lag = policy.version - batch.policy_version
+                record.update({"batch/generation_version": batch.policy_version, "batch_lag": lag,
+                               "reward/mean": float(batch.rewards.mean()), "reward/timeouts": batch.reward_timeouts})
                 record.update(train_on_batch(policy, batch, algorithm, cfg, pad_id, *dp, lag=lag))
             record.update(_sync_metrics(syncs))
             record["sync/versions"] = [s.version for s in syncs]
             syncs = []
             if timeline is not None:
                 window_end = timeline.now()
-                record.update(_step_times(timeline, window_start, window_end))
+                record.update(step_times(timeline.spans(), window_start, window_end))
                 window_start = window_end
             if writer is not None:
                 writer.write(record)
                 bar.set_postfix(reward=f"{record['reward/mean']:.2f}", lag=lag)
             if checkpoint_due(schedule, step, cfg.checkpoint.interval, last_saved):
-                loop_state = None
-                if rollout is not None:  # the fleet stops before the push that follows; save what it made
-                    rollout.quiesce(min(schedule.batches_ready_before_step(step), cfg.run.steps))
-                    loop_state = {"pending": rollout.pending(), "algorithm": _algorithm_state(algorithm)}
-                save_checkpoint(Path(cfg.run.dir) / "checkpoints", step, rank, world,
-                                {"policy": policy.state_dict(), "rng": rng_state()}, loop_state,
-                                checkpoint_identity(cfg), cfg.checkpoint.keep_last)
+                with _span(timeline, "trainer", "checkpoint", f"step {step}"):
+                    loop_state = None
+                    if rollout is not None:  # the fleet stops before the push that follows; save what it made
+                        rollout.quiesce(min(schedule.batches_ready_before_step(step), cfg.run.steps))
+                        loop_state = {"pending": rollout.pending(), "algorithm": _algorithm_state(algorithm)}
+                    save_checkpoint(Path(cfg.run.dir) / "checkpoints", step, rank, world,
+                                    {"policy": policy.state_dict(), "rng": rng_state()}, loop_state,
+                                    checkpoint_identity(cfg), cfg.checkpoint.keep_last)
                 last_saved = step
     finally:
         if rollout is not None:
@@ -180,14 +183,3 @@ def run_loop(cfg: Config, rank: int, policy, weight_sync,
             timeline.save(Path(cfg.run.dir) / "timeline.json")
     return writer.records if writer is not None else []
 
-
-def _step_times(timeline: Timeline, start: float, end: float) -> dict[str, float]:
-    """Where one step's wall time [start, end) went: the trainer's waits, pushes and training, each replica's."""
-    spans = timeline.spans()
-    within = [s for s in spans if s.end > start and s.start < end]
-    lanes = replica_lanes(spans)
-    seconds = {k: sum(min(s.end, end) - max(s.start, start) for s in within if s.lane == lane and s.kind == kind)
-               for k, lane, kind in (("wait_for_data", "trainer", "wait"), ("push", "push", "push"),
-                                     ("train", "trainer", "train"))}
-    return {"time/step_s": end - start, **{f"time/{k}_s": v for k, v in seconds.items()},
-            **window_metrics(within, start, end, lanes)}

@@ -17,6 +17,7 @@ from megarl.checkpoint import (
 )
 from megarl.config.load import ConfigError
 from megarl.launch import prepare, train
+from megarl.metrics.timeline import load_spans
 from megarl.sync.schedule import SyncSchedule
 from tests.dist_utils import run_distributed
 
@@ -103,11 +104,18 @@ def test_resume_reproduces_the_uninterrupted_run(moe_fleet, tiny_moe_dir, tmp_pa
     train(prepare(None, _overrides(tiny_moe_dir, a_dir, 5)), fleet_urls=moe_fleet.urls)
     train(prepare(None, _overrides(tiny_moe_dir, b_dir, 4)), fleet_urls=moe_fleet.urls)
     assert latest_checkpoint(b_dir / "checkpoints") == step_dir(b_dir / "checkpoints", 2)
+    # the fleet ran one batch ahead: the checkpoint after step 2 holds batch 3, generated and scored
+    saved = open_checkpoint(step_dir(b_dir / "checkpoints", 2), {}).loop_state()["pending"]
+    assert list(saved) == [3] and saved[3].advantages is None and saved[3].policy_version == 1
     with pytest.raises(ConfigError, match="already holds a run"):
         prepare(None, _overrides(tiny_moe_dir, b_dir, 5))
     train(prepare(None, _overrides(tiny_moe_dir, b_dir, 5, "checkpoint.resume=latest")), fleet_urls=moe_fleet.urls)
 
     a, b = _records(a_dir), _records(b_dir)
+    # the resumed run trained on the saved batch 3 and generated only batch 4 (the fleet holds v1 again by then,
+    # so a regenerated batch 3 would have looked the same: the timeline says it was not regenerated)
+    resumed = [s.label for s in load_spans(b_dir / "timeline.json") if s.kind == "generate"]
+    assert resumed == ["batch 4"]
     assert [r["step"] for r in b] == list(range(5))  # B's first step 3 (after its checkpoint) was replaced
     for ra, rb in zip(a[3:], b[3:], strict=True):
         # everything but timings (wall seconds, and how far the fleet had got when the trainer took a batch)

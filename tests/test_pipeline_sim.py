@@ -133,3 +133,15 @@ def test_projection_assumptions() -> None:
     off, on = project_cluster(1, 0, False, steps=8), project_cluster(1, 0, True, steps=8)
     assert on.wall == pytest.approx(off.wall)  # (1, 0) leaves nothing to overlap
     assert project_cluster(8, 1, True, steps=16).wall < project_cluster(8, 1, False, steps=16).wall
+
+
+@pytest.mark.parametrize(("m", "n", "overlap"), [(2, 1, True), (2, 1, False), (4, 0, True), (1, 2, True)])
+def test_bench_reads_stage_times_back_from_a_timeline(m: int, n: int, overlap: bool) -> None:
+    """`megarl bench pipeline` feeds a run's measured spans back into the simulation: a timeline drawn by the
+    simulation itself must come back as the same durations, and so the same wall time and steps."""
+    from megarl.bench.pipeline import stage_times
+
+    first = simulate(SyncSchedule(m, n), 9, 2, _times(), overlap, push_initial=True)
+    again = simulate(SyncSchedule(m, n), 9, 2, stage_times(first.spans), overlap, push_initial=True)
+    assert again.wall == pytest.approx(first.wall)
+    assert _ends(again) == pytest.approx(_ends(first))

@@ -67,10 +67,12 @@ def _one_run(cfg_path: str | None, overrides: list[str], fleet_urls: list[str]) 
 
 
 def _simulated_wall(run: dict[str, Any], times: StageTimes, overlap: bool) -> float:
+    """The simulated wall time of `run`'s job, plus its measured start-up of the rollout worker (tokenizer,
+    reward processes), which the simulation does not model: generation cannot start before it ends."""
     cfg = run["cfg"]
     sim = simulate(SyncSchedule(cfg.sync.interval, cfg.sync.offset), cfg.run.steps, cfg.rollout.replicas, times,
                    overlap=overlap, push_initial=True)
-    return sim.wall
+    return sim.wall + sum(s.end - s.start for s in run["spans"] if s.kind == "startup")
 
 
 def measure(cfg_path: str | None, overrides: list[str], steps: int, offsets: list[int], work_dir: Path,
@@ -100,7 +102,7 @@ def measure(cfg_path: str | None, overrides: list[str], steps: int, offsets: lis
             for overlap, run in ((False, off), (True, on)):
                 wall = run["summary"]["pipeline/wall_s"]
                 rows.append({
-                    "interval": run["cfg"].sync.interval, "offset": offset, "overlap": overlap, "steps": steps,
+                    "interval": run["cfg"].sync.interval, "offset": offset, "pipeline_on": overlap, "steps": steps,
                     "wall_s": wall, "wall_per_step_s": wall / steps, "steady_step_s": _steady_step_s(run["records"]),
                     **{k.removeprefix("pipeline/"): v for k, v in overlap_summary(run["spans"], wall).items()},
                     # the simulation fed with this run's own stage durations must give its wall time back
@@ -119,7 +121,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         wall = r["wall_s"]
         lines.append(
-            f"({r['interval']},{r['offset']})      {'on ' if r['overlap'] else 'off'}     | "
+            f"({r['interval']},{r['offset']})      {'on ' if r['pipeline_on'] else 'off'}     | "
             f"{r['wall_per_step_s']:6.2f} "
             f"{r['steady_step_s']:8.2f}      | {r['overlap']:6.2f}  | {r['train_busy_s'] / wall:12.0%} "
             f"{r['trainer_wait_s'] / wall:5.0%} {r['push_s'] / wall:5.0%} | {r['generation_busy_s'] / wall:9.0%}  | "
@@ -138,7 +140,7 @@ def plot(rows: list[dict[str, Any]], out_png: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     width = 0.2
     for i, (overlap, colour) in enumerate(((False, "tab:grey"), (True, "tab:green"))):
-        mine = {r["offset"]: r for r in rows if r["overlap"] == overlap}
+        mine = {r["offset"]: r for r in rows if r["pipeline_on"] == overlap}
         xs = [o + (i - 0.5) * 2 * width for o in offsets]
         ax.bar(xs, [mine[o]["wall_per_step_s"] for o in offsets], 2 * width * 0.9, color=colour,
                label=f"pipeline {'on' if overlap else 'off'} (measured)")

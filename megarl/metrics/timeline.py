@@ -1,7 +1,8 @@
 """What every part of the pipeline was doing, when: spans on named lanes, and the figures drawn from them.
 
-Lanes: `replica <r>` (kind `generate`, one span per batch share), `trainer` (`wait` for data, `train`),
-`push` (`push`, one span per weight sync; the fleet is paused for its duration), `reward` (`score`).
+Lanes: `replica <r>` (kind `generate`, one span per batch share), `trainer` (`wait` for data, `train`: the
+step's own work, `startup` of the rollout worker, `checkpoint`), `push` (`push`, one span per weight sync; the
+fleet is paused for its duration), `reward` (`score`).
 Times are seconds since the timeline's start (`time.perf_counter`), recorded by rank 0's threads.
 
 The run's overlap figure is `(generation busy + training busy) / wall`, where generation busy is the time
@@ -100,6 +101,16 @@ def window_metrics(spans: list[Span], start: float, end: float, lanes: list[str]
         out[f"fleet/{key}/paused_s"] = paused
         out[f"fleet/{key}/idle_s"] = max(0.0, (end - start) - generating - paused)
     return out
+
+
+def step_times(spans: list[Span], start: float, end: float) -> dict[str, float]:
+    """Where one step's wall time [start, end) went: the trainer's waits, pushes and training, each replica's."""
+    within = [s for s in spans if s.end > start and s.start < end]
+    seconds = {k: sum(min(s.end, end) - max(s.start, start) for s in within if s.lane == lane and s.kind == kind)
+               for k, lane, kind in (("wait_for_data", "trainer", "wait"), ("push", "push", "push"),
+                                     ("train", "trainer", "train"))}
+    return {"time/step_s": end - start, **{f"time/{k}_s": v for k, v in seconds.items()},
+            **window_metrics(within, start, end, replica_lanes(spans))}
 
 
 def overlap_summary(spans: list[Span], wall_s: float) -> dict[str, Any]:

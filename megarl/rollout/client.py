@@ -66,12 +66,16 @@ class RolloutClient:
 
     # ---- generation ------------------------------------------------------------------------------------------
     def generate(self, prompt_token_ids: list[list[int]], n: int, max_tokens: int, temperature: float = 1.0,
-                 top_p: float = 1.0, seed: int | None = None) -> list[list[Sample]]:
-        """K = n samples for each prompt (one request per prompt, sent concurrently)."""
+                 top_p: float = 1.0, seed: int | list[int] | None = None) -> list[list[Sample]]:
+        """K = n samples for each prompt (one request per prompt, sent concurrently). `seed`: the sampling seed
+        of each prompt (a list), or of the first one with the others following it (an int)."""
+        if isinstance(seed, list) and len(seed) != len(prompt_token_ids):
+            raise ValueError(f"{len(seed)} seeds for {len(prompt_token_ids)} prompts")
+
         def one(i: int, prompt: list[int]) -> list[Sample]:
             params = {"n": n, "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "logprobs": 0}
             if seed is not None:
-                params["seed"] = seed + i
+                params["seed"] = seed[i] if isinstance(seed, list) else seed + i
             reply = self._post("/inference/v1/generate", {"token_ids": prompt, "sampling_params": params})
             choices = reply.get("choices") if isinstance(reply, dict) else None
             if not isinstance(choices, list) or len(choices) != n:

@@ -31,13 +31,17 @@ def start_rollout_worker(cfg: Config, clients: list[RolloutClient], timeline: Ti
     prompts_per_batch = d.prompts_per_step
     rewards = RewardPool(REWARD_FUNCTIONS[cfg.reward.name], workers=cfg.reward.workers,
                          timeout_s=cfg.reward.timeout_s)
-    return RolloutWorker(
-        clients, SyncSchedule(cfg.sync.interval, cfg.sync.offset),
-        problems=partial(problem_batch, size=d.prompts_per_step, max_operand=d.max_operand, seed=cfg.run.seed),
-        encode=lambda text: tokenizer(text, add_special_tokens=False)["input_ids"],
-        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-        sampling={"n": r.samples_per_prompt, "max_tokens": r.max_new_tokens, "temperature": r.temperature,
-                  "top_p": r.top_p},
-        seed=lambda index: cfg.run.seed * 100_003 + index * prompts_per_batch,
-        rewards=rewards, timeline=timeline, end=cfg.run.steps, overlap=r.overlap, start=start, ready=ready,
-    )
+    try:
+        return RolloutWorker(
+            clients, SyncSchedule(cfg.sync.interval, cfg.sync.offset),
+            problems=partial(problem_batch, size=d.prompts_per_step, max_operand=d.max_operand, seed=cfg.run.seed),
+            encode=lambda text: tokenizer(text, add_special_tokens=False)["input_ids"],
+            decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+            sampling={"n": r.samples_per_prompt, "max_tokens": r.max_new_tokens, "temperature": r.temperature,
+                      "top_p": r.top_p},
+            seed=lambda index: cfg.run.seed * 100_003 + index * prompts_per_batch,
+            rewards=rewards, timeline=timeline, end=cfg.run.steps, overlap=r.overlap, start=start, ready=ready,
+        )
+    except BaseException:
+        rewards.close()
+        raise

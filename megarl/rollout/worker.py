@@ -12,12 +12,14 @@ becomes ready. The controller (trainer rank 0) only
     pushed(j)       after the push before batch `j`: generation may go on up to the next push,
     pending()       the batches generated but not yet consumed (a checkpoint saves them).
 
-With `overlap=False` the same threads generate only what the sequential controller would have
-generated before the trainer's current step (`batches_ready_before_step`), and only while the trainer
-waits for it: the two sides take turns (the comparison point of `megarl bench pipeline`).
+and calls `batches_generated()` for the metrics and `close()` at the end. With `overlap=False` the same
+threads generate only what the sequential controller would have generated before the trainer's current step
+(`batches_ready_before_step`), and only while the trainer waits for it: the two sides take turns (the
+comparison point of `megarl bench pipeline`).
 
 Nothing here touches torch.distributed: the component talks to the fleet over HTTP and to the
-controller through these four calls, so it can move to its own process behind an RPC.
+controller through these calls, so it can move to its own process behind an RPC (the task's closures --
+problems, tokenizer, seeds -- would then be built there from the config).
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ from megarl.sync.schedule import SyncSchedule
 
 
 class RolloutWorkerError(RuntimeError):
-    """Generation or scoring of a batch failed; raised to the controller at its next call."""
+    """Generation or scoring of a batch failed; raised to the controller at its next blocking call
+    (`take`, `quiesce`, `pending`), naming the replica and batch."""
 
 
 class RolloutWorker:
@@ -43,13 +46,14 @@ class RolloutWorker:
 
     `problems(j)` gives batch j's problems, `encode`/`decode` map text to token ids and back, `sampling`
     holds the per-request sampling arguments of `RolloutClient.generate` (`n`, `max_tokens`, ...) and
-    `seed(j)` the base seed of batch j. Batches `start` to `end - 1` are generated (`ready`: batches already
-    generated, a resumed run's saved ones); the worker owns `rewards` and closes it."""
+    `seed(j)` the base seed of batch j (prompt i is sampled with `seed(j) + i`, whichever replica serves it).
+    Batches `start` to `end - 1` are generated (`ready`: batches already generated, a resumed run's saved
+    ones); the worker owns `rewards` and closes it."""
 
     def __init__(self, clients: list[RolloutClient], schedule: SyncSchedule, problems: Callable[[int], list[Problem]],
                  encode: Callable[[str], list[int]], decode: Callable[[list[int]], str], sampling: dict,
-                 seed: Callable[[int], int], rewards: RewardPool, timeline: Timeline, end: int, overlap: bool = True,
-                 start: int = 0, ready: dict[int, RolloutBatch] | None = None) -> None:
+                 seed: Callable[[int], int], rewards: RewardPool, timeline: Timeline, end: int,
+                 overlap: bool = True, start: int = 0, ready: dict[int, RolloutBatch] | None = None) -> None:
         self.clients, self.schedule, self.timeline, self.overlap, self.end = clients, schedule, timeline, overlap, end
         self._problems, self._encode, self._decode = problems, encode, decode
         self._sampling, self._seed, self._rewards = sampling, seed, rewards
@@ -60,8 +64,9 @@ class RolloutWorker:
         self._shares: dict[int, dict[int, list[list[Sample]]]] = {}
         self._scoring = 0  # batches handed to the reward pool, not ready yet
         # the weights the fleet holds: a resumed run stops where the next batch begins with a push
-        if first > 0 and schedule.sync_before_batch(first) is None:
-            raise ValueError(f"cannot resume generation at batch {first}: no push precedes it in {schedule}")
+        if 0 < first < end and schedule.sync_before_batch(first) is None:  # (first == end: nothing left to make)
+            raise ValueError(f"cannot start generating at batch {first}: no push precedes it in {schedule}, so the "
+                             "fleet's weights for it are unknown; resume only from checkpoints megarl wrote")
         self._limit = first if first > 0 else schedule.generation_limit(None)
         self._demand = 0  # sequential mode: batches below it may be generated
         self._error: BaseException | None = None
@@ -83,10 +88,11 @@ class RolloutWorker:
             return self._ready.pop(step)
 
     def quiesce(self, before: int) -> None:
-        """Block until every replica has finished its share of every batch before `before` (none generating)."""
+        """Block until every replica has finished its share of every batch before `before`, the end of the
+        fleet's current window (the next push's batch, or the run's end): then no replica is generating."""
         with self._cv:
-            if before > min(self._limit, self.end):
-                raise RuntimeError(f"batch {before} lies past the fleet's current window (< {self._limit})")
+            if before != min(self._limit, self.end):
+                raise RuntimeError(f"quiesce({before}): the fleet's window ends at batch {min(self._limit, self.end)}")
             if not self.overlap:
                 self._raise_demand(before)
             self._wait(lambda: min(self._next) >= before)
@@ -124,13 +130,12 @@ class RolloutWorker:
 
     def _wait(self, ready: Callable[[], bool]) -> None:
         """Wait on the condition (held) until `ready()`; a failed thread's error is raised here."""
-        while not ready():
+        while True:
             if self._error is not None:
-                raise RolloutWorkerError(f"rollout failed: {type(self._error).__name__}: {self._error}"
-                                         ) from self._error
+                raise RolloutWorkerError(f"rollout failed: {self._error}") from self._error
+            if ready():
+                return
             self._cv.wait(timeout=1.0)
-        if self._error is not None:
-            raise RolloutWorkerError(f"rollout failed: {type(self._error).__name__}: {self._error}") from self._error
 
     def _may_generate(self, replica: int) -> bool:
         j = self._next[replica]
@@ -149,8 +154,12 @@ class RolloutWorker:
                 problems = self._problems(j)
                 mine = list(range(replica, len(problems), len(self.clients)))  # prompt i -> replica i mod R
                 with self.timeline.span(f"replica {replica}", "generate", f"batch {j}"):
-                    out = client.generate([self._encode(problems[i].prompt) for i in mine], **self._sampling,
-                                          seed=self._seed(j) + replica * 7919)
+                    try:  # prompt i of batch j is sampled with seed(j) + i, whichever replica serves it
+                        out = client.generate([self._encode(problems[i].prompt) for i in mine], **self._sampling,
+                                              seed=[self._seed(j) + i for i in mine])
+                    except Exception as err:
+                        raise RolloutWorkerError(f"replica {replica} ({client.url}), batch {j}: "
+                                                 f"{type(err).__name__}: {err}") from err
                 with self._cv:
                     self._shares.setdefault(j, {})[replica] = [g for _, g in zip(mine, out, strict=True)]
                     self._next[replica] = j + 1
@@ -168,7 +177,10 @@ class RolloutWorker:
             items = [(self._decode(s.response_ids), p.answer) for p, group in zip(problems, samples, strict=True)
                      for s in group]
             with self.timeline.span("reward", "score", f"batch {j}"):
-                scored = self._rewards.score(items)
+                try:
+                    scored = self._rewards.score(items)
+                except Exception as err:
+                    raise RolloutWorkerError(f"scoring batch {j}: {type(err).__name__}: {err}") from err
             k = len(samples[0])
             rewards = [scored.rewards[g * k:(g + 1) * k] for g in range(len(samples))]
             batch = scored_batch(j, samples, rewards, reward_timeouts=len(scored.timed_out))
