@@ -99,7 +99,8 @@ def _trainer_rank(rank: int, cfg_data: dict[str, Any], fleet_urls: list[str], po
 
     cfg = Config.model_validate(cfg_data)
     t = cfg.trainer
-    init_trainer_groups(TrainerLayout(t.tp, t.pp, t.ep), rank, t.world_size, "127.0.0.1", ports["master"])
+    init_trainer_groups(TrainerLayout(t.tp, t.pp, t.ep), rank, t.world_size, "127.0.0.1", ports["master"],
+                        timeout_s=t.collective_timeout_s)
     try:
         hf = read_hf_config(cfg.model.hf_dir)
         policy = MegatronPolicy(cfg.model.hf_dir, hf, cfg.optimizer, logprob_chunk=t.logprob_chunk_tokens,
@@ -108,7 +109,7 @@ def _trainer_rank(rank: int, cfg_data: dict[str, Any], fleet_urls: list[str], po
         weight_sync = PartitionedWeightSync(
             rank=rank, world_size=t.world_size, hf_config=hf, clients=clients, rollout_tp=cfg.rollout.tp,
             rollout_replicas=cfg.rollout.replicas, store_host="127.0.0.1", store_port=ports["sync"],
-            bucket_bytes=int(cfg.sync.bucket_mb * 2**20),
+            bucket_bytes=int(cfg.sync.bucket_mb * 2**20), timeout_s=t.collective_timeout_s,
         )
         start_rollout = None
         if rank == 0:

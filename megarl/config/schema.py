@@ -42,6 +42,11 @@ class TrainerConfig(_Strict):
         32, ge=1, description="Sequences per microbatch; the global batch is split into microbatches of this size."
     )
     master_port: int = Field(0, ge=0, description="torch.distributed rendezvous port; 0 picks a free one.")
+    collective_timeout_s: float = Field(
+        1800.0, gt=0, description="Timeout of every trainer collective and of the weight-sync group. With the "
+        "overlapped pipeline the trainer ranks other than 0 wait in a collective while rank 0 waits for a batch "
+        "or for the fleet to finish before a push: it must exceed the longest batch generation.",
+    )
     logprob_chunk_tokens: int = Field(
         4096, ge=1, description="Tokens per chunk in the vocab-parallel log-prob/entropy (bounds peak memory)."
     )

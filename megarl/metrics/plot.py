@@ -28,7 +28,7 @@ def plot_run(records: list[dict[str, Any]], out_path: Path) -> None:
 
 
 _COLOURS = {"generate": "tab:green", "score": "tab:olive", "train": "tab:blue", "wait": "lightgrey",
-            "push": "tab:red"}
+            "push": "tab:red", "startup": "tab:purple", "checkpoint": "tab:brown"}
 
 
 def plot_timeline(spans: list, out_path: Path, title: str = "") -> None:
