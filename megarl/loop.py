@@ -144,11 +144,13 @@ def run_loop(cfg: Config, rank: int, policy, weight_sync,
                 if rollout is not None:
                     rollout.pushed(before)
             record: dict[str, Any] = {"step": step, "policy_version": policy.version}
-            batch = rollout.take(step) if rollout is not None else None
+            batch = None
+            if rollout is not None:
+                batch = rollout.take(step)
+                record["pipeline/batches_generated"] = rollout.batches_generated()
             with _span(timeline, "trainer", "train", f"step {step}"):  # advantages, broadcast, optimizer step
-                if rollout is not None:
+                if batch is not None:
                     batch = with_advantages(batch, algorithm, cfg.algorithm)
-                    record["pipeline/batches_generated"] = rollout.batches_generated()
                 batch = _broadcast(batch, rank)
                 lag = policy.version - batch.policy_version
                 record.update({"batch/generation_version": batch.policy_version, "batch_lag": lag,

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from megarl.checkpoint import CheckpointError, open_checkpoint
+from megarl.checkpoint import MODEL_FORMATS, CheckpointError, open_checkpoint
 from megarl.launch import free_port
 from megarl.sync.slices import HFSlice
 
@@ -65,7 +65,7 @@ def read_checkpoint_meta(checkpoint_dir: Path) -> dict[str, Any]:
             hint = ": it is a save that never finished; export a complete step_XXXXXXXX directory" + hint
         raise ExportError(f"{path} is not a megarl checkpoint (no meta.json){hint}")
     try:  # complete, in megarl's format, every rank file at its recorded size
-        meta = open_checkpoint(path, expected={}).meta
+        meta = open_checkpoint(path, expected={}, formats=MODEL_FORMATS).meta
     except CheckpointError as err:
         raise ExportError(str(err)) from None
     for key in ("world_size", "tp", "pp", "ep"):
