@@ -144,7 +144,11 @@ def run_trainers(cfg: Config, fleet_urls: list[str]) -> None:
 
 def train(cfg: Config, fleet_urls: list[str] | None = None) -> dict[str, Any]:
     """Run the job and write `summary.json` and `reward_and_sync.png`. The fleet is started (and
-    stopped) here unless `fleet_urls` names one that is already serving the same model."""
+    stopped) here unless `fleet_urls` names one that is already serving the same model.
+
+    The fleet is guarded by a secret: a fleet started here sets `MEGARL_FLEET_SECRET_FILE` (`start_fleet`) before
+    the trainer ranks are spawned, and they inherit it. With `fleet_urls` the caller sets `MEGARL_FLEET_SECRET_FILE`
+    to that fleet's secret file (`FleetHandle.secret_file`) before calling, or the fleet refuses the trainer."""
     from megarl.rollout.fleet import start_fleet
 
     run_dir = Path(cfg.run.dir)

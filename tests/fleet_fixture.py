@@ -2,6 +2,9 @@
 shared by every test of the session, and a two-replica fleet (tensor parallel 1 each) for the pipeline tests,
 each killed (whole process group) at the end.
 
+Both fleets are guarded by one session secret (`_session_secret`), and while they run
+`MEGARL_FLEET_SECRET_FILE` names it, so `RolloutClient`s and spawned trainer ranks send it.
+
 Imported by `tests/conftest.py`; tests that change the server's weights must say so, and tests
 that need particular weights push them first (`PartitionedWeightSync.push`).
 """
@@ -10,12 +13,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
 from megarl.models.tiny import make_tiny_checkpoint
 from megarl.rollout.fleet import FleetHandle, FleetSpec, launch
+from megarl.rollout.fleet_auth import SECRET_ENV, SECRET_FILENAME, new_fleet_secret
 
 
 @pytest.fixture(scope="session")
@@ -26,7 +31,9 @@ def tiny_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def moe_fleet(tiny_moe_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetHandle]:
     """A real vLLM OpenAI-compatible server, TP 2, serving the tiny MoE with megarl's weight-transfer backend."""
-    with launch(FleetSpec(model_dir=tiny_moe_dir, tp=2, log_dir=tmp_path_factory.mktemp("fleet_logs"))) as fleet:
+    secret = _session_secret(tmp_path_factory)
+    with launch(FleetSpec(model_dir=tiny_moe_dir, tp=2, log_dir=tmp_path_factory.mktemp("fleet_logs"),
+                          secret_file=secret)) as fleet, _secret_in_env(secret):
         yield fleet
     _assert_gone(fleet)
 
@@ -34,10 +41,26 @@ def moe_fleet(tiny_moe_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
 @pytest.fixture(scope="session")
 def moe_fleet_2x1(tiny_moe_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetHandle]:
     """Two replicas of the tiny MoE, tensor parallel 1 each: several replicas generate at the same time."""
-    with launch(FleetSpec(model_dir=tiny_moe_dir, tp=1, replicas=2,
-                          log_dir=tmp_path_factory.mktemp("fleet2_logs"))) as fleet:
+    secret = _session_secret(tmp_path_factory)
+    with launch(FleetSpec(model_dir=tiny_moe_dir, tp=1, replicas=2, log_dir=tmp_path_factory.mktemp("fleet2_logs"),
+                          secret_file=secret)) as fleet, _secret_in_env(secret):
         yield fleet
     _assert_gone(fleet)
+
+
+def _session_secret(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The session's one fleet secret (mode 0600), made by whichever fleet starts first. A helper, not a fixture:
+    `conftest.py` imports the fixtures by name, and a fixture only this module knew would not be found."""
+    path = tmp_path_factory.getbasetemp() / SECRET_FILENAME
+    return path if path.exists() else new_fleet_secret(tmp_path_factory.getbasetemp())
+
+
+@contextmanager
+def _secret_in_env(secret: Path) -> Iterator[None]:
+    """`MEGARL_FLEET_SECRET_FILE` names `secret` inside the block (restored after)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(SECRET_ENV, str(secret))
+        yield
 
 
 def _assert_gone(fleet: FleetHandle) -> None:

@@ -1,13 +1,18 @@
 """HTTP client of one vLLM rollout server: token-in/token-out generation with the engine's own
-sampled-token log-probs and weight version, and the weight-update lifecycle calls."""
+sampled-token log-probs and weight version, and the weight-update lifecycle calls. Every request carries
+the job's fleet secret (`megarl.rollout.fleet_auth`) when one is given or named by `MEGARL_FLEET_SECRET_FILE`."""
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import requests
+
+from megarl.rollout.fleet_auth import SECRET_ENV, bearer_header, read_secret
 
 
 class RolloutServerError(RuntimeError):
@@ -37,20 +42,29 @@ def _version_number(label: str | None) -> int:
 
 
 class RolloutClient:
-    """Token-in/token-out generation and the weight-update lifecycle of one vLLM server at `base_url`."""
+    """Token-in/token-out generation and the weight-update lifecycle of one vLLM server at `base_url`.
+    `secret_file`: the fleet's secret (`FleetHandle.secret_file`); None: the file named by
+    `MEGARL_FLEET_SECRET_FILE` if that is set, else no secret (an unguarded server)."""
 
-    def __init__(self, base_url: str, timeout_s: float = 600.0, max_parallel: int = 32) -> None:
+    def __init__(self, base_url: str, timeout_s: float = 600.0, max_parallel: int = 32,
+                 secret_file: Path | None = None) -> None:
         self.url = base_url.rstrip("/")
         self.timeout_s = timeout_s
+        secret_file = secret_file or os.environ.get(SECRET_ENV) or None
+        self._headers = bearer_header(read_secret(secret_file)) if secret_file else {}
         self._pool = ThreadPoolExecutor(max_parallel)
 
     # ---- plumbing --------------------------------------------------------------------------------------------
     def _request(self, method: str, route: str, **kwargs: Any) -> Any:
         """One HTTP call; a dead server or a non-200 reply raises naming the URL, the status and the body."""
         try:
-            r = requests.request(method, f"{self.url}{route}", timeout=self.timeout_s, **kwargs)
+            r = requests.request(method, f"{self.url}{route}", timeout=self.timeout_s, headers=self._headers, **kwargs)
         except requests.RequestException as err:
             raise RolloutServerError(f"rollout server {self.url}{route} unreachable: {err}") from None
+        if r.status_code == 401:
+            sent = "refused this job's fleet secret" if self._headers else "requires a fleet secret and none was sent"
+            raise RolloutServerError(f"rollout server {self.url}{route} {sent} (401): point {SECRET_ENV} (or "
+                                     "RolloutClient's secret_file) at the secret file the fleet was started with")
         if r.status_code != 200:
             raise RolloutServerError(f"rollout server {self.url}{route} answered {r.status_code}: {_error_message(r)}")
         try:

@@ -5,6 +5,11 @@ token-out route (`/inference/v1/generate`, `--enable-scale-out`), the RL weight-
 `/collective_rpc` (`VLLM_SERVER_DEV_MODE=1`), and uses megarl's partitioned weight-transfer
 backend. The CPU-only settings (thread binding per TP rank, KV-cache size) are applied only when
 no GPU is present. Logs go to `<log_dir>/vllm_replica<i>.log`.
+
+Every server is guarded (`megarl.rollout.fleet_auth`): all routes but `/health` need the job's secret, read
+from the file in `MEGARL_FLEET_SECRET_FILE`. `FleetSpec.secret_file=None` makes a fresh secret in a private
+temporary directory (mode 0700, file 0600) that `FleetHandle.stop()` deletes; name a file on a shared
+filesystem instead when the trainer runs on other nodes.
 """
 
 from __future__ import annotations
@@ -12,10 +17,12 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -25,6 +32,7 @@ from typing import TYPE_CHECKING
 
 import requests
 
+from megarl.rollout.fleet_auth import SECRET_ENV, FleetAuthMiddleware, bearer_header, new_fleet_secret, read_secret
 from megarl.rollout.vllm_plugin import BACKEND_NAME
 
 if TYPE_CHECKING:
@@ -49,6 +57,9 @@ class FleetSpec:
     log_dir: Path = Path(".")  # where vllm_replica<i>.log go
     max_model_len: int | None = None  # vLLM --max-model-len; None: the model's max_position_embeddings
     extra_args: list[str] = field(default_factory=list)  # appended to the server command line
+    # file holding the job's secret (mode 0600, e.g. from `fleet_auth.new_fleet_secret`); None: launch() makes
+    # one in a private temporary directory, deleted when the fleet stops
+    secret_file: Path | None = None
 
 
 _LIVE: list[FleetHandle] = []  # handles not stopped yet: stopped at interpreter exit so no server outlives us
@@ -62,6 +73,8 @@ class FleetHandle:
     urls: list[str]
     procs: list[subprocess.Popen]
     logs: list[Path]
+    secret_file: Path  # the servers' secret, which clients send (`RolloutClient(secret_file=...)`)
+    own_secret_dir: Path | None = None  # the temporary directory launch() made for the secret, removed by stop()
 
     @property
     def base_url(self) -> str:
@@ -88,6 +101,8 @@ class FleetHandle:
                 _signal_group(p, signal.SIGKILL)
                 p.wait()
             _signal_group(p, signal.SIGKILL)  # workers the server left behind in its group
+        if self.own_secret_dir is not None:
+            shutil.rmtree(self.own_secret_dir, ignore_errors=True)
         if self in _LIVE:
             _LIVE.remove(self)
 
@@ -130,6 +145,7 @@ def server_command(spec: FleetSpec, port: int) -> list[str]:
         "--enable-scale-out", "--seed", "0", *length,
         "--weight-transfer-config", json.dumps({"backend": BACKEND_NAME}),
         "--worker-extension-cls", "megarl.rollout.vllm_engine.MegarlWorkerExtension",
+        "--middleware", f"{FleetAuthMiddleware.__module__}.{FleetAuthMiddleware.__name__}",
         *spec.extra_args,
     ]
 
@@ -149,6 +165,18 @@ def _wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout_s: float)
         time.sleep(1.0)
     raise FleetError(f"vLLM server {url} not healthy after {timeout_s:.0f}s (rollout.startup_timeout_s); "
                      f"last log lines ({log}):\n{_tail(log)}")
+
+
+def _check_guarded(url: str, secret: str, log: Path) -> None:
+    """The server refuses a request without the secret and serves one with it (the guard is loaded and working)."""
+    try:
+        without = requests.get(f"{url}/v1/models", timeout=30).status_code
+        with_secret = requests.get(f"{url}/v1/models", headers=bearer_header(secret), timeout=30).status_code
+    except requests.RequestException as err:
+        raise FleetError(f"vLLM server {url} did not answer /v1/models: {err}") from None
+    if (without, with_secret) != (401, 200):
+        raise FleetError(f"vLLM server {url} is not guarded by the job's secret: /v1/models answered {without} "
+                         f"without it and {with_secret} with it; last log lines ({log}):\n{_tail(log)}")
 
 
 def _free_port() -> int:
@@ -174,13 +202,16 @@ def _tail(path: Path, lines: int = 30) -> str:
 
 
 def launch(spec: FleetSpec) -> FleetHandle:
-    """Start every replica and wait until all are healthy (stops the ones started on failure)."""
+    """Start every replica and wait until all are healthy and guarded (stops the ones started on failure)."""
     spec.log_dir.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "TOKENIZERS_PARALLELISM": "false",
-           **_cpu_env(spec.tp, spec.kv_cache_gib)}
-    fleet = FleetHandle([], [], [])
+    own_dir = None if spec.secret_file is not None else Path(tempfile.mkdtemp(prefix="megarl_fleet_"))
+    secret_file = Path(spec.secret_file).resolve() if own_dir is None else new_fleet_secret(own_dir)
+    fleet = FleetHandle([], [], [], secret_file, own_dir)
     _LIVE.append(fleet)
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "TOKENIZERS_PARALLELISM": "false",
+           SECRET_ENV: str(secret_file), **_cpu_env(spec.tp, spec.kv_cache_gib)}
     try:
+        secret = read_secret(secret_file)  # fail here, not in every server, if the file is unusable
         for i in range(spec.replicas):
             port = spec.port + i if spec.port else _free_port()
             if not _port_free(port):
@@ -194,6 +225,7 @@ def launch(spec: FleetSpec) -> FleetHandle:
             fleet.logs.append(log)
         for url, proc, log in zip(fleet.urls, fleet.procs, fleet.logs, strict=True):
             _wait_healthy(url, proc, log, spec.startup_timeout_s)
+            _check_guarded(url, secret, log)
     except BaseException:
         fleet.stop()
         raise
@@ -202,12 +234,20 @@ def launch(spec: FleetSpec) -> FleetHandle:
 
 @contextmanager
 def start_fleet(cfg: Config, log_dir: Path) -> Iterator[FleetHandle]:
-    """The fleet of a run config (`megarl.config.schema.Config`), stopped on exit."""
+    """The fleet of a run config (`megarl.config.schema.Config`), stopped on exit. Inside the block
+    `MEGARL_FLEET_SECRET_FILE` names the fleet's secret file, so processes started there (the trainer ranks)
+    and `RolloutClient`s made there send it; the previous value is restored on exit."""
     r = cfg.rollout
     fleet = launch(FleetSpec(model_dir=Path(cfg.model.hf_dir), tp=r.tp, replicas=r.replicas, port=r.port,
                              kv_cache_gib=r.kv_cache_gib, startup_timeout_s=r.startup_timeout_s,
                              log_dir=Path(log_dir)))
+    previous = os.environ.get(SECRET_ENV)
+    os.environ[SECRET_ENV] = str(fleet.secret_file)
     try:
         yield fleet
     finally:
+        if previous is None:
+            os.environ.pop(SECRET_ENV, None)
+        else:
+            os.environ[SECRET_ENV] = previous
         fleet.stop()
