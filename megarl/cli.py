@@ -96,6 +96,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"megarl: {err}", file=sys.stderr)
         return 2
+    except Exception as err:  # a failed trainer rank: one line naming the rank, the cause and its traceback file
+        from megarl.launch import TrainerError
+
+        if not isinstance(err, TrainerError):
+            raise
+        print(f"megarl: {err}", file=sys.stderr)
+        return 1
     return 0
 
 

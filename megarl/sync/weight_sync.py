@@ -120,6 +120,8 @@ class PartitionedWeightSync:
         if rank == 0:
             if len(clients) != rollout_replicas:
                 raise ValueError(f"{len(clients)} rollout clients for {rollout_replicas} replicas")
+            for client in clients:  # a dead or unguarded-key server fails here, not in the group's rendezvous
+                client.weight_version()
             for i, client in enumerate(clients):
                 info = {"host": store_host, "port": store_port, "world_size": self.sync_world,
                         "rank_offset": world_size + i * rollout_tp, "timeout_s": timeout_s}
