@@ -19,7 +19,8 @@ from megarl.parallel.launcher_env import (
 )
 
 
-@pytest.mark.parametrize("hostlist", ["node[1-3,7],gpu[08-10],login", "node1", "a[009-011],c", "rack1-n[2-4]", "x[1],y[2-3]"])
+@pytest.mark.parametrize("hostlist",
+                         ["node[1-3,7],gpu[08-10],login", "node1", "a[009-011],c", "rack1-n[2-4]", "x[1],y[2-3]"])
 def test_hostlists_expand_like_scontrol(slurm_cluster, hostlist):
     reference = subprocess.run(["scontrol", "show", "hostnames", hostlist], env=slurm_cluster.env,
                                capture_output=True, text=True, check=True).stdout.split()

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 
-from megarl.metrics.timeline import Span
+from megarl.metrics.timeline import Span, busy_seconds
 from megarl.sync.schedule import SyncSchedule
 
 
@@ -78,11 +78,8 @@ class SimResult:
     @property
     def overlap(self) -> float:
         """(union over replicas of generating time + training time) / wall: 1.0 = serial, 2.0 = fully overlapped."""
-        union, reach = 0.0, 0.0
-        for a, b in sorted(self._busy("generate")):
-            union += max(0.0, b - max(a, reach))
-            reach = max(reach, b)
-        return (union + sum(s.train_s for s in self.steps)) / self.wall
+        generating = busy_seconds(self.spans, "generate", 0.0, self.wall)
+        return (generating + sum(s.train_s for s in self.steps)) / self.wall
 
     @property
     def trainer_idle_fraction(self) -> float:
