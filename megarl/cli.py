@@ -1,6 +1,9 @@
 """`megarl` command line.
 
-    megarl train --config configs/demo_moe.yaml [section.field=value ...]
+    megarl train --config configs/demo_moe.yaml [section.field=value ...]   fleet + trainer on this machine
+    megarl prepare --config FILE [overrides]  a cluster job's first step: run dir, config, secret (docs/cluster.md)
+    megarl serve --config RUN_DIR/config.yaml --replica I   one rollout replica of a cluster job
+    megarl rank --config RUN_DIR/config.yaml  one trainer rank of a cluster job, under srun or torchrun
     megarl check --config FILE [--gpu] [overrides]  validate a config against its model, start nothing
     megarl algorithms                         list registered algorithms
     megarl make-tiny DIR --kind moe|dense|qwen2  write a tiny random HF checkpoint with its tokenizer
@@ -8,6 +11,7 @@
     megarl export CHECKPOINT_DIR --out DIR    write a run checkpoint as a Hugging Face checkpoint
     megarl bench logprob [--tp 1 2 4 ...]     peak memory and time of the vocab-parallel log-prob + entropy
     megarl bench pipeline [--offsets 0 1 2]   wall time per step and overlap with the pipeline off and on
+    megarl compare RUN_DIR ... [--out F.md]   sync pushes, bytes, time and rewards of finished runs side by side
 
 `megarl COMMAND --help` describes each command's options.
 """
@@ -19,6 +23,7 @@ import importlib
 import sys
 
 from megarl.config.load import ConfigError
+from megarl.rollout.fleet_auth import FleetSecretError
 
 # Commands whose modules are heavy to import: loaded only when the command runs. Each module has
 # `register(subparsers)` (adds its sub-command) and `run(args) -> int`.
@@ -26,6 +31,7 @@ _DELEGATED = {
     "plan": ("megarl.plan_report", "parameters and bytes per trainer / rollout rank and per weight sync"),
     "export": ("megarl.models.hf_export", "write a run checkpoint as a Hugging Face checkpoint"),
     "bench": ("megarl.bench", "benchmarks: `megarl bench logprob`, `megarl bench pipeline`"),
+    "compare": ("megarl.metrics.compare", "compare finished runs' sync traffic, time and rewards"),
 }
 
 
@@ -54,6 +60,19 @@ def _parser() -> argparse.ArgumentParser:
             c.add_argument("--gpu", action="store_true",
                            help="check the layout for a GPU job (default: for this machine; on a CPU machine "
                            "MoE with trainer.tp>1 is refused, since it needs Transformer Engine)")
+    for name, help_text in (
+            ("prepare", "a cluster job's first step: validate, make the run directory, config and fleet secret; "
+                        "prints the job's topology as KEY=VALUE lines"),
+            ("serve", "run one rollout replica of a cluster job until SIGTERM"),
+            ("rank", "run one trainer rank of a cluster job (started by srun or torchrun)")):
+        c = sub.add_parser(name, help=help_text)
+        c.add_argument("--config", required=True,
+                       help="the recipe (prepare) or the run directory's resolved config.yaml (serve, rank)")
+        c.add_argument("overrides", nargs="*", help="section.field=value overrides")
+        if name == "serve":
+            c.add_argument("--replica", type=int, required=True, help="which replica, 0..rollout.replicas-1")
+            c.add_argument("--host", help="address to listen on (default: $MEGARL_BIND_ADDR, else this node's "
+                           "address)")
     sub.add_parser("algorithms", help="list registered algorithms")
     for name, (_, help_text) in _DELEGATED.items():
         sub.add_parser(name, help=help_text, add_help=False)
@@ -84,6 +103,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"done: reward {summary['reward/first_steps_mean']:.3f} -> {summary['reward/last_steps_mean']:.3f}; "
                   f"outputs in {cfg.run.dir}")
             print(f"pipeline: {describe(summary)} (timeline.png)")
+        elif args.command == "prepare":
+            from megarl.launch import prepare
+            from megarl.roles import prepare_job
+
+            topology = prepare_job(prepare(args.config, args.overrides, create_run_dir=True))
+            print("\n".join(f"{key}={value}" for key, value in topology.items()))
+        elif args.command in ("serve", "rank"):
+            from megarl import roles
+            from megarl.config.load import load_config
+
+            cfg = load_config(args.config, args.overrides)
+            return roles.serve(cfg, args.replica, args.host) if args.command == "serve" else roles.rank(cfg)
         elif args.command == "algorithms":
             from megarl.algorithms.registry import ALGORITHMS
 
@@ -93,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
             from megarl.models.tiny import make_tiny_checkpoint
 
             print(make_tiny_checkpoint(args.out_dir, kind=args.kind, seed=args.seed))
-    except ConfigError as err:
+    except (ConfigError, FleetSecretError) as err:
         print(f"megarl: {err}", file=sys.stderr)
         return 2
     except Exception as err:  # a failed trainer rank: one line naming the rank, the cause and its traceback file

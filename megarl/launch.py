@@ -23,6 +23,8 @@ from megarl.config.schema import Config
 from megarl.metrics.plot import plot_run, plot_timeline
 from megarl.metrics.timeline import load_spans, overlap_summary
 from megarl.metrics.writer import summarize, write_json_atomic
+from megarl.parallel.launcher_env import ProcessPlace
+from megarl.rank import error_log
 from megarl.sync.schedule import SyncSchedule
 
 
@@ -80,46 +82,12 @@ def prepare(config_path: str | None, overrides: list[str], create_run_dir: bool 
 
 
 def _trainer_rank(rank: int, cfg_data: dict[str, Any], fleet_urls: list[str], ports: dict[str, int]) -> None:
-    """Entry point of one trainer process."""
-    import warnings
-
-    import torch
-
-    # megatron-core warns at import that Apex / Transformer Engine are absent and about GPU-only tuning knobs:
-    # expected on CPU, and they would bury the progress bar
-    if not torch.cuda.is_available():
-        warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
-        # torch's deprecation notes for the collectives megatron's MoE dispatcher calls
-        warnings.filterwarnings("ignore", category=FutureWarning, message=r"`torch\.distributed\.")
-    from megarl.loop import run_loop
-    from megarl.parallel.groups import TrainerLayout, destroy_trainer_groups, dp_rank_and_size, init_trainer_groups
-    from megarl.rollout.client import RolloutClient
-    from megarl.rollout.task import start_rollout_worker
-    from megarl.sync.weight_sync import PartitionedWeightSync
-    from megarl.trainer.policy import MegatronPolicy
+    """Entry point of one trainer process spawned here (every address is this machine's loopback)."""
+    from megarl.rank import run_rank
 
     cfg = Config.model_validate(cfg_data)
-    t = cfg.trainer
-    init_trainer_groups(TrainerLayout(t.tp, t.pp, t.ep), rank, t.world_size, "127.0.0.1", ports["master"],
-                        timeout_s=t.collective_timeout_s)
-    try:
-        hf = read_hf_config(cfg.model.hf_dir)
-        policy = MegatronPolicy(cfg.model.hf_dir, hf, cfg.optimizer, logprob_chunk=t.logprob_chunk_tokens,
-                                distributed_optimizer=t.distributed_optimizer, recompute=t.recompute)
-        clients = [RolloutClient(url) for url in fleet_urls] if rank == 0 else []
-        weight_sync = PartitionedWeightSync(
-            rank=rank, world_size=t.world_size, hf_config=hf, clients=clients, rollout_tp=cfg.rollout.tp,
-            rollout_replicas=cfg.rollout.replicas, store_host="127.0.0.1", store_port=ports["sync"],
-            bucket_bytes=int(cfg.sync.bucket_mb * 2**20), timeout_s=t.collective_timeout_s,
-        )
-        start_rollout = None
-        if rank == 0:
-            def start_rollout(timeline, start, saved):
-                return start_rollout_worker(cfg, clients, timeline, start, saved)
-        run_loop(cfg, rank, policy, weight_sync, start_rollout, dp_rank_and_size(), pad_id=hf.get("pad_token_id") or 0)
-        weight_sync.close()
-    finally:
-        destroy_trainer_groups()
+    place = ProcessPlace("local", rank, cfg.trainer.world_size, rank, "127.0.0.1", ports["master"])
+    run_rank(cfg, place, ports["sync"], lambda: fleet_urls)
 
 
 def sync_savings(cfg: Config, records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -146,7 +114,7 @@ def rank_failure(err: BaseException, run_dir: Path, hint: str = "") -> TrainerEr
     the whole text goes to `<run_dir>/trainer_rank<k>_error.log`. `hint` is appended (where the fleet logs are)."""
     rank = getattr(err, "error_index", "?")
     text = str(err).strip()
-    log = Path(run_dir) / f"trainer_rank{rank}_error.log"
+    log = error_log(run_dir, rank)
     log.parent.mkdir(parents=True, exist_ok=True)
     log.write_text(text + "\n")
     if getattr(err, "signal_name", None):
@@ -188,6 +156,13 @@ def train(cfg: Config, fleet_urls: list[str] | None = None) -> dict[str, Any]:
             run_trainers(cfg, fleet.urls, hint=f"fleet logs: {', '.join(str(p) for p in fleet.logs)}")
     else:
         run_trainers(cfg, fleet_urls)
+    return finish_run(cfg)
+
+
+def finish_run(cfg: Config) -> dict[str, Any]:
+    """After the last step: `summary.json` (rewards, sync bytes and savings, overlap), `reward_and_sync.png` and
+    `timeline.png` in the run directory, from `metrics.jsonl` and `timeline.json`."""
+    run_dir = Path(cfg.run.dir)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     summary = summarize(records) | sync_savings(cfg, records)
     spans = load_spans(run_dir / "timeline.json")  # this launch's steps (a resumed run: since the resume)

@@ -11,7 +11,8 @@ node, and waits until `sinfo` shows the three nodes idle. Nothing outside the di
         assert result.returncode == 0, slurm_cluster.describe(result)
 
 Emulation limits: every "node" has the same hostname and network namespace (use `SLURMD_NODENAME` /
-`SLURM_JOB_NODELIST` to tell them apart, and distinct ports per role), no GPU GRES, memory not enforced, CPUs are
+`SLURM_JOB_NODELIST` to tell them apart, and distinct ports per role), GPUs are a GRES count with no devices
+behind it (`--gpus-per-node=8` is accepted and accounted, nothing is bound), memory not enforced, CPUs are
 bookkeeping only (`task/none`). The partition oversubscribes (`OverSubscribe=FORCE:4`): up to four jobs may share a
 core, so a job can start while a cancelled one is still completing; steps inside one job still need
 `srun --overlap` to share that job's CPUs, as on a real cluster.
@@ -36,6 +37,7 @@ import pytest
 
 NODES = ("node1", "node2", "node3")
 CPUS_PER_NODE = 2
+GPUS_PER_NODE = 8  # bookkeeping only (no device files): lets scripts request GPUs as they do on a GPU cluster
 APT_PACKAGES = "slurmctld slurmd slurm-client munge"
 _BINARIES = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "srun", "sinfo", "squeue", "scancel", "scontrol")
 _DAEMON_NAMES = ("munged", "slurmctld", "slurmd", "slurmstepd")
@@ -227,6 +229,13 @@ class SlurmCluster:
         self._wait_for("munged socket", socket_path.exists, timeout_s)
 
         self.conf_file.write_text(_slurm_conf(self.root, socket_path, self.nodes))
+        # slurmd drops GPUs without device files: empty regular files stand in for /dev/nvidia0..7 (slurmd logs
+        # that they are not character devices, and counts them)
+        (self.root / "dev").mkdir(exist_ok=True)
+        for index in range(GPUS_PER_NODE):
+            (self.root / "dev" / f"gpu{index}").touch()
+        (self.conf_dir / "gres.conf").write_text(
+            f"AutoDetect=off\nName=gpu File={self.root}/dev/gpu[0-{GPUS_PER_NODE - 1}]\n")
         self._spawn("slurmctld", [_which("slurmctld") or "slurmctld", "-D", "-f", str(self.conf_file)])
         self._wait_for("slurmctld (scontrol ping)",
                        lambda: "UP" in self.run("scontrol", "ping", check=False, timeout_s=10).stdout, timeout_s)
@@ -295,7 +304,7 @@ def _slurm_conf(root: Path, munge_socket: Path, nodes: Sequence[str]) -> str:
     host = socket.gethostname().split(".")[0]
     node_lines = "\n".join(
         f"NodeName={node} NodeHostname=localhost NodeAddr=127.0.0.1 Port={port} CPUs={CPUS_PER_NODE} "
-        f"RealMemory=1000 State=UNKNOWN" for node, port in zip(nodes, node_ports, strict=True))
+        f"Gres=gpu:{GPUS_PER_NODE} RealMemory=1000 State=UNKNOWN" for node, port in zip(nodes, node_ports, strict=True))
     return f"""\
 # Written by tests/slurm_cluster.py: an emulated {len(nodes)}-node cluster on this machine.
 ClusterName=megarl-test
@@ -322,6 +331,9 @@ TaskPlugin=task/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 MpiDefault=none
+# Bookkeeping GPUs (gres.conf: a count, no device files), so job scripts may ask for --gpus-per-node as on a GPU
+# cluster; no CUDA_VISIBLE_DEVICES binds anything to a device.
+GresTypes=gpu
 SwitchType=switch/none
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none

@@ -35,8 +35,9 @@ def test_torchrun_places(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     places = sorted((json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")),
                     key=lambda p: p["rank"])
+    # torchrun's agent serves the store at the master port itself (rank 0 must not host another there)
     assert places == [{"launcher": "torchrun", "rank": r, "world_size": 2, "local_rank": r,
-                       "master_addr": "127.0.0.1", "master_port": port} for r in range(2)]
+                       "master_addr": "127.0.0.1", "master_port": port, "launcher_store": True} for r in range(2)]
 
 
 def test_srun_places_on_two_nodes(slurm_cluster, tmp_path):
@@ -59,7 +60,7 @@ def test_srun_places_on_two_nodes(slurm_cluster, tmp_path):
     places = [json.loads((tmp_path / f"place_{r}.json").read_text()) for r in range(2)]
     port = SLURM_PORT_BASE + job_id % SLURM_PORT_SPAN  # every rank derives the same port from the job id
     assert places == [{"launcher": "slurm", "rank": r, "world_size": 2, "local_rank": 0, "master_addr": first_node,
-                       "master_port": port} for r in range(2)]
+                       "master_port": port, "launcher_store": False} for r in range(2)]
     overridden = [json.loads((tmp_path / f"override_{r}.json").read_text()) for r in range(2)]
     assert {(p["master_addr"], p["master_port"]) for p in overridden} == {("127.0.0.1", 29511)}
 

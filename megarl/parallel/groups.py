@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.parallel.cpu_compat import apply_cpu_compat, init_rng_tracker
+from megarl.parallel.stores import tcp_store
 
 
 @dataclass(frozen=True)
@@ -29,17 +30,21 @@ def backend() -> str:
 
 
 def init_trainer_groups(layout: TrainerLayout, rank: int, world_size: int, master_addr: str, master_port: int,
-                        timeout_s: float = 600.0) -> None:
-    """Join the trainer world (`rank` of `world_size`, rendezvous at `tcp://master_addr:master_port`) and build
-    megatron's tensor / pipeline / expert / data-parallel groups and RNG tracker; call once per process.
+                        timeout_s: float = 600.0, local_rank: int | None = None, launcher_store: bool = False) -> None:
+    """Join the trainer world (`rank` of `world_size`; rank 0 serves the rendezvous store on
+    `master_addr:master_port`, that address only) and build megatron's tensor / pipeline / expert / data-parallel
+    groups and RNG tracker; call once per process. `local_rank` (default `rank`) picks this node's GPU;
+    `launcher_store`: the launcher (torchrun's agent) serves the store already, so rank 0 only connects.
     On a CPU-only machine this first applies `apply_cpu_compat()`."""
     from megatron.core import parallel_state
 
     apply_cpu_compat()
     if torch.cuda.is_available():
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group(backend(), init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=timeout_s))
+        torch.cuda.set_device((rank if local_rank is None else local_rank) % torch.cuda.device_count())
+    store = tcp_store(master_addr, master_port, world_size, is_master=rank == 0 and not launcher_store,
+                      timeout_s=timeout_s)
+    dist.init_process_group(backend(), store=store, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=timeout_s))
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
         expert_model_parallel_size=layout.ep,

@@ -26,12 +26,15 @@ class LauncherEnvError(RuntimeError):
 
 @dataclass(frozen=True)
 class ProcessPlace:
-    launcher: str  # "torchrun" or "slurm"
+    launcher: str  # "torchrun", "slurm", or "local" (spawned by `megarl train` on one machine)
     rank: int  # global rank of this process
     world_size: int
     local_rank: int  # rank on this node (picks the GPU)
     master_addr: str  # where rank 0 hosts the rendezvous
     master_port: int
+    # torchrun's agent already serves the rendezvous store at master_addr:master_port (it sets
+    # TORCHELASTIC_USE_AGENT_STORE); rank 0 then connects to it instead of hosting its own
+    launcher_store: bool = False
 
 
 def expand_hostlist(hostlist: str) -> list[str]:
@@ -67,7 +70,8 @@ def process_place(env: Mapping[str, str] | None = None) -> ProcessPlace | None:
         place = ProcessPlace("torchrun", _int(env, "RANK"), _int(env, "WORLD_SIZE"),
                              _int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else 0,
                              addr or env.get("MASTER_ADDR") or "",
-                             _int(env, "MEGARL_MASTER_PORT" if port else "MASTER_PORT"))
+                             _int(env, "MEGARL_MASTER_PORT" if port else "MASTER_PORT"),
+                             launcher_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and not port)
     elif "SLURM_PROCID" in env:
         nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or ""
         if not addr and not nodes:

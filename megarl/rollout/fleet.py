@@ -51,6 +51,8 @@ class FleetSpec:
     tp: int = 1  # tensor-parallel size of every replica
     replicas: int = 1  # number of independent servers
     port: int = 0  # first replica's port (replica i gets port + i); 0 picks free ports
+    host: str = "127.0.0.1"  # the address the servers listen on (and clients use): on a cluster, the job's interface
+    first_replica: int = 0  # index of the first replica started here (logs: vllm_replica<index>.log)
     dtype: str = "float32"  # vLLM --dtype
     kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE on CPU (ignored with a GPU)
     startup_timeout_s: float = 600.0  # how long to wait for every /health
@@ -140,7 +142,7 @@ def server_command(spec: FleetSpec, port: int) -> list[str]:
     length = ["--max-model-len", str(spec.max_model_len)] if spec.max_model_len else []
     return [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(spec.model_dir), "--port", str(port), "--host", "127.0.0.1",
+        "--model", str(spec.model_dir), "--port", str(port), "--host", spec.host,
         "--tensor-parallel-size", str(spec.tp), "--dtype", spec.dtype, "--enforce-eager",
         "--enable-scale-out", "--seed", "0", *length,
         "--weight-transfer-config", json.dumps({"backend": BACKEND_NAME}),
@@ -179,19 +181,27 @@ def _check_guarded(url: str, secret: str, log: Path) -> None:
                          f"without it and {with_secret} with it; last log lines ({log}):\n{_tail(log)}")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(_family(host)) as s:
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
-def _port_free(port: int) -> bool:
-    with socket.socket() as s:
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket(_family(host)) as s:
         try:
-            s.bind(("127.0.0.1", port))
+            s.bind((host, port))
         except OSError:
             return False
     return True
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host  # an IPv6 address in a URL
 
 
 def _tail(path: Path, lines: int = 30) -> str:
@@ -212,15 +222,16 @@ def launch(spec: FleetSpec) -> FleetHandle:
            SECRET_ENV: str(secret_file), **_cpu_env(spec.tp, spec.kv_cache_gib)}
     try:
         secret = read_secret(secret_file)  # fail here, not in every server, if the file is unusable
-        for i in range(spec.replicas):
-            port = spec.port + i if spec.port else _free_port()
-            if not _port_free(port):
-                raise FleetError(f"port {port} is already in use (another server?): set rollout.port=0 or free it")
+        for i in range(spec.first_replica, spec.first_replica + spec.replicas):
+            port = spec.port + i if spec.port else _free_port(spec.host)
+            if not _port_free(spec.host, port):
+                raise FleetError(f"port {port} on {spec.host} is already in use (another server?): set rollout.port=0 "
+                                 "or free it")
             log = spec.log_dir / f"vllm_replica{i}.log"
             with log.open("w") as f:
                 proc = subprocess.Popen(server_command(spec, port), stdout=f, stderr=subprocess.STDOUT, env=env,
                                         start_new_session=True)
-            fleet.urls.append(f"http://127.0.0.1:{port}")
+            fleet.urls.append(f"http://{_url_host(spec.host)}:{port}")
             fleet.procs.append(proc)
             fleet.logs.append(log)
         for url, proc, log in zip(fleet.urls, fleet.procs, fleet.logs, strict=True):

@@ -15,6 +15,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from megarl.parallel.stores import tcp_store
 from megarl.sync.plan import Transfer
 from megarl.sync.slices import HFSlice
 
@@ -73,13 +74,12 @@ def device() -> torch.device:
 def make_sync_group(host: str, port: int, rank: int, world_size: int, timeout_s: float = 600.0):
     """Join the trainer+fleet sync group (rank 0 hosts the store). Returns (store, process group).
     Built directly on a TCPStore so it is independent of the trainer's own default process group."""
-    timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
+    store = tcp_store(host, port, world_size, is_master=rank == 0, timeout_s=timeout_s)
     prefixed = dist.PrefixStore("megarl_sync", store)
     if torch.cuda.is_available():
         group = dist.ProcessGroupNCCL(prefixed, rank, world_size, dist.ProcessGroupNCCL.Options())
     else:
-        group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+        group = dist.ProcessGroupGloo(prefixed, rank, world_size, timedelta(seconds=timeout_s))
     return store, group
 
 

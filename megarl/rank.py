@@ -1,0 +1,73 @@
+"""One trainer rank, whoever started it: join the trainer world, build the policy and the weight sync, run the loop.
+
+The local launcher (`megarl train`, `megarl.launch`) spawns the ranks on this machine and passes the fleet's
+URLs; under `srun` or `torchrun` each rank is `megarl rank --config <run.dir>/config.yaml`, finds its place in
+the environment (`megarl.parallel.launcher_env`) and rank 0 finds the fleet in the run directory
+(`megarl.rollout.rendezvous`).
+
+Ports: rank 0 serves the trainer's rendezvous store on `master_addr:master_port` and the weight-sync group's
+store on `master_addr:master_port + 1` (each bound to that address only; `megarl.parallel.stores`).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+from megarl.config.schema import Config
+from megarl.parallel.launcher_env import ProcessPlace
+
+
+def quiet_cpu_warnings() -> None:
+    """megatron-core warns at import that Apex / Transformer Engine are absent and about GPU-only tuning knobs:
+    expected on CPU, and they would bury the progress bar."""
+    import torch
+
+    if not torch.cuda.is_available():
+        warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+        # torch's deprecation notes for the collectives megatron's MoE dispatcher calls
+        warnings.filterwarnings("ignore", category=FutureWarning, message=r"`torch\.distributed\.")
+
+
+def run_rank(cfg: Config, place: ProcessPlace, sync_port: int, fleet_urls: Callable[[], list[str]]) -> None:
+    """Train as rank `place.rank`. Rank 0 calls `fleet_urls()` once its model is built (it may wait for the
+    fleet there) and drives the rollout side; the other ranks never call it."""
+    quiet_cpu_warnings()
+    from megarl.config.load import read_hf_config
+    from megarl.loop import run_loop
+    from megarl.parallel.groups import TrainerLayout, destroy_trainer_groups, dp_rank_and_size, init_trainer_groups
+    from megarl.rollout.client import RolloutClient
+    from megarl.rollout.task import start_rollout_worker
+    from megarl.sync.weight_sync import PartitionedWeightSync
+    from megarl.trainer.policy import MegatronPolicy
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    t, rank = cfg.trainer, place.rank
+    init_trainer_groups(TrainerLayout(t.tp, t.pp, t.ep), rank, t.world_size, place.master_addr, place.master_port,
+                        timeout_s=t.collective_timeout_s, local_rank=place.local_rank,
+                        launcher_store=place.launcher_store)
+    try:
+        hf = read_hf_config(cfg.model.hf_dir)
+        policy = MegatronPolicy(cfg.model.hf_dir, hf, cfg.optimizer, logprob_chunk=t.logprob_chunk_tokens,
+                                distributed_optimizer=t.distributed_optimizer, recompute=t.recompute)
+        clients = [RolloutClient(url) for url in fleet_urls()] if rank == 0 else []
+        weight_sync = PartitionedWeightSync(
+            rank=rank, world_size=t.world_size, hf_config=hf, clients=clients, rollout_tp=cfg.rollout.tp,
+            rollout_replicas=cfg.rollout.replicas, store_host=place.master_addr, store_port=sync_port,
+            bucket_bytes=int(cfg.sync.bucket_mb * 2**20), timeout_s=t.collective_timeout_s,
+        )
+        start_rollout = None
+        if rank == 0:
+            def start_rollout(timeline, start, saved):
+                return start_rollout_worker(cfg, clients, timeline, start, saved)
+        run_loop(cfg, rank, policy, weight_sync, start_rollout, dp_rank_and_size(), pad_id=hf.get("pad_token_id") or 0)
+        weight_sync.close()
+    finally:
+        destroy_trainer_groups()
+
+
+def error_log(run_dir: Path | str, rank: int) -> Path:
+    """Where a failed rank's whole traceback goes."""
+    return Path(run_dir) / f"trainer_rank{rank}_error.log"
