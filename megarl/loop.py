@@ -42,6 +42,10 @@ from megarl.sync.weight_sync import SyncStats
 from megarl.trainer.step import train_on_batch
 
 
+class NonFiniteStepsError(FloatingPointError):
+    """Too many consecutive steps with a non-finite gradient norm (trainer.max_skipped_steps)."""
+
+
 def _broadcast(obj: Any, rank: int) -> Any:
     box = [obj if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
@@ -122,6 +126,8 @@ def run_loop(cfg: Config, rank: int, policy, weight_sync,
     bar = tqdm(range(start, cfg.run.steps), desc="megarl train", disable=rank != 0, dynamic_ncols=True,
                initial=start, total=cfg.run.steps)
     syncs: list[SyncStats] = []
+    skipped_in_a_row = 0  # checkpoints are saved only after a step that was not skipped
+    skipped_total = sum(r.get("train/skipped_step", 0) for r in writer.records) if writer is not None else 0
 
     def push() -> None:  # collective over the trainer ranks
         with _span(timeline, "push", "push", f"v{policy.version}"):
@@ -163,10 +169,20 @@ def run_loop(cfg: Config, rank: int, policy, weight_sync,
                 window_end = timeline.now()
                 record.update(step_times(timeline.spans(), window_start, window_end))
                 window_start = window_end
+            skipped_in_a_row = skipped_in_a_row + 1 if record["train/skipped_step"] else 0
+            skipped_total += record["train/skipped_step"]
+            record["train/skipped_steps"] = skipped_total
             if writer is not None:
                 writer.write(record)
                 bar.set_postfix(reward=f"{record['reward/mean']:.2f}", lag=lag)
-            if checkpoint_due(schedule, step, cfg.checkpoint.interval, last_saved):
+            if skipped_in_a_row >= cfg.trainer.max_skipped_steps:  # every rank sees the same gradient norms
+                raise NonFiniteStepsError(
+                    f"steps {step - skipped_in_a_row + 1}..{step}: {skipped_in_a_row} consecutive steps had a "
+                    f"non-finite gradient norm and were skipped (trainer.max_skipped_steps="
+                    f"{cfg.trainer.max_skipped_steps}); the run stops with the weights of step "
+                    f"{step - skipped_in_a_row}. Lower optimizer.lr, check the data, or resume from "
+                    f"{Path(cfg.run.dir) / 'checkpoints'}")
+            if skipped_in_a_row == 0 and checkpoint_due(schedule, step, cfg.checkpoint.interval, last_saved):
                 with _span(timeline, "trainer", "checkpoint", f"step {step}"):
                     loop_state = None
                     if rollout is not None:  # the fleet stops before the push that follows; save what it made

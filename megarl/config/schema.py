@@ -64,6 +64,12 @@ class TrainerConfig(_Strict):
         "they update (gradients are still all-reduced). Same updates as off. Checkpoints hold each rank's own "
         "shard: resume with the same layout and the same setting.",
     )
+    max_skipped_steps: int = Field(
+        3, ge=1, description="A step whose global gradient norm is not finite (NaN/inf) is skipped on every rank: "
+        "its gradients are dropped, the weights and optimizer state stay as they were (the step still counts, so "
+        "the sync schedule is unchanged), and `train/skipped_step` is 1. After this many consecutive skipped steps "
+        "the run stops with the same message on every rank; no checkpoint is saved while steps are being skipped.",
+    )
     recompute: Literal["none", "full", "selective"] = Field(
         "none", description="Activation recomputation (megatron's recompute_granularity): 'full' keeps only each "
         "transformer layer's input and reruns the layer in backward; 'selective' reruns only the core attention "
@@ -184,8 +190,12 @@ class AlgorithmConfig(_Strict):
     @field_validator("name")
     @classmethod
     def _registered(cls, name: str) -> str:
-        from megarl.algorithms.registry import ALGORITHMS
-
+        try:
+            from megarl.algorithms.registry import ALGORITHMS
+        except ModuleNotFoundError as err:  # the registry needs torch: a launch-side environment without it
+            if err.name != "torch":  # (launchers/) leaves the name to `megarl prepare` on the nodes
+                raise
+            return name
         if name not in ALGORITHMS:
             raise ValueError(f"{name!r} is not a registered algorithm; choose one of: {', '.join(sorted(ALGORITHMS))}")
         return name

@@ -31,11 +31,15 @@ class MetricsWriter:
         self._file = self.path.open("a" if resume_at is not None else "w")
 
     def write(self, record: dict[str, Any]) -> None:
+        """Append `record`. Non-finite numbers are written as null (JSON has no NaN) and listed under
+        `nonfinite`; in a step the trainer did not skip (`train/skipped_step`) they stop the run."""
         bad = [k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)]
+        if bad:
+            record = {**{k: (None if k in bad else v) for k, v in record.items()}, "nonfinite": bad}
         self.records.append(record)
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
-        if bad:
+        if bad and not record.get("train/skipped_step"):
             raise FloatingPointError(
                 f"step {record.get('step')}: non-finite metrics {bad}; the run stops here "
                 f"(records so far are in {self.path}). Lower optimizer.lr or check the data."

@@ -10,6 +10,7 @@ a contribution to the global-batch loss; clipping uses the global norm over all 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
@@ -183,12 +184,17 @@ class MegatronPolicy:
 
         outs = self._run(microbatches, loss_on_last_stage, forward_only=False)
         self._sum_gradients()
-        grad_norm = self._clip_gradients(self.optim_cfg.grad_clip)
-        self._set_lr()
-        self.optimizer.step()
-        self.version += 1
+        grad_norm = self._grad_norm()  # the same value on every rank of the trainer
+        skipped = not math.isfinite(grad_norm)
+        if skipped:  # as megatron-core does: drop the gradients, leave weights and optimizer state as they are
+            self.optimizer.zero_grad(set_to_none=False)
+        else:
+            self._clip_gradients(grad_norm, self.optim_cfg.grad_clip)
+            self._set_lr()
+            self.optimizer.step()
+        self.version += 1  # a skipped step still counts: the lag schedule is in steps
         metrics = self._sum_metrics(outs) if self.is_last_stage else {}
-        return {**self._metrics_from_last_stage(metrics), "grad_norm": grad_norm}
+        return {**self._metrics_from_last_stage(metrics), "grad_norm": grad_norm, "train/skipped_step": int(skipped)}
 
     def _sum_metrics(self, outs: list[dict[str, torch.Tensor]]) -> dict[str, float]:
         """Per-microbatch metric dicts of this rank -> sums over microbatches and data-parallel ranks."""
@@ -222,8 +228,9 @@ class MegatronPolicy:
         _all_reduce_sum([p.grad for _, p in params if not _is_expert(p) and p.grad is not None], self.dp_group)
         _all_reduce_sum([p.grad for _, p in params if _is_expert(p) and p.grad is not None], self.expert_dp_group)
 
-    def _clip_gradients(self, max_norm: float) -> float:
-        """Global L2 norm over all model shards (each element counted once), then scale down to max_norm."""
+    def _grad_norm(self) -> float:
+        """Global L2 norm of the gradients over all model shards (each element counted once): NaN or inf when any
+        gradient is, on every rank alike."""
         dense_sq = torch.zeros((), device=self.device)
         expert_sq = torch.zeros((), device=self.device)
         for p in self.model.parameters():
@@ -235,12 +242,14 @@ class MegatronPolicy:
                 dense_sq += p.grad.float().pow(2).sum()
         dist.all_reduce(dense_sq, group=self.model_parallel_group)
         dist.all_reduce(expert_sq, group=self.expert_model_parallel_group)
-        norm = float((dense_sq + expert_sq).sqrt())
+        return float((dense_sq + expert_sq).sqrt())
+
+    def _clip_gradients(self, norm: float, max_norm: float) -> None:
+        """Scale the gradients down so that their global norm `norm` becomes `max_norm` (if it is above)."""
         if norm > max_norm:
             for p in self.model.parameters():
                 if p.grad is not None:
                     p.grad.mul_(max_norm / (norm + 1e-6))
-        return norm
 
     def _set_lr(self) -> None:
         warm = self.optim_cfg.warmup_steps

@@ -1,0 +1,116 @@
+"""A step whose gradient norm is not finite is skipped on every rank (megatron-core's convention): weights and
+optimizer state unchanged bit for bit, the step still counted; a later finite step updates as usual. Real
+megatron-core ranks (tiny MoE, expert parallel 2: dense gradients summed over 2 data-parallel ranks); the
+non-finite gradient is injected through the loss, as a diverging run produces it."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from megarl.parallel.groups import TrainerLayout
+from tests.dist_utils import free_port, run_distributed
+
+B, S = 4, 6
+
+
+def _rank(rank, world, hf_dir, port):
+    from megarl.config.schema import OptimizerConfig
+    from megarl.models.qwen_provider import read_hf_config
+    from megarl.parallel.groups import destroy_trainer_groups, dp_rank_and_size, init_trainer_groups
+    from megarl.trainer.policy import MegatronPolicy
+
+    init_trainer_groups(TrainerLayout(ep=2), rank, world, "127.0.0.1", port)
+    try:
+        hf = read_hf_config(hf_dir)
+        policy = MegatronPolicy(hf_dir, hf, OptimizerConfig(lr=1e-2))
+        g = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, hf["vocab_size"], (B, S), generator=g)
+        targets, mask = torch.roll(tokens, -1, 1), torch.ones(B, S)
+        dp_rank, dp = dp_rank_and_size()
+        share = [{"tokens": tokens[dp_rank::dp], "targets": targets[dp_rank::dp], "mask": mask[dp_rank::dp]}]
+
+        def loss_fn(scale):
+            def fn(lp, ent, mb):
+                return scale * (lp * mb["mask"]).sum() / mask.sum(), {}
+            return fn
+
+        def snapshot():
+            params = {n: p.detach().clone() for n, p in policy.model.named_parameters()}
+            state = {id(p): {k: v.clone() for k, v in s.items() if torch.is_tensor(v)}
+                     for p, s in policy.optimizer.state.items()}
+            return params, state
+
+        first = policy.train_step(share, loss_fn(1.0))  # a finite step: optimizer state exists afterwards
+        before = snapshot()
+        # NaN on rank 0 only: the gradient sums carry it to every rank, and every rank must skip alike
+        bad = policy.train_step(share, loss_fn(float("nan") if rank == 0 else 1.0))
+        after_bad = snapshot()
+        good = policy.train_step(share, loss_fn(1.0))
+        after_good = snapshot()
+        unchanged = all(torch.equal(before[0][n], after_bad[0][n]) for n in before[0]) and all(
+            torch.equal(before[1][k][name], after_bad[1][k][name]) for k in before[1] for name in before[1][k])
+        changed = sum(not torch.equal(after_bad[0][n], after_good[0][n]) for n in before[0])
+        return {"first": first, "bad": bad, "good": good, "unchanged": unchanged, "changed": changed,
+                "params": len(before[0]), "version": policy.version, "state_entries": len(before[1])}
+    finally:
+        destroy_trainer_groups()
+
+
+def test_non_finite_gradient_skips_the_step_on_every_rank(tiny_moe_dir) -> None:
+    results = run_distributed(_rank, 2, str(tiny_moe_dir), free_port(), init_dist=False)
+    for r in results:
+        assert r["first"]["train/skipped_step"] == 0 and math.isfinite(r["first"]["grad_norm"])
+        assert r["bad"]["train/skipped_step"] == 1 and not math.isfinite(r["bad"]["grad_norm"])
+        assert r["state_entries"] > 0 and r["unchanged"], "a skipped step changed weights or optimizer state"
+        assert r["good"]["train/skipped_step"] == 0 and math.isfinite(r["good"]["grad_norm"])
+        assert r["changed"] == r["params"], "the step after a skipped one did not update every parameter"
+        assert r["version"] == 3  # the skipped step is counted
+
+
+@pytest.mark.parametrize("skipped", [0, 1])
+def test_metrics_writer_keeps_a_skipped_steps_non_finite_values_as_null(tmp_path, skipped) -> None:
+    from megarl.metrics.writer import MetricsWriter
+
+    writer = MetricsWriter(tmp_path)
+    record = {"step": 0, "loss": float("nan"), "grad_norm": float("inf"), "train/skipped_step": skipped}
+    if skipped:
+        writer.write(record)
+    else:
+        with pytest.raises(FloatingPointError, match=r"non-finite metrics \['loss', 'grad_norm'\]"):
+            writer.write(record)
+    writer.close()
+    import json
+
+    written = json.loads((tmp_path / "metrics.jsonl").read_text())  # valid JSON: no NaN literal
+    assert written["loss"] is None and written["grad_norm"] is None
+    assert written["nonfinite"] == ["loss", "grad_norm"]
+
+
+def test_a_diverged_run_stops_after_max_skipped_steps_without_checkpointing_them(tiny_moe_dir, tmp_path) -> None:
+    """lr 1e30 with weight decay 0.1: the first update (decay alone is enough, whatever the rewards) blows the
+    weights up, every later forward overflows, every later gradient is NaN. The run skips
+    `trainer.max_skipped_steps` steps in a row, then stops with one line; checkpoints were saved only after steps
+    that were not skipped. The run starts its own fleet: the blown-up weights are pushed to it."""
+    import json
+
+    from megarl.launch import TrainerError, prepare, train
+
+    run_dir = tmp_path / "run"
+    cfg = prepare(None, [f"model.hf_dir={tiny_moe_dir}", f"run.dir={run_dir}", "run.steps=10", "trainer.world_size=2",
+                         "trainer.ep=2", "rollout.tp=1", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=2",
+                         "data.prompts_per_step=4", "sync.interval=1", "optimizer.lr=1e30",
+                         "optimizer.weight_decay=0.1", "checkpoint.interval=1", "trainer.max_skipped_steps=3"])
+    with pytest.raises(TrainerError, match=r"NonFiniteStepsError: steps (\d+)\.\.(\d+): 3 consecutive steps") as err:
+        train(cfg)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    flags = [r["train/skipped_step"] for r in records]
+    first_bad = flags.index(1)
+    assert first_bad >= 1 and flags == [0] * first_bad + [1, 1, 1], flags
+    assert f"steps {first_bad}..{first_bad + 2}: 3 consecutive" in str(err.value)
+    assert [r["train/skipped_steps"] for r in records] == [0] * first_bad + [1, 2, 3]
+    assert all(r["grad_norm"] is None and "grad_norm" in r["nonfinite"] for r in records[first_bad:])
+    saved = sorted(int(p.name.removeprefix("step_")) for p in (run_dir / "checkpoints").glob("step_*"))
+    assert saved and max(saved) < first_bad, saved
