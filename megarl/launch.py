@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -24,14 +22,8 @@ from megarl.metrics.plot import plot_run, plot_timeline
 from megarl.metrics.timeline import load_spans, overlap_summary
 from megarl.metrics.writer import summarize, write_json_atomic
 from megarl.parallel.launcher_env import ProcessPlace
-from megarl.rank import error_log
+from megarl.parallel.spawn import RankError, free_port, run_ranks
 from megarl.sync.schedule import SyncSchedule
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def prepare(config_path: str | None, overrides: list[str], create_run_dir: bool = True,
@@ -101,44 +93,22 @@ def sync_savings(cfg: Config, records: list[dict[str, Any]]) -> dict[str, Any]:
             "sync/bytes_saved_vs_interval_1": None if per_sync is None else per_sync * (every_step - done)}
 
 
-class TrainerError(RuntimeError):
-    """A trainer rank failed. The message is one line: the rank, the cause, and the file with its traceback."""
-
-
-_EXCEPTION_LINE = re.compile(r"^(?:[\w.]+\.)?(\w+(?:Error|Exception|Interrupt|Exit)): ?(.*)$")
-
-
-def rank_failure(err: BaseException, run_dir: Path, hint: str = "") -> TrainerError:
-    """One line for a rank that raised or died (torch.multiprocessing's exceptions carry the rank's whole
-    traceback): the rank and the original exception's type and first message line, or how the process died;
-    the whole text goes to `<run_dir>/trainer_rank<k>_error.log`. `hint` is appended (where the fleet logs are)."""
-    rank = getattr(err, "error_index", "?")
-    text = str(err).strip()
-    log = error_log(run_dir, rank)
-    log.parent.mkdir(parents=True, exist_ok=True)
-    log.write_text(text + "\n")
-    if getattr(err, "signal_name", None):
-        cause = f"killed by {err.signal_name}"
-    elif getattr(err, "exit_code", None) is not None:
-        cause = f"exited with code {err.exit_code}"
-    else:  # the last exception line of the traceback: the error the rank raised
-        found = [m for m in map(_EXCEPTION_LINE.match, text.splitlines()) if m]
-        cause = f"{found[-1][1]}: {found[-1][2]}" if found else (text.splitlines() or ["unknown error"])[-1]
-    return TrainerError(f"trainer rank {rank} failed: {cause} (traceback: {log}{'; ' + hint if hint else ''})")
+class TrainerError(RankError):
+    """A trainer rank failed. The message is one line: the rank, the cause, and the file with its traceback
+    (`megarl.rank.error_log`); the attributes are `RankError`'s."""
 
 
 def run_trainers(cfg: Config, fleet_urls: list[str], hint: str = "") -> None:
     """Spawn the trainer ranks against a running fleet and wait for them; a rank that raises or dies is
-    reported as one `TrainerError` line (the others are stopped)."""
-    import torch.multiprocessing as mp
-
+    reported as one `TrainerError` line, "trainer rank <k> failed: <Type>: <message> (traceback:
+    <run.dir>/trainer_rank<k>_error.log; <hint>)", and the others are stopped (`megarl.parallel.spawn`)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     ports = {"master": cfg.trainer.master_port or free_port(), "sync": free_port()}
     try:
-        mp.start_processes(_trainer_rank, args=(cfg.model_dump(mode="json"), fleet_urls, ports),
-                           nprocs=cfg.trainer.world_size, start_method="spawn", join=True)
-    except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
-        raise rank_failure(err, Path(cfg.run.dir), hint) from None
+        run_ranks(_trainer_rank, cfg.trainer.world_size, cfg.model_dump(mode="json"), fleet_urls, ports,
+                  role="trainer", log_dir=Path(cfg.run.dir), hint=hint)
+    except RankError as err:
+        raise TrainerError.from_rank_error(err) from None
 
 
 def train(cfg: Config, fleet_urls: list[str] | None = None) -> dict[str, Any]:

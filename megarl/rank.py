@@ -18,6 +18,7 @@ from pathlib import Path
 
 from megarl.config.schema import Config
 from megarl.parallel.launcher_env import ProcessPlace
+from megarl.parallel.spawn import error_log as rank_error_log
 
 
 def quiet_cpu_warnings() -> None:
@@ -69,5 +70,6 @@ def run_rank(cfg: Config, place: ProcessPlace, sync_port: int, fleet_urls: Calla
 
 
 def error_log(run_dir: Path | str, rank: int) -> Path:
-    """Where a failed rank's whole traceback goes."""
-    return Path(run_dir) / f"trainer_rank{rank}_error.log"
+    """Where a failed trainer rank's whole traceback goes, `<run_dir>/trainer_rank<k>_error.log`, however the
+    rank was started (the local launcher's `run_ranks(role="trainer")` writes the same file)."""
+    return rank_error_log(run_dir, rank, role="trainer")

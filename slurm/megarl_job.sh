@@ -71,6 +71,9 @@ if (( per_node < 1 || replicas > per_node * ${#rollout_hosts[@]} )); then
         "with $per_node replica(s) each: add nodes, or lower rollout.replicas"
     exit 2
 fi
+# CPUs of each replica's step (vLLM's API server, engine core and TP workers): the node's share by default
+cpus_per_replica=${ROLLOUT_CPUS_PER_REPLICA:-$(( ${SLURM_CPUS_ON_NODE:-$per_node} / per_node ))}
+if (( cpus_per_replica < 1 )); then cpus_per_replica=1; fi
 if (( world_size > TRAINER_TASKS_PER_NODE * TRAINER_NODES )); then
     say "trainer.world_size=$world_size ranks do not fit $TRAINER_NODES trainer node(s) x" \
         "$TRAINER_TASKS_PER_NODE (TRAINER_TASKS_PER_NODE): add trainer nodes"
@@ -118,7 +121,8 @@ trap on_signal TERM INT
 for (( i = 0; i < replicas; i++ )); do
     gpus=()
     if (( GPUS_PER_NODE > 0 )); then gpus=(--gpus="$rollout_tp"); fi
-    start_step "megarl-serve-$i" --nodes=1 --ntasks=1 --exact --nodelist="${rollout_hosts[i / per_node]}" \
+    start_step "megarl-serve-$i" --nodes=1 --ntasks=1 --cpus-per-task="$cpus_per_replica" --exact \
+        --nodelist="${rollout_hosts[i / per_node]}" \
         --output="$logs/serve_replica$i.log" "${gpus[@]}" "${container[@]}" \
         "${megarl_cmd[@]}" serve --config "$config" --replica "$i"
 done

@@ -35,6 +35,8 @@ from pathlib import Path
 
 import pytest
 
+from megarl.parallel.spawn import free_ports
+
 NODES = ("node1", "node2", "node3")
 CPUS_PER_NODE = 2
 GPUS_PER_NODE = 8  # bookkeeping only (no device files): lets scripts request GPUs as they do on a GPU cluster
@@ -47,21 +49,6 @@ _LOG_TAIL_LINES = 40
 def _which(name: str) -> str | None:
     """The path of a SLURM/munge program; the daemons live in /usr/sbin, which a non-root PATH may lack."""
     return shutil.which(name) or shutil.which(name, path="/usr/sbin:/usr/bin:/sbin:/bin")
-
-
-def _free_ports(count: int) -> list[int]:
-    """`count` distinct TCP ports free on 127.0.0.1 right now (all held open together, so never the same one)."""
-    sockets = []
-    try:
-        for _ in range(count):
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(("127.0.0.1", 0))
-            sockets.append(sock)
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
 
 
 def _tail(path: Path, lines: int = _LOG_TAIL_LINES) -> str:
@@ -299,7 +286,7 @@ class SlurmCluster:
 
 def _slurm_conf(root: Path, munge_socket: Path, nodes: Sequence[str]) -> str:
     """slurm.conf for `nodes` emulated on 127.0.0.1, every path under `root`, every port free right now."""
-    ctld_port, *node_ports = _free_ports(1 + len(nodes))
+    ctld_port, *node_ports = free_ports(1 + len(nodes))
     user = _user_name()
     host = socket.gethostname().split(".")[0]
     node_lines = "\n".join(

@@ -34,14 +34,12 @@ from __future__ import annotations
 
 import argparse
 import gc
-import io
 import json
 import math
 import os
 import statistics
 import sys
 import time
-import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,7 +47,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megarl.launch import free_port
+from megarl.parallel.spawn import free_port, run_ranks
 
 METHODS = ("sharded", "gathered", "megatron")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -319,65 +317,30 @@ def _measure_method(method: str, cfg: LogprobBenchConfig, rank: int, group: dist
     }
 
 
-def _rank_main(rank: int, tp: int, port: int, queue, cfg: LogprobBenchConfig, methods: tuple[str, ...],
-               ref: dict[str, torch.Tensor]) -> None:
-    """Entry of one spawned rank: join the group, build this rank's shard, measure, send the results back."""
+def _rank_main(rank: int, tp: int, port: int, cfg: LogprobBenchConfig, methods: tuple[str, ...],
+               ref: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Entry of one spawned rank: join the group, build this rank's shard, measure; the results go back."""
+    from megatron.core import parallel_state
+
+    from megarl.parallel.groups import TrainerLayout, destroy_trainer_groups, init_trainer_groups
+
+    # the cores are split between the ranks; a rank with more threads than cores only adds contention
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp))
+    init_trainer_groups(TrainerLayout(tp=tp), rank, tp, "127.0.0.1", port)
     try:
-        from megatron.core import parallel_state
-
-        from megarl.parallel.groups import TrainerLayout, destroy_trainer_groups, init_trainer_groups
-
-        # the cores are split between the ranks; a rank with more threads than cores only adds contention
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp))
-        init_trainer_groups(TrainerLayout(tp=tp), rank, tp, "127.0.0.1", port)
-        try:
-            group = parallel_state.get_tensor_model_parallel_group()
-            pristine = logits_shard(cfg, tp, rank)
-            out = {m: _measure_method(m, cfg, rank, group, pristine, ref) for m in methods}
-        finally:
-            destroy_trainer_groups()
-        buffer = io.BytesIO()
-        torch.save(out, buffer)
-        queue.put((rank, True, buffer.getvalue()))
-    except BaseException:  # noqa: BLE001 - reported to the parent
-        queue.put((rank, False, traceback.format_exc()))
+        group = parallel_state.get_tensor_model_parallel_group()
+        pristine = logits_shard(cfg, tp, rank)
+        return {m: _measure_method(m, cfg, rank, group, pristine, ref) for m in methods}
+    finally:
+        destroy_trainer_groups()
 
 
 def _spawn_ranks(tp: int, cfg: LogprobBenchConfig, methods: tuple[str, ...],
                  ref: dict[str, torch.Tensor]) -> list[dict[str, Any]]:
-    """Run `methods` in a fresh group of `tp` processes; per-rank results, or the first rank's failure."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    queue, port = ctx.SimpleQueue(), free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, tp, port, queue, cfg, methods, ref)) for r in range(tp)]
-    for p in procs:
-        p.start()
-    results: dict[int, Any] = {}
-    errors: list[str] = []
-    try:
-        while len(results) + len(errors) < tp:
-            if not queue.empty():
-                rank, ok, value = queue.get()
-                if ok:
-                    results[rank] = torch.load(io.BytesIO(value), weights_only=False)
-                else:
-                    errors.append(f"rank {rank}:\n{value}")
-                continue
-            dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-            if dead and queue.empty():
-                errors.append(f"rank {dead[0][0]} died with exit code {dead[0][1]} (-9: killed, out of memory?)")
-                break
-            time.sleep(0.1)
-    finally:
-        for p in procs:
-            p.join(timeout=30 if not errors else 1)
-            if p.is_alive():
-                p.terminate()
-                p.join()
-    if errors:
-        raise RuntimeError(f"benchmark ranks failed ({'/'.join(methods)}, TP={tp})\n" + "\n".join(errors))
-    return [results[r] for r in range(tp)]
+    """Run `methods` in a fresh group of `tp` processes; per-rank results, or the first rank's failure as a
+    `RankError` ("benchmark rank 1 failed: killed by SIGKILL (sharded, TP=2)"; SIGKILL: out of memory?)."""
+    return run_ranks(_rank_main, tp, tp, free_port(), cfg, methods, ref, role="benchmark",
+                     hint=f"{'/'.join(methods)}, TP={tp}")
 
 
 def _check_config(cfg: LogprobBenchConfig, tps: list[int]) -> None:

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from megarl.checkpoint import MODEL_FORMATS, CheckpointError, open_checkpoint
-from megarl.launch import free_port
+from megarl.parallel.spawn import RankError, free_port, run_ranks
 from megarl.sync.slices import HFSlice
 
 DEFAULT_SHARD_SIZE = 5 * 10**9
@@ -381,11 +381,11 @@ def _cpu_only() -> Iterator[None]:
             os.environ["CUDA_VISIBLE_DEVICES"] = old
 
 
-def _child_error(err: BaseException) -> ExportError:
-    """The message of an ExportError raised in a rank; any other error with the rank's traceback."""
-    text = str(err)
-    found = re.findall(r"ExportError: (.*)", text)
-    return ExportError(found[-1] if found else f"export failed in a trainer rank:\n{text}")
+def _rank_error(err: RankError) -> ExportError:
+    """An ExportError raised in a rank, as itself; any other failure as one naming the rank, with its traceback."""
+    if err.exc_type == ExportError.__name__:
+        return ExportError(err.message)
+    return ExportError(f"{err}\n{err.traceback_text}".rstrip())
 
 
 def export_checkpoint(checkpoint_dir: str | Path, model_dir: str | Path | None, out_dir: str | Path,
@@ -393,8 +393,6 @@ def export_checkpoint(checkpoint_dir: str | Path, model_dir: str | Path | None, 
     """Write the HF checkpoint of run checkpoint `checkpoint_dir` to `out_dir` (see the module docstring).
     `model_dir`: the HF model the run started from (None: the run's `model.hf_dir`). Refuses a non-empty
     `out_dir` unless `overwrite`. Returns `out_dir`."""
-    import torch.multiprocessing as mp
-
     checkpoint_dir, out = Path(checkpoint_dir), Path(out_dir)
     meta = read_checkpoint_meta(checkpoint_dir)
     model_dir = Path(model_dir) if model_dir is not None else run_model_dir(checkpoint_dir)
@@ -410,9 +408,9 @@ def export_checkpoint(checkpoint_dir: str | Path, model_dir: str | Path | None, 
                 str(tmp), shard_size, free_port())
         with _cpu_only():
             try:
-                mp.start_processes(_export_rank, args=args, nprocs=meta["world_size"], start_method="spawn", join=True)
-            except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
-                raise _child_error(err) from None
+                run_ranks(_export_rank, meta["world_size"], *args, role="export")
+            except RankError as err:
+                raise _rank_error(err) from None
         for name in COPIED:
             if (model_dir / name).is_file():
                 shutil.copy2(model_dir / name, tmp / name)

@@ -19,7 +19,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,6 +31,7 @@ from typing import TYPE_CHECKING
 
 import requests
 
+from megarl.parallel.spawn import free_port, port_free
 from megarl.rollout.fleet_auth import SECRET_ENV, FleetAuthMiddleware, bearer_header, new_fleet_secret, read_secret
 from megarl.rollout.vllm_plugin import BACKEND_NAME
 
@@ -181,25 +181,6 @@ def _check_guarded(url: str, secret: str, log: Path) -> None:
                          f"without it and {with_secret} with it; last log lines ({log}):\n{_tail(log)}")
 
 
-def _family(host: str) -> socket.AddressFamily:
-    return socket.AF_INET6 if ":" in host else socket.AF_INET
-
-
-def _free_port(host: str) -> int:
-    with socket.socket(_family(host)) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def _port_free(host: str, port: int) -> bool:
-    with socket.socket(_family(host)) as s:
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
 def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host  # an IPv6 address in a URL
 
@@ -223,8 +204,8 @@ def launch(spec: FleetSpec) -> FleetHandle:
     try:
         secret = read_secret(secret_file)  # fail here, not in every server, if the file is unusable
         for i in range(spec.first_replica, spec.first_replica + spec.replicas):
-            port = spec.port + i if spec.port else _free_port(spec.host)
-            if not _port_free(spec.host, port):
+            port = spec.port + i if spec.port else free_port(spec.host)
+            if not port_free(port, spec.host):
                 raise FleetError(f"port {port} on {spec.host} is already in use (another server?): set rollout.port=0 "
                                  "or free it")
             log = spec.log_dir / f"vllm_replica{i}.log"
