@@ -121,8 +121,9 @@ def serve(cfg: Config, replica: int, host: str | None = None) -> int:
         _say(f"rollout replica {replica} failed to start: {str(err).splitlines()[0]} "
              f"(log {log_dir(cfg) / f'vllm_replica{replica}.log'})")
         return 1
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    finally:  # a second signal must not cut the clean-up short (the server runs in its own session)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
         unregister_replica(cfg.run.dir, replica)
         if fleet is not None:
             fleet.stop()
