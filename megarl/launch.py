@@ -18,7 +18,7 @@ import yaml
 
 from megarl.config.load import ConfigError, check_against_model, load_config, read_hf_config
 from megarl.config.schema import Config
-from megarl.metrics.plot import plot_run, plot_timeline
+from megarl.metrics.plot import plot_mismatch, plot_run, plot_timeline
 from megarl.metrics.timeline import load_spans, overlap_summary
 from megarl.metrics.writer import summarize, write_json_atomic
 from megarl.parallel.launcher_env import ProcessPlace
@@ -130,8 +130,8 @@ def train(cfg: Config, fleet_urls: list[str] | None = None) -> dict[str, Any]:
 
 
 def finish_run(cfg: Config) -> dict[str, Any]:
-    """After the last step: `summary.json` (rewards, sync bytes and savings, overlap), `reward_and_sync.png` and
-    `timeline.png` in the run directory, from `metrics.jsonl` and `timeline.json`."""
+    """After the last step: `summary.json` (rewards, sync bytes and savings, overlap), `reward_and_sync.png`,
+    `mismatch.png` and `timeline.png` in the run directory, from `metrics.jsonl` and `timeline.json`."""
     run_dir = Path(cfg.run.dir)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     summary = summarize(records) | sync_savings(cfg, records)
@@ -140,6 +140,7 @@ def finish_run(cfg: Config) -> dict[str, Any]:
     summary |= {"pipeline/overlap_enabled": cfg.rollout.overlap, **overlap_summary(spans, wall)}
     write_json_atomic(run_dir / "summary.json", summary)
     plot_run(records, run_dir / "reward_and_sync.png")
+    plot_mismatch(records, run_dir / "mismatch.png")
     plot_timeline(spans, run_dir / "timeline.png", title=f"{run_dir.name}: overlap {summary['pipeline/overlap']:.2f}"
                   if summary["pipeline/overlap"] is not None else run_dir.name)
     return summary

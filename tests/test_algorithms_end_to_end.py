@@ -10,6 +10,7 @@ import pytest
 
 from megarl.algorithms.registry import ALGORITHMS
 from megarl.launch import prepare, train
+from megarl.metrics import mismatch
 
 STEPS = 3
 
@@ -37,6 +38,15 @@ def test_every_algorithm_trains_in_the_demo_job(moe_fleet, tiny_moe_dir, tmp_pat
     assert first["reward/mean"] > 0
     assert first["logprob/engine_vs_trainer"] < 1e-4  # the same weights on both sides
     assert first["grad_norm"] > 0 and first["clip_frac"] == 0.0, (name, first)
+    # the train-inference mismatch monitor (megarl/metrics/mismatch.py): every step, finite; at lag 0 it is the
+    # numerics gap above; at lag 1 after that step's update it also holds the policy change, far above numerics
+    for r in records:
+        for key in mismatch.KEYS:
+            assert math.isfinite(r[key]), (name, key, r)
+        assert r["mismatch/at_behaviour_weights"] == int(r["batch_lag"] == 0)
+    assert first["mismatch/abs_diff_mean"] == pytest.approx(first["logprob/engine_vs_trainer"], rel=1e-4, abs=1e-9)
+    assert records[1]["mismatch/abs_diff_mean"] > 10 * first["mismatch/abs_diff_mean"], (name, records[1])
+    assert records[1]["mismatch/k3_kl"] > first["mismatch/k3_kl"]
     if name == "off_policy_grpo":
         assert all(math.isfinite(r["kl"]) for r in records)
     summary = json.loads((run_dir / "summary.json").read_text())

@@ -3,7 +3,8 @@ fleet of two replicas, so several replicas generate at once): the lag of every c
 trainer's version minus the version the engine reported for the batch's samples, equals (l mod m) + n; pushes
 happen exactly where the schedule puts them (none of the initial weights); the fleet never runs further ahead
 than the schedule allows and never generates with weights older or newer than the batch's; the sequential
-controller gives the same numbers with no overlap."""
+controller gives the same numbers with no overlap. Every step records the train-inference mismatch statistics
+(`mismatch/*`), finite, and on lag-0 steps equal to the pure-numerics gap `logprob/engine_vs_trainer`."""
 
 import json
 import math
@@ -11,6 +12,7 @@ import math
 import pytest
 
 from megarl.launch import prepare, train
+from megarl.metrics import mismatch
 from megarl.metrics.timeline import load_spans
 
 
@@ -42,6 +44,22 @@ def _overrides(fleet_dir, run_dir, m, n, steps, *extra):
 
 def _records(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _check_mismatch(r) -> None:
+    """The train-inference mismatch monitor (megarl/metrics/mismatch.py) in a step's record: every statistic
+    present and finite, quantiles in order; on a lag-0 step (the trainer's weights are the behaviour weights) the
+    mean |delta| is `logprob/engine_vs_trainer` and the ratios sit at 1 (the median within half a bin)."""
+    for key in mismatch.KEYS:
+        assert math.isfinite(r[key]), (key, r)
+    assert mismatch.HIST_KEY not in r
+    assert r["mismatch/at_behaviour_weights"] == int(r["batch_lag"] == 0)
+    quantiles = [r[f"mismatch/ratio_{name}"] for name in mismatch.QUANTILES]
+    assert quantiles == sorted(quantiles) and r["mismatch/k3_kl"] >= 0
+    if r["batch_lag"] == 0:
+        assert r["mismatch/abs_diff_mean"] == pytest.approx(r["logprob/engine_vs_trainer"], rel=1e-4, abs=1e-9)
+        assert r["mismatch/k3_kl"] < 1e-6 and r["mismatch/ratio_outside_0.5_2"] == 0
+        assert abs(math.log(r["mismatch/ratio_p50"])) <= mismatch.BIN_WIDTH / 2 + 1e-9
 
 
 def _overlaps(a, b) -> bool:
@@ -77,6 +95,7 @@ def test_pipeline_lags_pushes_and_window(moe_fleet_2x1, tiny_moe_dir, tmp_path, 
             assert r["logprob/engine_vs_trainer"] < 1e-4
         else:
             assert r["logprob/engine_vs_trainer"] is None
+        _check_mismatch(r)
         if r["sync/count"]:
             assert r["sync/bytes_sent"] == r["sync/bytes_received"] > 0
         # every second of a step is accounted for, on each replica
@@ -108,6 +127,7 @@ def test_pipeline_lags_pushes_and_window(moe_fleet_2x1, tiny_moe_dir, tmp_path, 
         assert not any(_overlaps(g, p) for p in pushes)
     assert summary["pipeline/overlap"] > 0 and (run_dir / "timeline.png").exists()
     assert (run_dir / "summary.json").exists() and (run_dir / "reward_and_sync.png").exists()
+    assert (run_dir / "mismatch.png").exists()
 
 
 def test_sequential_controller_gives_the_same_run_without_overlap(moe_fleet_2x1, tiny_moe_dir, tmp_path):
@@ -125,6 +145,8 @@ def test_sequential_controller_gives_the_same_run_without_overlap(moe_fleet_2x1,
         assert a["reward/mean"] == b["reward/mean"]
         for key in ("loss", "grad_norm", "entropy"):
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+        _check_mismatch(a)
+        _check_mismatch(b)
     # sequential: when the trainer takes batch k, exactly k + n + 1 batches exist (n = 1; 5 batches in all)
     assert [r["pipeline/batches_generated"] for r in off] == [2, 3, 4, 5, 5]
     train_spans = [s for s in off_spans if s.kind == "train"]

@@ -26,6 +26,10 @@ Packed microbatches (`trainer.pack_sequences`: a microbatch's responses concaten
 block-diagonal causal mask) must give the same losses and gradients: the per-token log-probs are gathered
 back to one row per response, so GSPO's and OAPL's sequence quantities stay per whole response.
 A response is never split across microbatches or ranks (rows are whole responses).
+
+The train-inference mismatch statistics every step records (`mismatch/*`: contributions and a log-ratio histogram
+summed over microbatches and DP ranks) equal their definitions over the whole batch, computed here from the
+reference log-probs: means to 1e-5, ratio quantiles to half a histogram bin, in every layout and split.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import pytest
 import torch
 
 from megarl.config.schema import AlgorithmConfig, Config, ModelConfig, OptimizerConfig, TrainerConfig
+from megarl.metrics import mismatch
 from megarl.models.tiny import make_tiny_checkpoint
 from megarl.parallel.groups import TrainerLayout
 from megarl.rollout.batch import RolloutBatch
@@ -172,6 +177,33 @@ def _check_margins(ref_lp: list[torch.Tensor], engine: list[torch.Tensor]) -> No
         assert inside.any() and not inside.all()
 
 
+def _exact_mismatch(ref_lp: list[torch.Tensor], engine: list[torch.Tensor]) -> dict[str, float]:
+    """The mismatch statistics (megarl/metrics/mismatch.py) from their definitions, float64, whole batch: the
+    quantiles as exact order statistics of rank floor(q (T - 1))."""
+    d = torch.cat([x.detach().double() - o.double() for x, o in zip(ref_lp, engine, strict=True)])
+    r = torch.exp(d)
+    out = {"mismatch/abs_diff_mean": float(d.abs().mean()), "mismatch/k3_kl": float((r - 1 - d).mean()),
+           "mismatch/ratio_outside_0.5_2": float(((r < 0.5) | (r > 2)).double().mean())}
+    for name, q in mismatch.QUANTILES.items():
+        out[f"mismatch/ratio_{name}"] = float(r.sort().values[math.floor(q * (len(r) - 1))])
+    return out
+
+
+def _mismatch_errors(stats: dict[str, float], exact: dict[str, float]) -> list[str]:
+    """Through the real trainer (microbatches, DP/PP/TP/EP, the histogram summed over ranks): means within 1e-5
+    (log-probs are ~1e-6 apart), quantiles within half a histogram bin (+1e-5) in log r."""
+    errors = []
+    for key, want in exact.items():
+        got = stats[key]
+        if key.startswith("mismatch/ratio_p"):
+            ok = abs(math.log(got) - math.log(want)) <= mismatch.BIN_WIDTH / 2 + 1e-5
+        else:
+            ok = math.isclose(got, want, rel_tol=1e-5, abs_tol=1e-5)
+        if not ok:
+            errors.append(f"{key} {got} vs exact {want}")
+    return errors
+
+
 # ---------------------------------------------------------------- the trainer: every layout in one spawned pair
 
 
@@ -232,8 +264,9 @@ def _trainer_rank(rank, world, layouts, ports, hf_dirs, responses, engines, refe
                         first, split_diff = grads, 0.0
                     else:
                         split_diff = max(float((a - b).abs().max()) for a, b in zip(grads, first, strict=True))
+                    mismatch_stats = {k: metrics[k] for k in mismatch.KEYS}
                     results[(label, name, agg, micro)] = (metrics["loss"], metrics["grad_norm"],
-                                                          [r[:3] for r in rows], split_diff)
+                                                          [r[:3] for r in rows], split_diff, mismatch_stats)
                     with torch.no_grad():  # back to the checkpoint's weights for the next run
                         for p, p0 in zip(policy.model.parameters(), initial, strict=True):
                             p.copy_(p0)
@@ -252,13 +285,14 @@ def test_loss_and_gradients_do_not_depend_on_the_split(checkpoints):
     from transformers import AutoModelForCausalLM
 
     responses = _responses()
-    engines, references = {}, {}
+    engines, references, exact_mismatch = {}, {}, {}
     for kind in ("dense", "moe"):
         with torch.no_grad():
             model = AutoModelForCausalLM.from_pretrained(checkpoints[kind], dtype=torch.float32)
             ref_lp = _hf_logprobs(model, responses)
         engines[kind] = _engine_logprobs(ref_lp)
         _check_margins(ref_lp, engines[kind])
+        exact_mismatch[kind] = _exact_mismatch(ref_lp, engines[kind])
         for case, value in _reference(checkpoints[kind], responses, engines[kind]).items():
             references[(kind, *case)] = value
     ports = [free_port() for _ in LAYOUTS]
@@ -276,7 +310,8 @@ def test_loss_and_gradients_do_not_depend_on_the_split(checkpoints):
                 covered = {n: torch.zeros_like(g, dtype=torch.bool) for n, g in ref_grads.items()}
                 worst, split_diff = 0.0, 0.0
                 for results in per_rank[:size]:
-                    loss, norm, rows, diff = results[(label, name, agg, micro)]
+                    loss, norm, rows, diff, stats = results[(label, name, agg, micro)]
+                    failures += [f"{case}: {e}" for e in _mismatch_errors(stats, exact_mismatch[kind])]
                     if not math.isclose(loss, ref_loss, rel_tol=LOSS_TOL["rtol"], abs_tol=LOSS_TOL["atol"]):
                         failures.append(f"{case}: loss {loss} vs reference {ref_loss}")
                     if not math.isclose(norm, ref_norm, rel_tol=1e-4):

@@ -27,6 +27,59 @@ def plot_run(records: list[dict[str, Any]], out_path: Path) -> None:
     plt.close(fig)
 
 
+def plot_mismatch(records: list[dict[str, Any]], out_path: Path) -> None:
+    """The train-inference mismatch per step (`megarl/metrics/mismatch.py`): mean |delta| and the k3 KL (log
+    scale; filled markers: lag-0 steps, where the trainer's weights are the behaviour weights and the numbers are
+    pure numerics; hollow: lagged steps, staleness and numerics together), and the token ratio's quantiles
+    (p01-p99 and p10-p90 bands, the median) with the share of tokens outside [0.5, 2]. Steps without the
+    statistics (records written before the monitor existed, or null values) are left out."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = ("mismatch/abs_diff_mean", "mismatch/k3_kl", "mismatch/ratio_outside_0.5_2", "mismatch/ratio_p01",
+            "mismatch/ratio_p10", "mismatch/ratio_p50", "mismatch/ratio_p90", "mismatch/ratio_p99")
+    rows = [r for r in records if all(r.get(k) is not None for k in keys)]
+    steps = [r["step"] for r in rows]
+    behaviour = [bool(r.get("mismatch/at_behaviour_weights", r.get("batch_lag") == 0)) for r in rows]
+    fig, (ax_m, ax_q) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    if not rows:  # e.g. a run resumed from records written before the monitor existed
+        ax_m.text(0.5, 0.5, "no mismatch statistics recorded", ha="center", va="center", transform=ax_m.transAxes)
+        fig.savefig(out_path, dpi=100)
+        plt.close(fig)
+        return
+    for key, colour in (("mismatch/abs_diff_mean", "tab:blue"), ("mismatch/k3_kl", "tab:red")):
+        values = [r[key] for r in rows]
+        ax_m.plot(steps, values, color=colour, lw=1, label=key.removeprefix("mismatch/"))
+        for lag0, face in ((True, colour), (False, "none")):
+            pts = [(s, v) for s, v, b in zip(steps, values, behaviour, strict=True) if b == lag0 and v > 0]
+            if pts:
+                ax_m.scatter(*zip(*pts, strict=True), s=18, facecolors=face, edgecolors=colour, zorder=3)
+    ax_m.set_yscale("log")
+    ax_m.set_ylabel("engine vs trainer")
+    ax_m.legend(title="filled: lag 0 (behaviour weights)", fontsize=8, title_fontsize=8)
+    ax_m.grid(alpha=0.3)
+    q = {k: [r[f"mismatch/ratio_{k}"] for r in rows] for k in ("p01", "p10", "p50", "p90", "p99")}
+    ax_q.fill_between(steps, q["p01"], q["p99"], color="tab:blue", alpha=0.15, label="p01-p99")
+    ax_q.fill_between(steps, q["p10"], q["p90"], color="tab:blue", alpha=0.3, label="p10-p90")
+    ax_q.plot(steps, q["p50"], color="tab:blue", marker="o", ms=3, label="median")
+    ax_q.set_yscale("log")  # ratios are multiplicative: 0.5 and 2 equally far from 1
+    ax_q.set_ylabel("token ratio pi_trainer / pi_engine")
+    ax_q.grid(alpha=0.3)
+    ax_o = ax_q.twinx()
+    ax_o.plot(steps, [r["mismatch/ratio_outside_0.5_2"] for r in rows], color="tab:orange", lw=1,
+              label="outside [0.5, 2]")
+    ax_o.set_ylabel("share outside [0.5, 2]", color="tab:orange")
+    handles = ax_q.get_legend_handles_labels()[0] + ax_o.get_legend_handles_labels()[0]
+    ax_q.legend(handles=handles, fontsize=8)
+    ax_q.set_xlabel("step")
+    fig.suptitle(f"{out_path.parent.name}: train-inference mismatch")
+    fig.tight_layout()
+    fig.savefig(out_path, dpi=100)
+    plt.close(fig)
+
+
 _COLOURS = {"generate": "tab:green", "score": "tab:olive", "train": "tab:blue", "wait": "lightgrey",
             "push": "tab:red", "startup": "tab:purple", "checkpoint": "tab:brown"}
 

@@ -196,12 +196,22 @@ class MegatronPolicy:
         metrics = self._sum_metrics(outs) if self.is_last_stage else {}
         return {**self._metrics_from_last_stage(metrics), "grad_norm": grad_norm, "train/skipped_step": int(skipped)}
 
-    def _sum_metrics(self, outs: list[dict[str, torch.Tensor]]) -> dict[str, float]:
-        """Per-microbatch metric dicts of this rank -> sums over microbatches and data-parallel ranks."""
+    def _sum_metrics(self, outs: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
+        """Per-microbatch metric dicts of this rank -> sums over microbatches and data-parallel ranks: a float per
+        scalar metric; a metric of several elements (a histogram's counts) is summed elementwise in float64 and
+        comes back as a CPU tensor."""
         names = sorted({k for o in outs for k in o})
-        summed = torch.stack([sum(o[k].float().reshape(()) for o in outs if k in o) for k in names]).to(self.device)
+        vectors = sorted({k for o in outs for k in o if o[k].numel() != 1})
+        scalars = [k for k in names if k not in vectors]
+        summed = torch.stack([sum(o[k].float().reshape(()) for o in outs if k in o) for k in scalars]).to(self.device)
         dist.all_reduce(summed, group=self.dp_group)
-        return dict(zip(names, summed.tolist(), strict=True))
+        result: dict[str, Any] = dict(zip(scalars, summed.tolist(), strict=True))
+        if vectors:
+            parts = [sum(o[k].double().reshape(-1) for o in outs if k in o) for k in vectors]
+            flat = torch.cat(parts).to(self.device)
+            dist.all_reduce(flat, group=self.dp_group)
+            result.update(zip(vectors, flat.cpu().split([p.numel() for p in parts]), strict=True))
+        return result
 
     def _from_last_stage(self, t: torch.Tensor) -> torch.Tensor:
         """The last pipeline stage's `t` on every stage of this pipeline (identity at PP=1)."""

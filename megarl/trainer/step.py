@@ -13,6 +13,7 @@ import torch
 from megarl.algorithms.losses import PolicyLossInput
 from megarl.algorithms.registry import Algorithm
 from megarl.config.schema import Config
+from megarl.metrics import mismatch
 from megarl.rollout.batch import RolloutBatch
 from megarl.trainer.batching import data_parallel_share, microbatches, pack_batch, pack_microbatch, packed_length
 
@@ -39,6 +40,8 @@ def train_on_batch(
         metrics["entropy"] = (entropy.detach() * mask).sum() / num_tokens
         gap = (logprobs.detach() - mb["engine_logprobs"]).abs()
         metrics["logprob/engine_vs_trainer"] = (gap * mask).sum() / num_tokens
+        # the train-inference mismatch monitor at the trainer's current weights (megarl/metrics/mismatch.py)
+        metrics.update(mismatch.token_contributions(logprobs, mb["engine_logprobs"], mask, num_tokens))
         return loss, metrics
 
     mbs = microbatches(share, cfg.trainer.micro_batch_size)
@@ -47,6 +50,9 @@ def train_on_batch(
         mbs = [pack_microbatch(mb, length, pad_id) for mb in mbs]
     metrics = policy.train_step(mbs, loss_fn)
     metrics.setdefault("clip_frac", 0.0)  # algorithms without clipping clip nothing
+    metrics = mismatch.finish(metrics)  # the summed log-ratio histogram -> ratio quantiles (scalars only)
+    # lag 0: the trainer's current weights are the behaviour weights, so the mismatch is pure numerics
+    metrics["mismatch/at_behaviour_weights"] = int(lag == 0)
     if lag != 0:  # the engine/trainer gap only measures numerics when both hold the same weights
         metrics["logprob/engine_vs_trainer"] = None
     return metrics
