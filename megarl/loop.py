@@ -58,6 +58,8 @@ def _sync_metrics(stats: list[SyncStats]) -> dict[str, float]:
         "sync/bytes_sent": sum(sum(s.bytes_sent.values()) for s in stats),
         "sync/bytes_received": sum(sum(s.bytes_received.values()) for s in stats),
         "sync/seconds": sum(s.seconds for s in stats),
+        # the most send-bucket bytes any trainer rank held at once (bounded by megarl.sync.stream's window)
+        "sync/staging_peak_bytes": max((max(s.staging_peak_bytes.values(), default=0) for s in stats), default=0),
     }
 
 

@@ -26,6 +26,7 @@ from typing import Any
 from megarl.config.load import ConfigError, num_experts, read_hf_config
 from megarl.config.schema import Config, TrainerConfig
 from megarl.models.qwen_provider import head_dim, padded_vocab_size
+from megarl.sync.baselines import bytes_per_vllm_rank
 from megarl.sync.plan import vllm_rank_slices
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
@@ -170,7 +171,7 @@ def _ranks(ranks: list[int]) -> str:
     return f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 else str(ranks[0])
 
 
-def format_plan(plan: Plan, cfg: Config, hf: dict[str, Any]) -> str:
+def format_plan(plan: Plan, cfg: Config, hf: dict[str, Any], link_gbps: float = 50.0) -> str:
     """The report `megarl plan` prints: model totals, a table per pipeline stage, a table per vLLM TP rank."""
     t, r, nb = cfg.trainer, cfg.rollout, plan.bytes_per_param
     experts = num_experts(hf)
@@ -224,7 +225,27 @@ def format_plan(plan: Plan, cfg: Config, hf: dict[str, Any]) -> str:
                                       f"average ({_gb(total)} per step with sync.interval=1)"
                                       if every > 1 else f"one sync after every optimizer step, {_gb(total)} per step"),
     ]
-    return "\n".join(lines)
+    return "\n".join(lines + _backend_comparison(hf, r.tp, r.replicas, nb, link_gbps, t.world_size))
+
+
+def _backend_comparison(hf: dict[str, Any], tp: int, replicas: int, nb: int, link_gbps: float,
+                        trainer_ranks: int) -> list[str]:
+    """Bytes per vLLM rank per sync for megarl and vLLM's own backends, and the seconds the busiest receiving
+    link needs at `link_gbps` (a lower bound for each: it ignores the fixed costs and the senders' links)."""
+    per_rank = bytes_per_vllm_rank(hf, tp, nb)
+    lines = ["", f"compared with vLLM's own weight-transfer backends (megarl.sync.baselines), per vLLM rank per sync; "
+                 f"seconds = the busiest receiving link's bytes at {link_gbps:g} GB/s (--link-gbps):"]
+    notes = {"megarl": "each rank's own slices, sent by the trainer ranks that hold them",
+             "nccl": "vLLM `nccl`: every tensor whole to every rank (broadcast from one trainer rank)",
+             "nccl_m2n": "vLLM `nccl_m2n`: only o_proj / dense down_proj resharded, fused and expert weights whole"}
+    for name, values in per_rank.items():
+        most = max(values)
+        lines.append(f"  {name:<9} {_gb(most):>10} per rank  {most / (link_gbps * GB):7.3f} s  {notes[name]}")
+    each = sum(per_rank["megarl"]) * replicas // trainer_ranks
+    lines.append(f"  megarl's senders: the {trainer_ranks} trainer ranks share all {replicas} replicas' bytes, about "
+                 f"{_gb(each)} each = {each / (link_gbps * GB):.3f} s on their own links (the plan spreads "
+                 "replicated blocks over their holders)")
+    return lines
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -236,6 +257,9 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--config", required=True, help="YAML recipe, e.g. configs/qwen3_30b_a3b_guru.yaml")
     p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16",
                    help="bytes per parameter of the weights counted (default bf16)")
+    p.add_argument("--link-gbps", type=float, default=50.0,
+                   help="bandwidth of one vLLM rank's network link in GB/s for the sync seconds (default 50: one "
+                   "400 Gb/s NIC per GPU)")
     p.add_argument("overrides", nargs="*", help="section.field=value overrides, e.g. rollout.tp=8")
     return p
 
@@ -253,7 +277,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"megarl plan: {err}", file=sys.stderr)
         return 2
     print(f"megarl plan --config {args.config}" + "".join(f" {o}" for o in args.overrides))
-    print(format_plan(plan, cfg, hf))
+    print(format_plan(plan, cfg, hf, args.link_gbps))
     return 0
 
 

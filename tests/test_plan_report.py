@@ -13,6 +13,7 @@
 import argparse
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -158,7 +159,7 @@ def test_trainer_ranks_match_real_megatron_models(tiny):
 
 
 def _args(config, *overrides, dtype="bf16"):
-    return argparse.Namespace(config=str(config), overrides=list(overrides), dtype=dtype)
+    return argparse.Namespace(config=str(config), overrides=list(overrides), dtype=dtype, link_gbps=50.0)
 
 
 def test_plan_command_on_the_30b_recipe(capsys):
@@ -167,6 +168,11 @@ def test_plan_command_on_the_30b_recipe(capsys):
     out = capsys.readouterr().out
     assert "30,532,122,624 (30.53 B) parameters = 61,064,245,248 bytes = 61.06 GB in bf16" in out
     assert "checked as for a GPU job" in out
+    # vLLM's backends: `nccl` sends each of the 4 TP ranks the whole model; `nccl_m2n` reshards only o_proj
+    # (48 layers x 2048 x 32*128 bf16 = 805,306,368 bytes, of which each rank gets a quarter)
+    assert re.search(r"nccl +61\.06 GB per rank +1\.221 s", out)
+    assert re.search(r"nccl_m2n +60\.46 GB per rank", out)  # 61,064,245,248 - 805,306,368 * 3 / 4 bytes
+    assert re.search(r"megarl +15\.29 GB per rank +0\.306 s", out)
     # trainer.tp=2 with a MoE model is a GPU-only layout: the CPU check refuses it, plan checks it as for the GPU
     from megarl.config.load import load_config
 

@@ -2,6 +2,7 @@
 
     megarl bench logprob    peak memory and time of the vocab-parallel log-prob + entropy
     megarl bench pipeline   the same short RL job with the overlapped pipeline off and on, per sync offset
+    megarl bench sync       bytes, seconds and memory of one weight sync: partitioned vs raw vs broadcast
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
-BENCHES = {"logprob": "megarl.bench.logprob", "pipeline": "megarl.bench.pipeline"}
+BENCHES = {"logprob": "megarl.bench.logprob", "pipeline": "megarl.bench.pipeline", "sync": "megarl.bench.sync"}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -40,7 +40,8 @@ from vllm.distributed.weight_transfer.base import (
 
 from megarl.rollout.received_block import ReadLog, sha256_of, wrap
 from megarl.sync.slices import HFSlice
-from megarl.sync.transport import WireEntry, bucket_sizes, device, from_bytes, make_sync_group
+from megarl.sync.stream import receive_slices
+from megarl.sync.transport import WireEntry, make_sync_group
 
 logger = logging.getLogger(__name__)
 
@@ -64,23 +65,6 @@ class PartitionedUpdateInfo(WeightTransferUpdateInfo):
     update_id: str = ""  # unique per push: the trainer matches the workers' reports to it
     entries: list[dict[str, Any]] = field(default_factory=list)  # this worker's WireEntry.to_json() list
     digests: bool = False  # also record sha256 digests of the received blocks and of every loader read (tests)
-
-
-def _tile(entries: list[WireEntry]) -> dict[str, HFSlice]:
-    """The slice of each HF tensor this worker receives: the bounding box of its pieces, which must
-    tile it exactly (no gap, no overlap)."""
-    by_name: dict[str, list[HFSlice]] = {}
-    for e in entries:
-        by_name.setdefault(e.block.name, []).append(e.block)
-    out = {}
-    for name, blocks in by_name.items():
-        box = tuple((min(b.box[d][0] for b in blocks), max(b.box[d][1] for b in blocks))
-                    for d in range(len(blocks[0].box)))
-        whole = HFSlice(name, blocks[0].full_shape, box)
-        if sum(b.numel for b in blocks) != whole.numel:
-            raise ValueError(f"update plan for {name}: pieces {[b.box for b in blocks]} do not tile {box}")
-        out[name] = whole
-    return out
 
 
 def _reprepack_cpu_moe_experts(model: torch.nn.Module) -> None:
@@ -142,8 +126,7 @@ class PartitionedWeightTransferEngine(WeightTransferEngine[PartitionedInitInfo, 
             if self.group is None:
                 raise RuntimeError("megarl sync group not initialised: call /init_weight_transfer_engine first")
             entries = [WireEntry.from_json(self.rank, e) for e in update_info.entries]
-            received = self._receive(entries)
-            blocks = self._assemble(entries, received)
+            blocks, received = receive_slices(self.group, entries)
             self._check_complete(blocks)
         except Exception as err:  # noqa: BLE001 - shared with the other TP ranks, then reported
             error = f"{type(err).__name__}: {err}"
@@ -168,11 +151,11 @@ class PartitionedWeightTransferEngine(WeightTransferEngine[PartitionedInitInfo, 
         logger.error("%s", message)
         self.report["error"] = message
 
-    def _make_report(self, update_info: PartitionedUpdateInfo, received: dict[tuple[int, int], torch.Tensor],
+    def _make_report(self, update_info: PartitionedUpdateInfo, received: int,
                      blocks: dict[str, tuple[HFSlice, torch.Tensor]], reads: ReadLog) -> dict[str, Any]:
         """What this worker received and what vLLM's loaders read of it (JSON-able, for `collective_rpc`)."""
         report: dict[str, Any] = {
-            "bytes_received": sum(b.numel() for b in received.values()),
+            "bytes_received": received,
             "bytes_read_by_loaders": reads.total_bytes,
             "blocks": {n: [list(b) for b in block.box] for n, (block, _) in blocks.items()},
         }
@@ -188,30 +171,6 @@ class PartitionedWeightTransferEngine(WeightTransferEngine[PartitionedInitInfo, 
         outcomes: list[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(outcomes, (self.rank, error), group=group)
         return [f"worker {rank}: {err}" for rank, err in outcomes if err is not None]
-
-    def _receive(self, entries: list[WireEntry]) -> dict[tuple[int, int], torch.Tensor]:
-        """Post one receive per (sender, bucket) and wait for all of them."""
-        buffers, works = {}, []
-        for (sender, _, bucket), nbytes in sorted(bucket_sizes(entries).items()):
-            buf = torch.empty(nbytes, dtype=torch.uint8, device=device())
-            buffers[(sender, bucket)] = buf
-            works.append(self.group.recv([buf], sender, bucket))
-        for w in works:
-            w.wait()
-        return buffers
-
-    @staticmethod
-    def _assemble(entries: list[WireEntry], received) -> dict[str, tuple[HFSlice, torch.Tensor]]:
-        """One tensor per HF name holding this worker's whole slice, filled from the received pieces."""
-        out = {}
-        for name, whole in _tile(entries).items():
-            dtype = next(e.dtype for e in entries if e.block.name == name)
-            out[name] = (whole, torch.empty(whole.shape, dtype=getattr(torch, dtype), device=device()))
-        for e in entries:
-            whole, data = out[e.block.name]
-            piece = from_bytes(received[(e.sender, e.bucket)][e.offset:e.offset + e.nbytes], e.dtype, e.block.shape)
-            data[e.block.index_within(whole)] = piece
-        return out
 
     def _check_complete(self, blocks: dict[str, tuple[HFSlice, torch.Tensor]]) -> None:
         """Refuse (before touching the model) an update that is not exactly the slices this rank holds."""
@@ -251,3 +210,22 @@ class MegarlWorkerExtension:
     def megarl_sync_report(self) -> dict[str, Any]:
         engine = getattr(self, "weight_transfer_engine", None)
         return dict(getattr(engine, "report", {}) or {})
+
+    def megarl_m2n_placements(self) -> dict[str, str]:
+        """How vLLM's own `nccl_m2n` backend would place each HF tensor of this model on this worker: 'shard'
+        (resharded into the live parameter), 'replicate' (whole, into the live parameter) or 'fallback' (whole
+        tensor, then `load_weights`). Asks vLLM's resolver (`resolve_parameter_destinations`) on the live model;
+        compared with `megarl.sync.baselines.m2n_placement` by the tests. Nothing is loaded."""
+        from vllm.distributed.weight_transfer.m2n_layout import resolve_parameter_destinations
+
+        from megarl.sync.baselines import hf_tensors
+
+        model = self.model_runner.model
+        tp = self.vllm_config.parallel_config.tensor_parallel_size
+        dtype = next(model.parameters()).dtype
+        tensors = hf_tensors(self.vllm_config.model_config.hf_config.to_dict())
+        destinations = resolve_parameter_destinations(
+            model, list(tensors), [dtype] * len(tensors), list(tensors.values()), num_workers=tp,
+            shard_axis_size=tp, allow_direct=True)
+        return {d.name: ("fallback" if not d.direct else "replicate" if d.placements is None else "shard")
+                for d in destinations}

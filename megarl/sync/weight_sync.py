@@ -30,7 +30,8 @@ import torch.distributed as dist
 from megarl.rollout.client import RolloutClient, RolloutServerError
 from megarl.sync.plan import plan_transfers, vllm_rank_slices
 from megarl.sync.slices import HFSlice
-from megarl.sync.transport import WireEntry, device, layout_buckets, make_sync_group, to_bytes
+from megarl.sync.stream import send_buckets
+from megarl.sync.transport import WireEntry, layout_buckets, make_sync_group
 
 
 class WeightSyncError(RuntimeError):
@@ -44,6 +45,7 @@ class SyncStats:
     version: int
     seconds: float  # wall time of the whole push on this trainer rank (plan on first use, HTTP lifecycle, sends)
     bytes_sent: dict[int, int]  # trainer rank -> bytes it sent
+    staging_peak_bytes: dict[int, int] = field(default_factory=dict)  # trainer rank -> most send-bucket bytes at once
     bytes_received: dict[int, int] = field(default_factory=dict)  # vLLM worker -> bytes it received (its report)
     bytes_read_by_loaders: dict[int, int] = field(default_factory=dict)  # vLLM worker -> bytes its loaders read
     bytes_needed: dict[int, int] = field(default_factory=dict)  # vLLM worker -> bytes of the slices it holds
@@ -163,13 +165,15 @@ class PartitionedWeightSync:
         self._raise_everywhere(self._open_fleet_update() if self.rank == 0 else None, version)
         update_id = uuid.uuid4().hex
         updates = self._start_transfers(version, update_id) if self.rank == 0 else []
-        sent = self._send(local)
+        sent = send_buckets(self.group, self.rank, self.entries, local)
         reports, failure = self._close_fleet_update(updates, version, update_id) if self.rank == 0 else ([], None)
         gathered: list[Any] = [None] * self.trainers
-        dist.all_gather_object(gathered, sent)
+        dist.all_gather_object(gathered, (sent.bytes_sent, sent.peak_staging_bytes))
         self._raise_everywhere(failure, version)
         return SyncStats(
-            version=version, seconds=time.perf_counter() - t0, bytes_sent=dict(enumerate(gathered)),
+            version=version, seconds=time.perf_counter() - t0,
+            bytes_sent={r: g[0] for r, g in enumerate(gathered)},
+            staging_peak_bytes={r: g[1] for r, g in enumerate(gathered)},
             bytes_received={r["rank"]: r["bytes_received"] for r in reports},
             bytes_read_by_loaders={r["rank"]: r["bytes_read_by_loaders"] for r in reports},
             bytes_needed=dict(self.bytes_needed), reports=reports,
@@ -237,24 +241,6 @@ class PartitionedWeightSync:
         if not failures:
             return reports, None
         return reports, "; ".join(failures) + " (those replicas keep serving their previous weights)"
-
-    def _send(self, local: list[tuple[HFSlice, torch.Tensor]]) -> int:
-        """Build and send every bucket this rank owes; returns the bytes sent."""
-        buckets: dict[tuple[int, int], list[tuple[WireEntry, torch.Tensor]]] = {}
-        for e in self.entries or []:
-            if e.sender == self.rank:
-                held, data = next((b, t) for b, t in local if b.contains(e.block))
-                buckets.setdefault((e.receiver, e.bucket), []).append((e, data[e.block.index_within(held)]))
-        works, total = [], 0
-        for (receiver, bucket), items in sorted(buckets.items()):
-            buf = torch.empty(max(e.offset + e.nbytes for e, _ in items), dtype=torch.uint8, device=device())
-            for e, t in items:  # each block at the offset the receiver reads it from
-                buf[e.offset:e.offset + e.nbytes] = to_bytes(t)
-            total += buf.numel()
-            works.append(self.group.send([buf], receiver, bucket))
-        for w in works:
-            w.wait()
-        return total
 
     def close(self) -> None:
         """Drop this rank's handles on the sync group (the store closes with the last handle)."""

@@ -1,0 +1,151 @@
+"""Moving the planned buckets of one sync: the sender streams them, the receiver reassembles its slices.
+
+Both ends run the same `WireEntry` list (`megarl.sync.transport.layout_buckets`), so they agree on every
+bucket's bytes without talking about it.
+
+Sender (`send_buckets`): packs one bucket at a time from the rank's own tensors and keeps at most `window`
+buckets on the wire (bucket k+1 is packed while bucket k travels); when `window` buckets are in flight it
+waits for the oldest before packing the next. Its staging memory is therefore at most `window` buckets, plus
+one contiguous copy of the block being packed when that block is not contiguous in the rank's tensor (a
+column slice). A block larger than `bucket_bytes` travels alone, so "a bucket" means
+`max(bucket_bytes, largest block)`. The peak is counted exactly (`SendResult.peak_staging_bytes`).
+
+Receiver (`receive_slices`): posts one receive per (sender, bucket) of its plan before waiting for any (so no
+sender can wait on a receive that is never posted: senders and receivers cannot deadlock whatever the
+window); the buckets together are exactly this rank's slices. It then takes the buckets in the order the
+senders send them and turns them into one tensor per HF name: a name received as one piece is a view into
+its bucket (no copy); a name received in pieces from several senders is copied into a new tensor as each
+bucket arrives, and the bucket is dropped. A receiver thus holds its own slices plus the tensors being
+filled, never the full model.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from megarl.sync.slices import HFSlice
+from megarl.sync.transport import WireEntry, bucket_sizes, device, from_bytes, to_bytes
+
+
+@dataclass(frozen=True)
+class SendResult:
+    bytes_sent: int
+    buckets: int
+    peak_staging_bytes: int  # most bucket bytes allocated at once on this rank during the send
+
+
+def holders_by_name(local: list[tuple[HFSlice, torch.Tensor]]) -> dict[str, list[tuple[HFSlice, torch.Tensor]]]:
+    by_name: dict[str, list[tuple[HFSlice, torch.Tensor]]] = {}
+    for block, data in local:
+        by_name.setdefault(block.name, []).append((block, data))
+    return by_name
+
+
+def cut(by_name: dict[str, list[tuple[HFSlice, torch.Tensor]]], block: HFSlice) -> torch.Tensor:
+    """The part of this rank's tensors that holds `block` (a view)."""
+    for held, data in by_name.get(block.name, []):
+        if held.contains(block):
+            return data[block.index_within(held)]
+    raise ValueError(f"the sync plan asks this rank for {block.name} {block.box}, which it does not hold")
+
+
+def send_buckets(group, rank: int, entries: list[WireEntry], local: list[tuple[HFSlice, torch.Tensor]],
+                 window: int = 2) -> SendResult:
+    """Send every bucket `entries` assigns to sender `rank`, at most `window` in flight; returns the accounting."""
+    if window < 1:
+        raise ValueError(f"window={window}: at least one bucket must be in flight")
+    mine: dict[tuple[int, int], list[WireEntry]] = {}
+    for e in entries:
+        if e.sender == rank:
+            mine.setdefault((e.receiver, e.bucket), []).append(e)
+    by_name = holders_by_name(local)
+    in_flight: deque[tuple[object, torch.Tensor]] = deque()
+    live = peak = total = 0
+    receivers = sorted({receiver for receiver, _ in mine})
+    # bucket 0 to every receiver, then bucket 1, ...; each sender starts at a different receiver, so that with
+    # several senders and receivers every receiver's link is busy at once (not all senders on one receiver)
+    def order(key: tuple[int, int]) -> tuple[int, int]:
+        receiver, bucket = key
+        return bucket, (receivers.index(receiver) - rank) % len(receivers)
+
+    for receiver, bucket in sorted(mine, key=order):
+        items = mine[(receiver, bucket)]
+        while len(in_flight) >= window:
+            work, done = in_flight.popleft()
+            work.wait()
+            live -= done.numel()
+            del work, done  # the buffer is freed here, before the next one is allocated (a Work holds its tensor)
+        buf = torch.empty(max(e.offset + e.nbytes for e in items), dtype=torch.uint8, device=device())
+        live += buf.numel()
+        peak = max(peak, live)
+        for e in items:  # each block at the offset the receiver reads it from
+            buf[e.offset:e.offset + e.nbytes] = to_bytes(cut(by_name, e.block))
+        total += buf.numel()
+        in_flight.append((group.send([buf], receiver, bucket), buf))
+    while in_flight:
+        work, _ = in_flight.popleft()
+        work.wait()
+    return SendResult(bytes_sent=total, buckets=len(mine), peak_staging_bytes=peak)
+
+
+def post_receives(group, entries: list[WireEntry]) -> dict[tuple[int, int], tuple[torch.Tensor, object]]:
+    """Post one receive per (sender, bucket) of this receiver's entries: (sender, bucket) -> (buffer, work)."""
+    posted = {}
+    for (sender, _, bucket), nbytes in sorted(bucket_sizes(entries).items()):
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=device())
+        posted[(sender, bucket)] = (buf, group.recv([buf], sender, bucket))
+    return posted
+
+
+def receive_slices(group, entries: list[WireEntry]) -> tuple[dict[str, tuple[HFSlice, torch.Tensor]], int]:
+    """Receive and assemble this receiver's slices (see `assemble`), copying each bucket's pieces out as soon as
+    it arrives and dropping it, buckets taken in the order senders send them (bucket 0 of every sender, then
+    bucket 1, ...). Returns the slices and the bytes received."""
+    posted = post_receives(group, entries)
+    received = sum(buf.numel() for buf, _ in posted.values())
+    by_bucket: dict[tuple[int, int], list[WireEntry]] = {}
+    pieces: dict[str, int] = {}
+    for e in entries:
+        by_bucket.setdefault((e.sender, e.bucket), []).append(e)
+        pieces[e.block.name] = pieces.get(e.block.name, 0) + 1
+    wholes = tile(entries)
+    out: dict[str, tuple[HFSlice, torch.Tensor]] = {}
+    for key in sorted(posted, key=lambda k: (k[1], k[0])):
+        buf, work = posted.pop(key)
+        work.wait()
+        for e in by_bucket[key]:
+            raw = buf[e.offset:e.offset + e.nbytes]
+            whole = wholes[e.block.name]
+            if pieces[e.block.name] == 1 and _aligned(e):  # one piece: a view, the bucket stays alive for it
+                out[e.block.name] = (whole, from_bytes(raw, e.dtype, e.block.shape))
+                continue
+            if e.block.name not in out:
+                out[e.block.name] = (whole, torch.empty(whole.shape, dtype=getattr(torch, e.dtype), device=device()))
+            piece = from_bytes(raw if _aligned(e) else raw.clone(), e.dtype, e.block.shape)
+            out[e.block.name][1][e.block.index_within(whole)] = piece
+        del buf
+    return out, received
+
+
+def tile(entries: list[WireEntry]) -> dict[str, HFSlice]:
+    """The slice of each HF tensor a receiver gets: the bounding box of its pieces, which must tile it exactly
+    (no gap, no overlap)."""
+    by_name: dict[str, list[HFSlice]] = {}
+    for e in entries:
+        by_name.setdefault(e.block.name, []).append(e.block)
+    out = {}
+    for name, blocks in by_name.items():
+        box = tuple((min(b.box[d][0] for b in blocks), max(b.box[d][1] for b in blocks))
+                    for d in range(len(blocks[0].box)))
+        whole = HFSlice(name, blocks[0].full_shape, box)
+        if sum(b.numel for b in blocks) != whole.numel:
+            raise ValueError(f"update plan for {name}: pieces {[b.box for b in blocks]} do not tile {box}")
+        out[name] = whole
+    return out
+
+
+def _aligned(e: WireEntry) -> bool:
+    return e.offset % getattr(torch, e.dtype).itemsize == 0
