@@ -12,6 +12,7 @@
     megarl bench logprob [--tp 1 2 4 ...]     peak memory and time of the vocab-parallel log-prob + entropy
     megarl bench pipeline [--offsets 0 1 2]   wall time per step and overlap with the pipeline off and on
     megarl bench sync [--size-mb 400]         one weight sync's bytes, seconds, memory: partitioned vs baselines
+    megarl bench savings [--intervals 1 2 4]  the same job per sync.interval: bytes, seconds in sync, fleet pause
     megarl compare RUN_DIR ... [--out F.md]   sync pushes, bytes, time and rewards of finished runs side by side
 
 `megarl COMMAND --help` describes each command's options.
@@ -31,7 +32,7 @@ from megarl.rollout.fleet_auth import FleetSecretError
 _DELEGATED = {
     "plan": ("megarl.plan_report", "parameters and bytes per trainer / rollout rank and per weight sync"),
     "export": ("megarl.models.hf_export", "write a run checkpoint as a Hugging Face checkpoint"),
-    "bench": ("megarl.bench", "benchmarks: `megarl bench logprob`, `megarl bench pipeline`, `megarl bench sync`"),
+    "bench": ("megarl.bench", "benchmarks: `megarl bench logprob|pipeline|sync|savings`"),
     "compare": ("megarl.metrics.compare", "compare finished runs' sync traffic, time and rewards"),
 }
 

@@ -52,6 +52,9 @@ def _broadcast(obj: Any, rank: int) -> Any:
     return box[0]
 
 
+SYNC_PHASES = ("plan_s", "open_s", "send_s", "close_s", "fleet_paused_s", "worker_receive_s", "worker_load_s")
+
+
 def _sync_metrics(stats: list[SyncStats]) -> dict[str, float]:
     return {
         "sync/count": len(stats),
@@ -60,6 +63,8 @@ def _sync_metrics(stats: list[SyncStats]) -> dict[str, float]:
         "sync/seconds": sum(s.seconds for s in stats),
         # the most send-bucket bytes any trainer rank held at once (bounded by megarl.sync.stream's window)
         "sync/staging_peak_bytes": max((max(s.staging_peak_bytes.values(), default=0) for s in stats), default=0),
+        # where the seconds went (SyncStats.phases): the fixed part (open, close, vLLM reload) against the send
+        **{f"sync/{k}": sum(s.phases.get(k, 0.0) for s in stats) for k in SYNC_PHASES},
     }
 
 

@@ -18,6 +18,7 @@ def _run(root: Path, name: str, interval: int, pushes: int, per_push: int, if_1:
         "steps": 8, "batch_lags": [j % interval for j in range(8)], "sync/pushes": pushes,
         "sync/bytes_sent_total": pushes * per_push, "sync/bytes_per_push": per_push,
         "sync/pushes_if_interval_1": if_1, "sync/seconds_total": 0.5 * pushes, "pipeline/wall_s": wall,
+        "sync/fleet_paused_s_total": 0.4 * pushes,
         "reward/first_steps_mean": 0.1, "reward/last_steps_mean": 0.4}))
     return run
 
@@ -35,7 +36,10 @@ def test_compare_reports_bytes_and_ratios(tmp_path: Path) -> None:
     assert [r["bytes_vs_interval_1"] for r in rows] == [1.0, 1000 / 7000]
     assert [r["wall_s_per_step"] for r in rows] == [2.0, 1.5]
     assert [r["mean_lag"] for r in rows] == [0.0, 1.5]  # lags 0,1,2,3,0,1,2,3
-    assert f"| {fourth} | 4 | 0 | 8 | 1 | 1,000 | 0.143 | 0.143 | 0.50 | 1.50 | 1.50 | 0.100 -> 0.400 |" in out.stdout
+    assert [r["fleet_paused_s"] for r in rows] == [0.4 * 7, 0.4]
+    assert [r["sync_share_of_wall"] for r in rows] == [3.5 / 16.0, 0.5 / 12.0]  # push seconds / wall seconds
+    assert (f"| {fourth} | 4 | 0 | 8 | 1 | 1,000 | 0.143 | 0.143 | 0.50 | 0.40 | 4.2% | 1.50 | 1.50 | 0.100 -> 0.400 |"
+            in out.stdout)
     assert (tmp_path / "report.md").read_text().strip() == out.stdout.split("\nwritten:")[0].strip()
 
 

@@ -9,7 +9,9 @@ Checked against independent references:
   trainer's own (megatron, vocab-parallel) log-probs for the same tokens;
 - responses generated after the sync carry the pushed version;
 - an update missing a block that only ONE TP rank needs is rejected by every TP rank of the replica
-  (none loads half of it), every trainer rank raises, and the old weights and version keep serving.
+  (none loads half of it), every trainer rank raises, and the old weights and version keep serving;
+- an update whose loaders fail part-way (injected) leaves the replica paused, every trainer rank says it may
+  hold mixed weights, and the next complete push restores and resumes it.
 
 Tolerance for log-probs: vLLM's CPU kernels, transformers and megatron all run fp32 but with
 different attention / matmul kernels and reduction orders; per-token differences are ~1e-6, so
@@ -70,9 +72,12 @@ def _trainer(rank, world, hf_dir, url, port, sync_port, drop):
                                      store_host="127.0.0.1", store_port=sync_port, bucket_bytes=256 << 10,
                                      digests=True, timeout_s=90)
         out = {}
-        if drop:  # an incomplete plan: vLLM TP rank 1 (sync rank 3) never gets its k_proj block of layer 1
+        if drop == "fail_load":  # vLLM's loaders raise after 3 tensors, once the model is being reloaded
+            sync.fail_loading_after = 3
+        elif drop:  # an incomplete plan: vLLM TP rank 1 (sync rank 3) never gets its k_proj block of layer 1
             sync.entries = [e for e in sync._plan(list(policy.iter_local_hf_slices()))
                             if not (e.receiver == 3 and e.block.name.endswith("layers.1.self_attn.k_proj.weight"))]
+        if drop:
             try:
                 sync.push(policy.iter_local_hf_slices(), version=99)
             except WeightSyncError as err:
@@ -80,6 +85,8 @@ def _trainer(rank, world, hf_dir, url, port, sync_port, drop):
         else:
             out["stats"] = sync.push(policy.iter_local_hf_slices(), version=5)
         if rank == 0:
+            out["paused"] = clients[0].is_paused()
+        if rank == 0 and not out["paused"]:
             out["engine"] = [clients[0].prompt_logprobs(s) for s in SEQS]
             out["samples"] = clients[0].generate([SEQS[0][:4]], n=3, max_tokens=2, seed=0)[0]
         length = max(map(len, SEQS))
@@ -167,3 +174,24 @@ def test_incomplete_update_is_rejected_and_old_weights_serve(moe_fleet, new_chec
     again = run_distributed(_trainer, 2, new_checkpoint, moe_fleet.urls[0], free_port(), free_port(), False,
                             init_dist=False)
     assert again[0]["stats"].receive_ratio == {2: 1.0, 3: 1.0}
+
+
+def test_loader_failure_leaves_the_replica_paused_until_a_complete_push(moe_fleet, new_checkpoint, tiny_moe_dir):
+    """vLLM's loaders fail part-way through an update (injected after 3 tensors, once the model is being
+    reloaded): the replica may hold a mix of old and new weights, so it must not serve: every trainer rank raises
+    saying so, the replica stays paused, and the next complete push restores and resumes it."""
+    results = run_distributed(_trainer, 2, tiny_moe_dir, moe_fleet.urls[0], free_port(), free_port(), "fail_load",
+                              init_dist=False)
+    for r in results:
+        assert "injected loader failure after 3 tensors" in r["error"]
+        assert "may hold a mix of old and new weights, so it is left paused" in r["error"]
+        assert "keeps serving its previous weights" not in r["error"]
+    assert results[0]["paused"] is True
+    again = run_distributed(_trainer, 2, new_checkpoint, moe_fleet.urls[0], free_port(), free_port(), False,
+                            init_dist=False)
+    assert again[0]["paused"] is False
+    assert again[0]["stats"].receive_ratio == {2: 1.0, 3: 1.0}
+    reference = _transformers_logprobs(new_checkpoint)  # the complete push is what serves now
+    for engine, ref in zip(again[0]["engine"], reference, strict=True):
+        torch.testing.assert_close(torch.tensor(engine), ref, atol=1e-4, rtol=0)
+    assert {s.policy_version for s in again[0]["samples"]} == {5}

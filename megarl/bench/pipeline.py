@@ -55,7 +55,8 @@ def _steady_step_s(records: list[dict[str, Any]]) -> float:
     return statistics.fmean(later)
 
 
-def _one_run(cfg_path: str | None, overrides: list[str], fleet_urls: list[str]) -> dict[str, Any]:
+def run_job(cfg_path: str | None, overrides: list[str], fleet_urls: list[str]) -> dict[str, Any]:
+    """Run the job `cfg_path` + `overrides` against a running fleet; its config, records, spans, summary, run dir."""
     from megarl.launch import prepare, train
 
     cfg = prepare(cfg_path, overrides)
@@ -90,12 +91,12 @@ def measure(cfg_path: str | None, overrides: list[str], steps: int, offsets: lis
     with (start_fleet(base, log_dir=work_dir) if fleet_urls is None else nullcontext()) as fleet:
         urls = fleet_urls or fleet.urls
         print("warm-up run (discarded) ...", flush=True)
-        _one_run(cfg_path, [*common, "run.steps=2", f"run.dir={work_dir / 'warmup'}"], urls)
+        run_job(cfg_path, [*common, "run.steps=2", f"run.dir={work_dir / 'warmup'}"], urls)
         for offset in offsets:
             for overlap in (False, True):
                 name = f"offset{offset}_{'on' if overlap else 'off'}"
                 print(f"run {name} ...", flush=True)
-                runs[name] = _one_run(cfg_path, [*common, f"sync.offset={offset}",
+                runs[name] = run_job(cfg_path, [*common, f"sync.offset={offset}",
                                                  f"rollout.overlap={str(overlap).lower()}",
                                                  f"run.dir={work_dir / name}"], urls)
             off, on = runs[f"offset{offset}_off"], runs[f"offset{offset}_on"]

@@ -37,6 +37,8 @@ def load_run(run_dir: Path) -> dict[str, Any]:
             "bytes_if_interval_1": (summary["sync/bytes_per_push"] or 0) * summary["sync/pushes_if_interval_1"]
             if summary.get("sync/bytes_per_push") is not None else None,
             "push_s": summary.get("sync/seconds_total", 0.0),
+            "fleet_paused_s": summary.get("sync/fleet_paused_s_total"),  # first /pause to last /resume, summed
+            "sync_share_of_wall": summary.get("sync/seconds_total", 0.0) / wall if wall else None,
             "wall_s_per_step": wall / summary["steps"] if wall and summary["steps"] else None,
             "mean_lag": sum(lags) / len(lags), "reward_first": summary.get("reward/first_steps_mean"),
             "reward_last": summary.get("reward/last_steps_mean")}
@@ -57,14 +59,16 @@ def _fmt(value: Any, spec: str) -> str:
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-    head = ("| run | interval m | offset n | steps | pushes | bytes sent | vs most | vs m=1 | push s | s/step "
-            "| mean lag | reward first -> last |\n|" + "---|" * 12)
+    head = ("| run | interval m | offset n | steps | pushes | bytes sent | vs most | vs m=1 | push s | fleet paused s "
+            "| sync share of wall | s/step | mean lag | reward first -> last |\n|" + "---|" * 14)
     lines = [head]
     for r in rows:
         lines.append(
             f"| {r['run']} | {r['interval']} | {r['offset']} | {r['steps']} | {r['pushes']} | {r['bytes_sent']:,} "
             f"| {_fmt(r['bytes_vs_most'], '.3f')} | {_fmt(r['bytes_vs_interval_1'], '.3f')} "
-            f"| {_fmt(r['push_s'], '.2f')} | {_fmt(r['wall_s_per_step'], '.2f')} | {r['mean_lag']:.2f} "
+            f"| {_fmt(r['push_s'], '.2f')} | {_fmt(r['fleet_paused_s'], '.2f')} "
+            f"| {_fmt(r['sync_share_of_wall'], '.1%')} "
+            f"| {_fmt(r['wall_s_per_step'], '.2f')} | {r['mean_lag']:.2f} "
             f"| {_fmt(r['reward_first'], '.3f')} -> {_fmt(r['reward_last'], '.3f')} |")
     return "\n".join(lines)
 

@@ -73,5 +73,8 @@ def summarize(records: list[dict[str, Any]], window: int = 5) -> dict[str, Any]:
         "sync/bytes_sent_total": sent,
         "sync/bytes_received_total": sum(r.get("sync/bytes_received", 0) for r in records),
         "sync/seconds_total": secs,
+        # where the sync seconds went (megarl.sync.weight_sync.SyncStats.phases), summed over the run
+        **{f"{k}_total": sum(r.get(k, 0.0) for r in records)
+           for k in sorted({k for r in records for k in r if k.startswith("sync/") and k.endswith("_s")})},
         "sync/GBps": (sent / secs / 1e9) if secs > 0 else None,
     }

@@ -138,6 +138,10 @@ class RolloutClient:
     def resume(self) -> None:
         self._post("/resume")
 
+    def is_paused(self) -> bool:
+        """Whether generation is paused (a replica whose weight update failed part-way stays paused)."""
+        return bool(self._get("/is_paused")["is_paused"])
+
     def start_weight_update(self) -> None:
         self._post("/start_weight_update")
 

@@ -18,9 +18,13 @@ One update, on each vLLM worker (tensor-parallel rank):
    paused, so generation never sees a half-updated model, and a failed transfer leaves the old
    weights serving. (`start_weight_update` / `finish_weight_update` therefore have nothing to do:
    entering the reload there would expose a model whose parameters are placeholders until finish.)
-4. It keeps a report (update id, outcome or error, bytes received, bytes the loaders read, seconds)
-   that the worker extension `MegarlWorkerExtension.megarl_sync_report` returns over
+4. It keeps a report (update id, outcome or error, `model_state`, bytes received, bytes the loaders read,
+   seconds) that the worker extension `MegarlWorkerExtension.megarl_sync_report` returns over
    `collective_rpc`; the trainer reads it before `finish_weight_update` and raises on any error.
+   `model_state` says what is true afterwards: "updated", "unchanged" (refused before the model was
+   touched: the previous weights serve) or "mixed" (vLLM's loaders failed part-way: some parameters may hold
+   new weights and others old ones; the trainer leaves such a replica paused, so it serves nothing until a
+   later push loads completely or it is restarted).
 """
 
 from __future__ import annotations
@@ -65,6 +69,7 @@ class PartitionedUpdateInfo(WeightTransferUpdateInfo):
     update_id: str = ""  # unique per push: the trainer matches the workers' reports to it
     entries: list[dict[str, Any]] = field(default_factory=list)  # this worker's WireEntry.to_json() list
     digests: bool = False  # also record sha256 digests of the received blocks and of every loader read (tests)
+    fail_loading_after: int | None = None  # failure injection (tests): raise inside load_weights after N tensors
 
 
 def _reprepack_cpu_moe_experts(model: torch.nn.Module) -> None:
@@ -132,17 +137,20 @@ class PartitionedWeightTransferEngine(WeightTransferEngine[PartitionedInitInfo, 
             error = f"{type(err).__name__}: {err}"
         failed = self._tp_peer_failures(error)
         if failed:
+            self.report["model_state"] = "unchanged"
             self._refuse("megarl weight update rejected, model left unchanged on every TP rank of this replica "
                          f"({len(failed)} failed): " + " | ".join(failed))
             return
         t1 = time.perf_counter()
         reads = ReadLog(digests=update_info.digests)
         try:
-            self._load(blocks, reads)
+            self._load(blocks, reads, update_info.fail_loading_after)
         except Exception as err:  # noqa: BLE001 - reported; the trainer raises it
-            self._refuse(f"megarl weight update failed while vLLM's loaders ran, the model on worker {self.rank} "
-                         f"may be partly updated (push again): {type(err).__name__}: {err}")
+            self.report["model_state"] = "mixed"
+            self._refuse(f"megarl weight update failed while vLLM's loaders ran on worker {self.rank}, after the "
+                         f"model was touched: it may hold a mix of old and new weights: {type(err).__name__}: {err}")
             return
+        self.report["model_state"] = "updated"
         self.report.update(self._make_report(update_info, received, blocks, reads))
         self.report.update(receive_seconds=t1 - t0, load_seconds=time.perf_counter() - t1)
 
@@ -190,12 +198,19 @@ class PartitionedWeightTransferEngine(WeightTransferEngine[PartitionedInitInfo, 
                 f"wrong boxes {[(n, got[n].box, need[n].box) for n in wrong[:3]]}"
             )
 
-    def _load(self, blocks: dict[str, tuple[HFSlice, torch.Tensor]], reads: ReadLog) -> None:
+    def _load(self, blocks: dict[str, tuple[HFSlice, torch.Tensor]], reads: ReadLog,
+              fail_after: int | None = None) -> None:
         """vLLM's layerwise reload around the model's own `load_weights`, fed with received blocks."""
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
+        def weights():
+            for i, (name, (block, data)) in enumerate(blocks.items()):
+                if fail_after is not None and i == fail_after:
+                    raise RuntimeError(f"injected loader failure after {fail_after} tensors (fail_loading_after)")
+                yield name, wrap(block, data, reads)
+
         initialize_layerwise_reload(self.model)
-        self.model.load_weights((name, wrap(block, data, reads)) for name, (block, data) in blocks.items())
+        self.model.load_weights(weights())
         finalize_layerwise_reload(self.model, self.model_config)
         _reprepack_cpu_moe_experts(self.model)
 

@@ -35,7 +35,9 @@ from megarl.sync.transport import WireEntry, layout_buckets, make_sync_group
 
 
 class WeightSyncError(RuntimeError):
-    """A weight sync failed; raised on every trainer rank (the fleet keeps serving the previous weights)."""
+    """A weight sync failed; raised on every trainer rank. Its message names each failed replica and what it serves
+    now: its previous weights (the update was refused before its model was touched), or nothing (its loaders
+    failed part-way: it stays paused until a later push loads completely or it is restarted)."""
 
 
 @dataclass
@@ -50,6 +52,11 @@ class SyncStats:
     bytes_read_by_loaders: dict[int, int] = field(default_factory=dict)  # vLLM worker -> bytes its loaders read
     bytes_needed: dict[int, int] = field(default_factory=dict)  # vLLM worker -> bytes of the slices it holds
     reports: list[dict[str, Any]] = field(default_factory=list)  # the workers' own reports
+    # where the push's seconds went (rank 0's clock unless said): plan_s (first push only), open_s (pause and open
+    # every replica), send_s (the slowest trainer rank's sends), close_s (wait for the workers to receive and
+    # load, read their reports, label, resume), fleet_paused_s (first /pause to last /resume), worker_receive_s
+    # and worker_load_s (the slowest vLLM worker's receive and vLLM reload, from its report)
+    phases: dict[str, float] = field(default_factory=dict)
 
     @property
     def gbps(self) -> float:
@@ -115,6 +122,7 @@ class PartitionedWeightSync:
         self.rank, self.trainers, self.hf = rank, world_size, hf_config
         self.clients, self.tp, self.replicas = clients, rollout_tp, rollout_replicas
         self.bucket_bytes, self.digests = bucket_bytes, digests
+        self.fail_loading_after: int | None = None  # failure injection (tests): the workers' loaders raise after N
         self.sync_world = world_size + rollout_replicas * rollout_tp
         self.entries: list[WireEntry] | None = None
         self.bytes_needed: dict[int, int] = {}
@@ -157,26 +165,40 @@ class PartitionedWeightSync:
         """Push new weights labelled `version` (collective over the trainer ranks; see the module docstring).
 
         `local_slices` are this rank's `(HFSlice, tensor)` pairs. Raises `WeightSyncError` on every rank if
-        the fleet could not take the update; replicas that rejected it keep serving their previous weights."""
-        t0 = time.perf_counter()
+        the fleet could not take the update (see `WeightSyncError` for what the failed replicas serve)."""
+        clock = [time.perf_counter()]
+
+        def lap() -> float:
+            clock.append(time.perf_counter())
+            return clock[-1] - clock[-2]
+
         local = list(local_slices)
         if self.entries is None:
             self.entries = self._plan(local)
+        phases = {"plan_s": lap()}
         self._raise_everywhere(self._open_fleet_update() if self.rank == 0 else None, version)
+        phases["open_s"] = lap()
         update_id = uuid.uuid4().hex
         updates = self._start_transfers(version, update_id) if self.rank == 0 else []
         sent = send_buckets(self.group, self.rank, self.entries, local)
+        phases["send_s"] = lap()
         reports, failure = self._close_fleet_update(updates, version, update_id) if self.rank == 0 else ([], None)
+        phases["close_s"] = lap()
         gathered: list[Any] = [None] * self.trainers
-        dist.all_gather_object(gathered, (sent.bytes_sent, sent.peak_staging_bytes))
+        dist.all_gather_object(gathered, (sent.bytes_sent, sent.peak_staging_bytes, phases["send_s"]))
         self._raise_everywhere(failure, version)
+        phases["send_s"] = max(g[2] for g in gathered)  # the slowest sender
+        # rank 0 pauses the fleet at the start of `open` and resumes it at the end of `close`
+        phases["fleet_paused_s"] = clock[4] - clock[1]
+        for key in ("receive_seconds", "load_seconds"):  # the workers' own figures: the slowest worker
+            phases[f"worker_{key.removesuffix('onds')}"] = max((r.get(key, 0.0) for r in reports), default=0.0)
         return SyncStats(
-            version=version, seconds=time.perf_counter() - t0,
+            version=version, seconds=time.perf_counter() - clock[0],
             bytes_sent={r: g[0] for r, g in enumerate(gathered)},
             staging_peak_bytes={r: g[1] for r, g in enumerate(gathered)},
             bytes_received={r["rank"]: r["bytes_received"] for r in reports},
             bytes_read_by_loaders={r["rank"]: r["bytes_read_by_loaders"] for r in reports},
-            bytes_needed=dict(self.bytes_needed), reports=reports,
+            bytes_needed=dict(self.bytes_needed), reports=reports, phases=phases,
         )
 
     def _raise_everywhere(self, failure: str | None, version: int) -> None:
@@ -210,6 +232,7 @@ class PartitionedWeightSync:
         threads = []
         for rep, client in enumerate(self.clients):
             info = [{"version": version, "update_id": update_id, "digests": self.digests,
+                     "fail_loading_after": self.fail_loading_after,
                      "entries": [e.to_json() for e in self.entries or [] if e.receiver == self.worker_rank(rep, r)]}
                     for r in range(self.tp)]
             threads.append(_Thread(lambda c=client, info=info: c.update_weights(info)))
@@ -219,28 +242,33 @@ class PartitionedWeightSync:
     def _close_fleet_update(self, updates: list[_Thread], version: int,
                             update_id: str) -> tuple[list[dict[str, Any]], str | None]:
         """Rank 0: read each replica's worker reports; label a replica whose workers all loaded the update
-        with `version`, close the session of one that refused it without a new label; resume generation
-        everywhere. Returns the reports and what failed (None if nothing did)."""
+        with `version`, close the session of one that refused it without a new label; resume generation on
+        every replica except one whose loaders failed part-way (it may hold mixed weights: it stays paused).
+        Returns the reports and what failed, naming what each failed replica serves now (None if nothing did)."""
         reports: list[dict[str, Any]] = []
         failures = []
         for rep, (client, thread) in enumerate(zip(self.clients, updates, strict=True)):
             thread.join()
+            mixed = False
             try:
                 if thread.error is not None:  # the RPC itself failed (vLLM closed the session): old weights serve
                     raise thread.error
                 replica_reports = client.collective_rpc("megarl_sync_report")
                 errors = _report_errors(replica_reports, update_id)
+                mixed = any(r.get("model_state") == "mixed" for r in replica_reports)
                 client.finish_weight_update(None if errors else version)
                 if errors:
                     raise WeightSyncError(errors)
                 reports += replica_reports
             except Exception as err:  # noqa: BLE001 - reported on every trainer rank
-                failures.append(f"replica {rep} ({client.url}): {type(err).__name__}: {err}")
+                after = ("it may hold a mix of old and new weights, so it is left paused and serves nothing until a "
+                         "later push loads completely or it is restarted" if mixed
+                         else "it keeps serving its previous weights")
+                failures.append(f"replica {rep} ({client.url}): {type(err).__name__}: {err} ({after})")
             finally:
-                _best_effort(client.resume)
-        if not failures:
-            return reports, None
-        return reports, "; ".join(failures) + " (those replicas keep serving their previous weights)"
+                if not mixed:
+                    _best_effort(client.resume)
+        return reports, "; ".join(failures) if failures else None
 
     def close(self) -> None:
         """Drop this rank's handles on the sync group (the store closes with the last handle)."""

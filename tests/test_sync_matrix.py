@@ -1,0 +1,121 @@
+"""The partitioned sync across trainer and fleet layouts, real processes end to end: megatron-core trainer ranks
+in several layouts push a perturbed checkpoint into real vLLM servers of several layouts.
+
+Per push, against references independent of the planner:
+- bits: every block each vLLM worker received, and every block vLLM's own loaders read from it, equals the
+  same block of the pushed checkpoint file (sha256);
+- bytes: each worker received exactly what its loaders read (ratio 1.00: nothing redundant), and the fleet
+  received what the trainer ranks sent;
+- spread: no trainer rank sends more than an even share of the bytes plus the largest tensor it holds.
+
+Layouts (the CPU stack: a MoE trainer with tp > 1 needs Transformer Engine, so the MoE rows use pp and ep):
+tiny MoE: trainer PP2, EP2xPP2 into vLLM TP2 and into two TP1 replicas (EP2 -> TP2 is tests/test_weight_sync.py);
+tiny dense Qwen3: trainer TP2, PP2, TP2xPP2 into vLLM TP2.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from megarl.config.schema import OptimizerConfig
+from megarl.models.qwen_provider import read_hf_config
+from megarl.models.tiny import make_tiny_checkpoint
+from megarl.rollout.fleet import FleetSpec, launch
+from tests.dist_utils import free_port, run_distributed
+from tests.fleet_fixture import _secret_in_env, _session_secret
+
+
+def _perturbed(src, out):
+    for f in src.iterdir():
+        shutil.copy(f, out / f.name)
+    g = torch.Generator().manual_seed(11)
+    tensors = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in load_file(out / "model.safetensors").items()}
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+@pytest.fixture(scope="module")
+def moe_new(tiny_moe_dir, tmp_path_factory):
+    return _perturbed(tiny_moe_dir, tmp_path_factory.mktemp("moe_new"))
+
+
+@pytest.fixture(scope="module")
+def dense_dirs(tmp_path_factory):
+    base = make_tiny_checkpoint(tmp_path_factory.mktemp("dense") / "base", kind="dense")
+    return base, _perturbed(base, tmp_path_factory.mktemp("dense_new"))
+
+
+@pytest.fixture(scope="module")
+def dense_fleet(dense_dirs, tmp_path_factory):
+    """A vLLM TP-2 server of the tiny dense Qwen3, guarded by the session's fleet secret."""
+    secret = _session_secret(tmp_path_factory)
+    with launch(FleetSpec(model_dir=dense_dirs[0], tp=2, log_dir=tmp_path_factory.mktemp("dense_fleet_logs"),
+                          secret_file=secret)) as fleet, _secret_in_env(secret):
+        yield fleet
+
+
+def _push(rank, world, hf_dir, layout, urls, rollout_tp, port, sync_port):
+    from megarl.parallel.groups import TrainerLayout, destroy_trainer_groups, init_trainer_groups
+    from megarl.rollout.client import RolloutClient
+    from megarl.sync.weight_sync import PartitionedWeightSync
+    from megarl.trainer.policy import MegatronPolicy
+
+    init_trainer_groups(TrainerLayout(*layout), rank, world, "127.0.0.1", port)
+    try:
+        hf = read_hf_config(hf_dir)
+        policy = MegatronPolicy(hf_dir, hf, OptimizerConfig())
+        clients = [RolloutClient(u) for u in urls] if rank == 0 else []
+        sync = PartitionedWeightSync(rank, world, hf, clients, rollout_tp=rollout_tp, rollout_replicas=len(urls),
+                                     store_host="127.0.0.1", store_port=sync_port, bucket_bytes=128 << 10,
+                                     digests=True, timeout_s=120)
+        local = list(policy.iter_local_hf_slices())
+        stats = sync.push(local, version=rank + 100)  # version of rank 0 labels the fleet
+        return {"stats": stats, "largest_held": max(t.numel() * t.element_size() for _, t in local)}
+    finally:
+        destroy_trainer_groups()
+
+
+def _sha256(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def _check(results, checkpoint, workers: int) -> None:
+    stats = results[0]["stats"]
+    new = load_file(checkpoint / "model.safetensors")
+    reports = {r["rank"]: r for r in stats.reports}
+    assert len(reports) == workers
+    for rank, report in reports.items():
+        assert report["bytes_received"] == report["bytes_read_by_loaders"] == stats.bytes_needed[rank] > 0
+        for name, box in report["blocks"].items():
+            assert report["sha256"][name] == _sha256(new[name][tuple(slice(a, b) for a, b in box)]), (rank, name)
+        for name, box, digest in report["loader_reads"]:
+            assert digest == _sha256(new[name][tuple(slice(a, b) for a, b in box)]), (rank, name, box)
+    sent = stats.bytes_sent
+    assert sum(sent.values()) == sum(stats.bytes_received.values())
+    share = sum(sent.values()) / len(sent)
+    for rank, nbytes in sent.items():
+        assert nbytes <= share + results[rank]["largest_held"], (rank, nbytes, share)
+
+
+@pytest.mark.parametrize(("layout", "world"), [((1, 2, 1), 2), ((1, 2, 2), 4)], ids=["pp2", "ep2xpp2"])
+@pytest.mark.parametrize("fleet_name", ["moe_fleet", "moe_fleet_2x1"])
+def test_moe_layouts(layout, world, fleet_name, moe_new, request):
+    """Changes the MoE fleets' weights (to `moe_new`); later tests that need particular weights push them."""
+    fleet = request.getfixturevalue(fleet_name)
+    tp = 2 if fleet_name == "moe_fleet" else 1
+    results = run_distributed(_push, world, moe_new, layout, fleet.urls, tp, free_port(), free_port(),
+                              init_dist=False)
+    _check(results, moe_new, workers=2)
+
+
+@pytest.mark.parametrize(("layout", "world"), [((2, 1, 1), 2), ((1, 2, 1), 2), ((2, 2, 1), 4)],
+                         ids=["tp2", "pp2", "tp2xpp2"])
+def test_dense_layouts(layout, world, dense_dirs, dense_fleet):
+    results = run_distributed(_push, world, dense_dirs[1], layout, dense_fleet.urls, 2, free_port(), free_port(),
+                              init_dist=False)
+    _check(results, dense_dirs[1], workers=2)
