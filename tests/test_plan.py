@@ -5,7 +5,7 @@ import torch
 
 from megarl.sync.plan import plan_transfers, vllm_rank_slices
 from megarl.sync.slices import HFSlice
-from megarl.sync.transport import layout_buckets
+from megarl.sync.wire import layout_buckets
 
 HF = {"model_type": "qwen3_moe", "vocab_size": 32, "hidden_size": 128, "num_hidden_layers": 1,
       "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "num_local_experts": 2,

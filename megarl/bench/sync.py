@@ -128,7 +128,7 @@ def _plan(spec: SyncBenchSpec):
     import torch
 
     from megarl.sync.plan import plan_transfers, vllm_rank_slices
-    from megarl.sync.transport import layout_buckets
+    from megarl.sync.wire import layout_buckets
 
     holdings = {t: vllm_rank_slices(spec.hf, spec.trainers, t) for t in range(spec.trainers)}
     needs = {spec.trainers + rep * spec.vllm_tp + r: vllm_rank_slices(spec.hf, spec.vllm_tp, r)
@@ -173,7 +173,7 @@ def _broadcast(rank: int, spec: SyncBenchSpec, group, bcast, local, full_entries
 
     from megarl.sync.slices import HFSlice
     from megarl.sync.stream import cut, holders_by_name
-    from megarl.sync.transport import device, to_bytes
+    from megarl.sync.wire import device, to_bytes
 
     dtype = getattr(torch, spec.dtype)
     by_name = holders_by_name(local)
@@ -254,7 +254,7 @@ def _full_entries(spec: SyncBenchSpec, holdings) -> list[list]:
 def _raw(rank: int, spec: SyncBenchSpec, group, nbytes: int) -> dict[str, Any]:
     import torch
 
-    from megarl.sync.transport import device
+    from megarl.sync.wire import device
 
     receiver = spec.trainers
     if rank not in (0, receiver):

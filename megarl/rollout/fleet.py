@@ -33,7 +33,7 @@ import requests
 
 from megarl.parallel.spawn import free_port, port_free
 from megarl.rollout.fleet_auth import SECRET_ENV, FleetAuthMiddleware, bearer_header, new_fleet_secret, read_secret
-from megarl.rollout.vllm_plugin import BACKEND_NAME
+from megarl.sync.vllm_plugin import BACKEND_NAME
 
 if TYPE_CHECKING:
     from megarl.config.schema import Config
@@ -146,7 +146,7 @@ def server_command(spec: FleetSpec, port: int) -> list[str]:
         "--tensor-parallel-size", str(spec.tp), "--dtype", spec.dtype, "--enforce-eager",
         "--enable-scale-out", "--seed", "0", *length,
         "--weight-transfer-config", json.dumps({"backend": BACKEND_NAME}),
-        "--worker-extension-cls", "megarl.rollout.vllm_engine.MegarlWorkerExtension",
+        "--worker-extension-cls", "megarl.sync.vllm_receiver.MegarlWorkerExtension",
         "--middleware", f"{FleetAuthMiddleware.__module__}.{FleetAuthMiddleware.__name__}",
         *spec.extra_args,
     ]

@@ -1,6 +1,6 @@
 """Moving the planned buckets of one sync: the sender streams them, the receiver reassembles its slices.
 
-Both ends run the same `WireEntry` list (`megarl.sync.transport.layout_buckets`), so they agree on every
+Both ends run the same `WireEntry` list (`megarl.sync.wire.layout_buckets`), so they agree on every
 bucket's bytes without talking about it.
 
 Sender (`send_buckets`): packs one bucket at a time from the rank's own tensors and keeps at most `window`
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from megarl.sync.slices import HFSlice
-from megarl.sync.transport import WireEntry, bucket_sizes, device, from_bytes, to_bytes
+from megarl.sync.wire import WireEntry, bucket_sizes, device, from_bytes, to_bytes
 
 
 @dataclass(frozen=True)

@@ -1,74 +1,41 @@
-"""The wire format of a partitioned weight sync, shared by the trainer (sender) and the vLLM worker
-(receiver) so the two cannot disagree.
+"""How a sync's buckets move: the `Transport` interface both ends use, and its default implementation.
 
-Transfers between one sender and one receiver travel, in plan order, in *buckets*: flat byte
-buffers of at most `bucket_bytes` (a block larger than that travels alone). Bucket `k` of a pair
-is one point-to-point message with tag `k`. The sync group is a plain torch.distributed process
-group over a TCPStore hosted by trainer rank 0: gloo on CPU, NCCL on GPU.
+The plan (`megarl.sync.plan`), the wire format (`megarl.sync.wire`) and the fleet lifecycle
+(`megarl.sync.lifecycle`) do not depend on how bytes travel. A transport joins the sync group (trainer ranks
+`[0, T)`, vLLM workers after them) and moves the planned buckets: `send` on a trainer rank, `receive` on a
+vLLM worker. A second backend (NCCL or NIXL point-to-point, RDMA reads) implements the same three methods.
+
+`TorchGroupTransport`, the default: one torch.distributed process group over a TCPStore hosted by trainer
+rank 0 (gloo on CPU, NCCL on GPU), one point-to-point message per bucket with the bucket index as tag,
+streamed by `megarl.sync.stream`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from datetime import timedelta
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
 from megarl.parallel.stores import tcp_store
-from megarl.sync.plan import Transfer
 from megarl.sync.slices import HFSlice
+from megarl.sync.stream import SendResult, receive_slices, send_buckets
+from megarl.sync.wire import WireEntry
 
 
-@dataclass(frozen=True)
-class WireEntry:
-    """One block inside one bucket, as both sides see it."""
+class Transport(Protocol):
+    def send(self, entries: list[WireEntry], local: list[tuple[HFSlice, torch.Tensor]]) -> SendResult:
+        """Trainer rank: send every bucket `entries` assigns to this rank, cut from its `local` tensors."""
+        ...
 
-    sender: int
-    receiver: int
-    bucket: int
-    offset: int  # byte offset inside the bucket
-    nbytes: int
-    block: HFSlice
-    dtype: str  # torch dtype name, e.g. "float32"
+    def receive(self, entries: list[WireEntry]) -> tuple[dict[str, tuple[HFSlice, torch.Tensor]], int]:
+        """vLLM worker: receive this worker's `entries`; its slices (one tensor per HF name) and bytes received."""
+        ...
 
-    def to_json(self) -> dict:
-        return {"sender": self.sender, "bucket": self.bucket, "offset": self.offset, "nbytes": self.nbytes,
-                "name": self.block.name, "full_shape": list(self.block.full_shape),
-                "box": [list(b) for b in self.block.box], "dtype": self.dtype}
-
-    @classmethod
-    def from_json(cls, receiver: int, d: dict) -> WireEntry:
-        block = HFSlice(d["name"], tuple(d["full_shape"]), tuple(tuple(b) for b in d["box"]))
-        return cls(d["sender"], receiver, d["bucket"], d["offset"], d["nbytes"], block, d["dtype"])
-
-
-def layout_buckets(plan: list[Transfer], dtypes: dict[str, torch.dtype], bucket_bytes: int) -> list[WireEntry]:
-    """Assign every transfer its bucket and byte offset (per sender->receiver pair, in plan order)."""
-    state: dict[tuple[int, int], tuple[int, int]] = {}  # pair -> (bucket index, bytes used)
-    out = []
-    for t in plan:
-        dtype = dtypes[t.block.name]
-        nbytes = t.block.numel * dtype.itemsize
-        bucket, used = state.get((t.sender, t.receiver), (0, 0))
-        if used and used + nbytes > bucket_bytes:
-            bucket, used = bucket + 1, 0
-        out.append(WireEntry(t.sender, t.receiver, bucket, used, nbytes, t.block, str(dtype).removeprefix("torch.")))
-        state[(t.sender, t.receiver)] = (bucket, used + nbytes)
-    return out
-
-
-def bucket_sizes(entries: list[WireEntry]) -> dict[tuple[int, int, int], int]:
-    """(sender, receiver, bucket) -> bytes."""
-    sizes: dict[tuple[int, int, int], int] = {}
-    for e in entries:
-        key = (e.sender, e.receiver, e.bucket)
-        sizes[key] = max(sizes.get(key, 0), e.offset + e.nbytes)
-    return sizes
-
-
-def device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    def close(self) -> None:
+        """Leave the sync group."""
+        ...
 
 
 def make_sync_group(host: str, port: int, rank: int, world_size: int, timeout_s: float = 600.0):
@@ -83,9 +50,20 @@ def make_sync_group(host: str, port: int, rank: int, world_size: int, timeout_s:
     return store, group
 
 
-def to_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().reshape(-1).view(torch.uint8)
+class TorchGroupTransport:
+    """Point-to-point buckets over a torch.distributed process group (see the module docstring). `window`: send
+    buckets in flight per trainer rank (memory: `window` buckets)."""
 
+    def __init__(self, host: str, port: int, rank: int, world_size: int, timeout_s: float = 600.0,
+                 window: int = 2) -> None:
+        self.rank, self.window = rank, window
+        self.store, self.group = make_sync_group(host, port, rank, world_size, timeout_s)
 
-def from_bytes(buf: torch.Tensor, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
-    return buf.view(getattr(torch, dtype)).reshape(shape)
+    def send(self, entries: list[WireEntry], local: list[tuple[HFSlice, torch.Tensor]]) -> SendResult:
+        return send_buckets(self.group, self.rank, entries, local, window=self.window)
+
+    def receive(self, entries: list[WireEntry]) -> tuple[dict[str, tuple[HFSlice, torch.Tensor]], int]:
+        return receive_slices(self.group, entries)
+
+    def close(self) -> None:
+        self.group, self.store = None, None

@@ -1,7 +1,8 @@
 """Trainer side of the partitioned weight sync.
 
 Every trainer rank constructs a `PartitionedWeightSync` and calls `push(local_slices, version)`
-together (a collective over the trainer ranks). Rank 0 also drives the fleet over HTTP:
+together (a collective over the trainer ranks). Rank 0 also drives the fleet over HTTP
+(`megarl.sync.lifecycle`); the bytes move through a `megarl.sync.transport.Transport`:
 
     rank 0:  /pause -> /start_weight_update on every replica; broadcast go / no-go to the trainer ranks
     rank 0:  /update_weights (each TP worker's part of the plan), one thread per replica ...
@@ -17,21 +18,21 @@ they hold, `plan_transfers` assigns each block a vLLM worker needs to one sender
 
 from __future__ import annotations
 
-import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from megarl.rollout.client import RolloutClient, RolloutServerError
+from megarl.rollout.client import RolloutClient
+from megarl.sync.lifecycle import FleetLifecycle
 from megarl.sync.plan import plan_transfers, vllm_rank_slices
 from megarl.sync.slices import HFSlice
-from megarl.sync.stream import send_buckets
-from megarl.sync.transport import WireEntry, layout_buckets, make_sync_group
+from megarl.sync.transport import TorchGroupTransport, Transport
+from megarl.sync.wire import WireEntry, layout_buckets
 
 
 class WeightSyncError(RuntimeError):
@@ -69,45 +70,6 @@ class SyncStats:
         return {r: self.bytes_received[r] / need for r, need in self.bytes_needed.items() if r in self.bytes_received}
 
 
-class _Thread(threading.Thread):
-    """A thread that keeps its exception for whoever joins it."""
-
-    def __init__(self, fn: Callable[[], object]) -> None:
-        super().__init__(daemon=True)
-        self.fn: Callable[[], object] = fn
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        try:
-            self.fn()
-        except BaseException as err:  # noqa: BLE001 - kept for the joiner
-            self.error = err
-
-    def join_or_raise(self) -> None:
-        self.join()
-        if self.error is not None:
-            raise self.error
-
-
-def _report_errors(reports: list[dict[str, Any]], update_id: str) -> str:
-    """The errors in one replica's worker reports for update `update_id` ('' if every worker loaded it)."""
-    errors = []
-    for report in reports:
-        if report.get("update_id") != update_id:
-            errors.append(f"worker {report.get('rank')} has no report for this update (last: {report})")
-        elif "error" in report:
-            errors.append(report["error"])
-    return " || ".join(dict.fromkeys(errors))  # TP peers share one message: keep it once
-
-
-def _best_effort(fn: Callable[[], object]) -> None:
-    """Clean-up call on a server that may be the reason of the failure being reported: its own error is dropped."""
-    try:
-        fn()
-    except RolloutServerError:
-        pass
-
-
 class PartitionedWeightSync:
     """The trainer's end of the sync group. Construct it on every trainer rank (a collective: rank 0 asks
     every rollout server to join the group, hosts its TCPStore at `store_host:store_port` and drives the
@@ -126,19 +88,14 @@ class PartitionedWeightSync:
         self.sync_world = world_size + rollout_replicas * rollout_tp
         self.entries: list[WireEntry] | None = None
         self.bytes_needed: dict[int, int] = {}
-        inits = []
-        if rank == 0:
+        self.fleet = FleetLifecycle(clients, rollout_tp) if rank == 0 else None
+        joins = []
+        if self.fleet is not None:
             if len(clients) != rollout_replicas:
                 raise ValueError(f"{len(clients)} rollout clients for {rollout_replicas} replicas")
-            for client in clients:  # a dead or unguarded-key server fails here, not in the group's rendezvous
-                client.weight_version()
-            for i, client in enumerate(clients):
-                info = {"host": store_host, "port": store_port, "world_size": self.sync_world,
-                        "rank_offset": world_size + i * rollout_tp, "timeout_s": timeout_s}
-                inits.append(_Thread(lambda c=client, info=info: c.init_weight_transfer(info)))
-                inits[-1].start()
-        self.store, self.group = make_sync_group(store_host, store_port, rank, self.sync_world, timeout_s)
-        for t in inits:
+            joins = self.fleet.join(store_host, store_port, self.sync_world, world_size, timeout_s)
+        self.transport: Transport = TorchGroupTransport(store_host, store_port, rank, self.sync_world, timeout_s)
+        for t in joins:
             t.join_or_raise()
 
     def worker_rank(self, replica: int, tp_rank: int) -> int:
@@ -176,13 +133,13 @@ class PartitionedWeightSync:
         if self.entries is None:
             self.entries = self._plan(local)
         phases = {"plan_s": lap()}
-        self._raise_everywhere(self._open_fleet_update() if self.rank == 0 else None, version)
+        self._raise_everywhere(self.fleet.open() if self.fleet else None, version)
         phases["open_s"] = lap()
         update_id = uuid.uuid4().hex
-        updates = self._start_transfers(version, update_id) if self.rank == 0 else []
-        sent = send_buckets(self.group, self.rank, self.entries, local)
+        updates = self.fleet.start_updates(self._update_infos(version, update_id)) if self.fleet else []
+        sent = self.transport.send(self.entries, local)
         phases["send_s"] = lap()
-        reports, failure = self._close_fleet_update(updates, version, update_id) if self.rank == 0 else ([], None)
+        reports, failure = self.fleet.close(updates, version, update_id) if self.fleet else ([], None)
         phases["close_s"] = lap()
         gathered: list[Any] = [None] * self.trainers
         dist.all_gather_object(gathered, (sent.bytes_sent, sent.peak_staging_bytes, phases["send_s"]))
@@ -208,68 +165,13 @@ class PartitionedWeightSync:
         if box[0] is not None:
             raise WeightSyncError(f"weight sync to version {version} failed: {box[0]}")
 
-    def _open_fleet_update(self) -> str | None:
-        """Rank 0: pause every replica and open its update session; on failure undo it and return why."""
-        paused: list[RolloutClient] = []
-        opened: list[RolloutClient] = []
-        try:
-            for client in self.clients:
-                client.pause()
-                paused.append(client)
-                client.start_weight_update()
-                opened.append(client)
-        except Exception as err:  # noqa: BLE001 - returned, then raised on every trainer rank
-            for client in opened:
-                _best_effort(lambda c=client: c.finish_weight_update(None))  # closes the session, label unchanged
-            for client in paused:
-                _best_effort(client.resume)
-            return f"could not start the update: {type(err).__name__}: {err}"
-        return None
-
-    def _start_transfers(self, version: int, update_id: str) -> list[_Thread]:
-        """Rank 0: one `/update_weights` call per replica, each in a thread (it returns once its workers
-        have received, checked and loaded their blocks), carrying each TP rank's part of the plan."""
-        threads = []
-        for rep, client in enumerate(self.clients):
-            info = [{"version": version, "update_id": update_id, "digests": self.digests,
-                     "fail_loading_after": self.fail_loading_after,
-                     "entries": [e.to_json() for e in self.entries or [] if e.receiver == self.worker_rank(rep, r)]}
-                    for r in range(self.tp)]
-            threads.append(_Thread(lambda c=client, info=info: c.update_weights(info)))
-            threads[-1].start()
-        return threads
-
-    def _close_fleet_update(self, updates: list[_Thread], version: int,
-                            update_id: str) -> tuple[list[dict[str, Any]], str | None]:
-        """Rank 0: read each replica's worker reports; label a replica whose workers all loaded the update
-        with `version`, close the session of one that refused it without a new label; resume generation on
-        every replica except one whose loaders failed part-way (it may hold mixed weights: it stays paused).
-        Returns the reports and what failed, naming what each failed replica serves now (None if nothing did)."""
-        reports: list[dict[str, Any]] = []
-        failures = []
-        for rep, (client, thread) in enumerate(zip(self.clients, updates, strict=True)):
-            thread.join()
-            mixed = False
-            try:
-                if thread.error is not None:  # the RPC itself failed (vLLM closed the session): old weights serve
-                    raise thread.error
-                replica_reports = client.collective_rpc("megarl_sync_report")
-                errors = _report_errors(replica_reports, update_id)
-                mixed = any(r.get("model_state") == "mixed" for r in replica_reports)
-                client.finish_weight_update(None if errors else version)
-                if errors:
-                    raise WeightSyncError(errors)
-                reports += replica_reports
-            except Exception as err:  # noqa: BLE001 - reported on every trainer rank
-                after = ("it may hold a mix of old and new weights, so it is left paused and serves nothing until a "
-                         "later push loads completely or it is restarted" if mixed
-                         else "it keeps serving its previous weights")
-                failures.append(f"replica {rep} ({client.url}): {type(err).__name__}: {err} ({after})")
-            finally:
-                if not mixed:
-                    _best_effort(client.resume)
-        return reports, "; ".join(failures) if failures else None
+    def _update_infos(self, version: int, update_id: str) -> list[list[dict[str, Any]]]:
+        """Per replica, per TP rank: the update info `/update_weights` hands that worker (its part of the plan)."""
+        return [[{"version": version, "update_id": update_id, "digests": self.digests,
+                  "fail_loading_after": self.fail_loading_after,
+                  "entries": [e.to_json() for e in self.entries or [] if e.receiver == self.worker_rank(rep, r)]}
+                 for r in range(self.tp)] for rep in range(self.replicas)]
 
     def close(self) -> None:
-        """Drop this rank's handles on the sync group (the store closes with the last handle)."""
-        self.group, self.store = None, None
+        """Leave the sync group (the store closes with the last handle)."""
+        self.transport.close()

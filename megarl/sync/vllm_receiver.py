@@ -1,6 +1,6 @@
 """megarl's partitioned weight-transfer backend for vLLM (worker side).
 
-Registered as `megarl_partitioned` by `megarl.rollout.vllm_plugin`; select it with
+Registered as `megarl_partitioned` by `megarl.sync.vllm_plugin`; select it with
 `--weight-transfer-config '{"backend": "megarl_partitioned"}'`.
 
 One update, on each vLLM worker (tensor-parallel rank):
@@ -42,10 +42,10 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from megarl.rollout.received_block import ReadLog, sha256_of, wrap
+from megarl.sync.received_block import ReadLog, sha256_of, wrap
 from megarl.sync.slices import HFSlice
-from megarl.sync.stream import receive_slices
-from megarl.sync.transport import WireEntry, make_sync_group
+from megarl.sync.transport import TorchGroupTransport, Transport
+from megarl.sync.wire import WireEntry
 
 logger = logging.getLogger(__name__)
 
@@ -103,8 +103,7 @@ class PartitionedWeightTransferEngine(WeightTransferEngine[PartitionedInitInfo, 
 
     def __init__(self, config, vllm_config, device_, model) -> None:
         super().__init__(config, vllm_config, device_, model)
-        self.group = None
-        self.store = None
+        self.transport: Transport | None = None
         self.rank = -1
         self.report: dict[str, Any] = {}
 
@@ -112,8 +111,8 @@ class PartitionedWeightTransferEngine(WeightTransferEngine[PartitionedInitInfo, 
         """Join the sync group at rank `rank_offset + dp_index * world + tp_rank` (blocks until all joined)."""
         pc = self.parallel_config
         self.rank = init_info.rank_offset + pc.data_parallel_index * pc.world_size + pc.rank
-        self.store, self.group = make_sync_group(init_info.host, init_info.port, self.rank, init_info.world_size,
-                                                 init_info.timeout_s)
+        self.transport = TorchGroupTransport(init_info.host, init_info.port, self.rank, init_info.world_size,
+                                             init_info.timeout_s)
 
     def start_weight_update(self) -> None:
         """Nothing to prepare: the model is touched only after every byte of the update has arrived."""
@@ -128,10 +127,10 @@ class PartitionedWeightTransferEngine(WeightTransferEngine[PartitionedInitInfo, 
         t0 = time.perf_counter()
         error = None
         try:
-            if self.group is None:
+            if self.transport is None:
                 raise RuntimeError("megarl sync group not initialised: call /init_weight_transfer_engine first")
             entries = [WireEntry.from_json(self.rank, e) for e in update_info.entries]
-            blocks, received = receive_slices(self.group, entries)
+            blocks, received = self.transport.receive(entries)
             self._check_complete(blocks)
         except Exception as err:  # noqa: BLE001 - shared with the other TP ranks, then reported
             error = f"{type(err).__name__}: {err}"
@@ -215,7 +214,9 @@ class PartitionedWeightTransferEngine(WeightTransferEngine[PartitionedInitInfo, 
         _reprepack_cpu_moe_experts(self.model)
 
     def shutdown(self) -> None:
-        self.group, self.store = None, None
+        if self.transport is not None:
+            self.transport.close()
+            self.transport = None
 
 
 class MegarlWorkerExtension:

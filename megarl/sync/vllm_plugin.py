@@ -1,7 +1,7 @@
 """vLLM general-plugin entry point (`vllm.general_plugins` in pyproject.toml).
 
 vLLM imports this module in every process it starts and calls `register()`, which makes megarl's
-partitioned weight-transfer backend (`megarl.rollout.vllm_engine`) known to vLLM's engine factory
+partitioned weight-transfer backend (`megarl.sync.vllm_receiver`) known to vLLM's engine factory
 under the name `megarl_partitioned`. Importing this module imports nothing heavy.
 """
 
@@ -18,5 +18,5 @@ def register() -> None:
         return
     if BACKEND_NAME not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(
-            BACKEND_NAME, "megarl.rollout.vllm_engine", "PartitionedWeightTransferEngine"
+            BACKEND_NAME, "megarl.sync.vllm_receiver", "PartitionedWeightTransferEngine"
         )

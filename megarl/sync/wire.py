@@ -1,0 +1,76 @@
+"""The wire format of a partitioned weight sync, shared by the trainer (sender) and the vLLM worker
+(receiver) so the two cannot disagree.
+
+Transfers between one sender and one receiver travel, in plan order, in *buckets*: flat byte
+buffers of at most `bucket_bytes` (a block larger than that travels alone). `WireEntry` says where
+each block sits in which bucket; any transport (`megarl.sync.transport`) moves bucket `k` of a pair
+as one message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megarl.sync.plan import Transfer
+from megarl.sync.slices import HFSlice
+
+
+@dataclass(frozen=True)
+class WireEntry:
+    """One block inside one bucket, as both sides see it."""
+
+    sender: int
+    receiver: int
+    bucket: int
+    offset: int  # byte offset inside the bucket
+    nbytes: int
+    block: HFSlice
+    dtype: str  # torch dtype name, e.g. "float32"
+
+    def to_json(self) -> dict:
+        return {"sender": self.sender, "bucket": self.bucket, "offset": self.offset, "nbytes": self.nbytes,
+                "name": self.block.name, "full_shape": list(self.block.full_shape),
+                "box": [list(b) for b in self.block.box], "dtype": self.dtype}
+
+    @classmethod
+    def from_json(cls, receiver: int, d: dict) -> WireEntry:
+        block = HFSlice(d["name"], tuple(d["full_shape"]), tuple(tuple(b) for b in d["box"]))
+        return cls(d["sender"], receiver, d["bucket"], d["offset"], d["nbytes"], block, d["dtype"])
+
+
+def layout_buckets(plan: list[Transfer], dtypes: dict[str, torch.dtype], bucket_bytes: int) -> list[WireEntry]:
+    """Assign every transfer its bucket and byte offset (per sender->receiver pair, in plan order)."""
+    state: dict[tuple[int, int], tuple[int, int]] = {}  # pair -> (bucket index, bytes used)
+    out = []
+    for t in plan:
+        dtype = dtypes[t.block.name]
+        nbytes = t.block.numel * dtype.itemsize
+        bucket, used = state.get((t.sender, t.receiver), (0, 0))
+        if used and used + nbytes > bucket_bytes:
+            bucket, used = bucket + 1, 0
+        out.append(WireEntry(t.sender, t.receiver, bucket, used, nbytes, t.block, str(dtype).removeprefix("torch.")))
+        state[(t.sender, t.receiver)] = (bucket, used + nbytes)
+    return out
+
+
+def bucket_sizes(entries: list[WireEntry]) -> dict[tuple[int, int, int], int]:
+    """(sender, receiver, bucket) -> bytes."""
+    sizes: dict[tuple[int, int, int], int] = {}
+    for e in entries:
+        key = (e.sender, e.receiver, e.bucket)
+        sizes[key] = max(sizes.get(key, 0), e.offset + e.nbytes)
+    return sizes
+
+
+def device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def to_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def from_bytes(buf: torch.Tensor, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+    return buf.view(getattr(torch, dtype)).reshape(shape)
