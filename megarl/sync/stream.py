@@ -22,7 +22,7 @@ filled, never the full model.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,9 +32,10 @@ from megarl.sync.wire import WireEntry, bucket_sizes, device, from_bytes, to_byt
 
 @dataclass(frozen=True)
 class SendResult:
-    bytes_sent: int
+    bytes_sent: int  # bytes whose send completed
     buckets: int
     peak_staging_bytes: int  # most bucket bytes allocated at once on this rank during the send
+    failed: dict[int, str] = field(default_factory=dict)  # receiver -> why its sends failed (its later buckets skipped)
 
 
 def holders_by_name(local: list[tuple[HFSlice, torch.Tensor]]) -> dict[str, list[tuple[HFSlice, torch.Tensor]]]:
@@ -54,7 +55,9 @@ def cut(by_name: dict[str, list[tuple[HFSlice, torch.Tensor]]], block: HFSlice) 
 
 def send_buckets(group, rank: int, entries: list[WireEntry], local: list[tuple[HFSlice, torch.Tensor]],
                  window: int = 2) -> SendResult:
-    """Send every bucket `entries` assigns to sender `rank`, at most `window` in flight; returns the accounting."""
+    """Send every bucket `entries` assigns to sender `rank`, at most `window` in flight; returns the accounting.
+    A receiver whose send fails (its process died) is recorded in `SendResult.failed` and skipped from then on;
+    the other receivers still get all their buckets."""
     if window < 1:
         raise ValueError(f"window={window}: at least one bucket must be in flight")
     mine: dict[tuple[int, int], list[WireEntry]] = {}
@@ -62,7 +65,7 @@ def send_buckets(group, rank: int, entries: list[WireEntry], local: list[tuple[H
         if e.sender == rank:
             mine.setdefault((e.receiver, e.bucket), []).append(e)
     by_name = holders_by_name(local)
-    in_flight: deque[tuple[object, torch.Tensor]] = deque()
+    in_flight: deque[tuple[object, torch.Tensor, int]] = deque()
     live = peak = total = 0
     receivers = sorted({receiver for receiver, _ in mine})
     # bucket 0 to every receiver, then bucket 1, ...; each sender starts at a different receiver, so that with
@@ -71,11 +74,25 @@ def send_buckets(group, rank: int, entries: list[WireEntry], local: list[tuple[H
         receiver, bucket = key
         return bucket, (receivers.index(receiver) - rank) % len(receivers)
 
+    failed: dict[int, str] = {}
+
+    def settle(work, receiver: int, nbytes: int) -> int:
+        """Wait for one send; a failure marks its receiver (a dead peer fails only its own pair: gloo and NCCL
+        keep the other pairs working, so the other receivers still get everything). Returns the bytes sent."""
+        try:
+            work.wait()
+        except Exception as err:  # noqa: BLE001 - recorded per receiver, reported by the caller
+            failed.setdefault(receiver, f"{type(err).__name__}: {err}")
+            return 0
+        return nbytes
+
     for receiver, bucket in sorted(mine, key=order):
+        if receiver in failed:
+            continue
         items = mine[(receiver, bucket)]
         while len(in_flight) >= window:
-            work, done = in_flight.popleft()
-            work.wait()
+            work, done, to = in_flight.popleft()
+            total += settle(work, to, done.numel())
             live -= done.numel()
             del work, done  # the buffer is freed here, before the next one is allocated (a Work holds its tensor)
         buf = torch.empty(max(e.offset + e.nbytes for e in items), dtype=torch.uint8, device=device())
@@ -83,12 +100,15 @@ def send_buckets(group, rank: int, entries: list[WireEntry], local: list[tuple[H
         peak = max(peak, live)
         for e in items:  # each block at the offset the receiver reads it from
             buf[e.offset:e.offset + e.nbytes] = to_bytes(cut(by_name, e.block))
-        total += buf.numel()
-        in_flight.append((group.send([buf], receiver, bucket), buf))
+        try:
+            in_flight.append((group.send([buf], receiver, bucket), buf, receiver))
+        except Exception as err:  # noqa: BLE001 - as in settle()
+            failed.setdefault(receiver, f"{type(err).__name__}: {err}")
+            live -= buf.numel()
     while in_flight:
-        work, _ = in_flight.popleft()
-        work.wait()
-    return SendResult(bytes_sent=total, buckets=len(mine), peak_staging_bytes=peak)
+        work, done, to = in_flight.popleft()
+        total += settle(work, to, done.numel())
+    return SendResult(bytes_sent=total, buckets=len(mine), peak_staging_bytes=peak, failed=failed)
 
 
 def post_receives(group, entries: list[WireEntry]) -> dict[tuple[int, int], tuple[torch.Tensor, object]]:

@@ -98,6 +98,10 @@ class PartitionedWeightSync:
         for t in joins:
             t.join_or_raise()
 
+    def replica_of(self, worker: int) -> int:
+        """The replica of the vLLM worker at sync-group rank `worker`."""
+        return (worker - self.trainers) // self.tp
+
     def worker_rank(self, replica: int, tp_rank: int) -> int:
         """Sync-group rank of TP rank `tp_rank` of replica `replica`."""
         return self.trainers + replica * self.tp + tp_rank
@@ -142,7 +146,11 @@ class PartitionedWeightSync:
         reports, failure = self.fleet.close(updates, version, update_id) if self.fleet else ([], None)
         phases["close_s"] = lap()
         gathered: list[Any] = [None] * self.trainers
-        dist.all_gather_object(gathered, (sent.bytes_sent, sent.peak_staging_bytes, phases["send_s"]))
+        dist.all_gather_object(gathered, (sent.bytes_sent, sent.peak_staging_bytes, phases["send_s"], sent.failed))
+        unreachable = [f"trainer rank {r} could not send to vLLM worker {w} (replica {self.replica_of(w)}): {why}"
+                       for r, g in enumerate(gathered) for w, why in sorted(g[3].items())]
+        if unreachable:  # a worker (or its server) died mid-update: its replica's update RPC fails too
+            failure = "; ".join([*([failure] if failure else []), *unreachable])
         self._raise_everywhere(failure, version)
         phases["send_s"] = max(g[2] for g in gathered)  # the slowest sender
         # rank 0 pauses the fleet at the start of `open` and resumes it at the end of `close`
