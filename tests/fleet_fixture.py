@@ -23,6 +23,22 @@ from megarl.rollout.fleet import FleetHandle, FleetSpec, launch
 from megarl.rollout.fleet_auth import SECRET_ENV, SECRET_FILENAME, new_fleet_secret
 
 
+def perturbed_checkpoint(src: Path, out: Path, seed: int) -> Path:
+    """A copy of checkpoint `src` in `out` with every tensor moved by 0.05 * N(0, 1): weights a trainer can push
+    that differ from what the fleet serves."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    for f in src.iterdir():
+        shutil.copy(f, out / f.name)
+    g = torch.Generator().manual_seed(seed)
+    tensors = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in load_file(out / "model.safetensors").items()}
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
 @pytest.fixture(scope="session")
 def tiny_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "moe", kind="moe")

@@ -15,39 +15,27 @@ tiny dense Qwen3: trainer TP2, PP2, TP2xPP2 into vLLM TP2.
 
 from __future__ import annotations
 
-import hashlib
-import shutil
-
 import pytest
-import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from megarl.config.schema import OptimizerConfig
 from megarl.models.qwen_provider import read_hf_config
 from megarl.models.tiny import make_tiny_checkpoint
 from megarl.rollout.fleet import FleetSpec, launch
 from tests.dist_utils import free_port, run_distributed
-from tests.fleet_fixture import _secret_in_env, _session_secret
-
-
-def _perturbed(src, out):
-    for f in src.iterdir():
-        shutil.copy(f, out / f.name)
-    g = torch.Generator().manual_seed(11)
-    tensors = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in load_file(out / "model.safetensors").items()}
-    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
-    return out
+from tests.fleet_fixture import _secret_in_env, _session_secret, perturbed_checkpoint
+from tests.test_weight_sync import _sha256
 
 
 @pytest.fixture(scope="module")
 def moe_new(tiny_moe_dir, tmp_path_factory):
-    return _perturbed(tiny_moe_dir, tmp_path_factory.mktemp("moe_new"))
+    return perturbed_checkpoint(tiny_moe_dir, tmp_path_factory.mktemp("moe_new"), seed=11)
 
 
 @pytest.fixture(scope="module")
 def dense_dirs(tmp_path_factory):
     base = make_tiny_checkpoint(tmp_path_factory.mktemp("dense") / "base", kind="dense")
-    return base, _perturbed(base, tmp_path_factory.mktemp("dense_new"))
+    return base, perturbed_checkpoint(base, tmp_path_factory.mktemp("dense_new"), seed=11)
 
 
 @pytest.fixture(scope="module")
@@ -78,10 +66,6 @@ def _push(rank, world, hf_dir, layout, urls, rollout_tp, port, sync_port):
         return {"stats": stats, "largest_held": max(t.numel() * t.element_size() for _, t in local)}
     finally:
         destroy_trainer_groups()
-
-
-def _sha256(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 def _check(results, checkpoint, workers: int) -> None:

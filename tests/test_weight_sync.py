@@ -19,15 +19,15 @@ different attention / matmul kernels and reduction orders; per-token differences
 """
 
 import hashlib
-import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from megarl.config.schema import OptimizerConfig
 from megarl.models.qwen_provider import read_hf_config
 from tests.dist_utils import free_port, run_distributed
+from tests.fleet_fixture import perturbed_checkpoint
 
 SEQS = [[6, 23, 7, 24, 13, 2], [5, 23, 5, 24, 11], [12, 23, 3, 24, 17, 2, 9]]
 
@@ -48,13 +48,7 @@ def _hand_bytes_per_rank(hf: dict, tp: int) -> list[int]:
 @pytest.fixture(scope="module")
 def new_checkpoint(tiny_moe_dir, tmp_path_factory):
     """The tiny MoE with every tensor perturbed: the weights the trainer will push."""
-    out = tmp_path_factory.mktemp("perturbed")
-    for f in tiny_moe_dir.iterdir():
-        shutil.copy(f, out / f.name)
-    g = torch.Generator().manual_seed(7)
-    tensors = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in load_file(out / "model.safetensors").items()}
-    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
-    return out
+    return perturbed_checkpoint(tiny_moe_dir, tmp_path_factory.mktemp("perturbed"), seed=7)
 
 
 def _trainer(rank, world, hf_dir, url, port, sync_port, drop):

@@ -319,7 +319,9 @@ def _median(values: list[float]) -> float:
 def summarize(spec: SyncBenchSpec, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     """Per method: receiver bytes, wire bytes, median wall seconds, GB/s, time relative to raw."""
     model_bytes = sum(math.prod(b.full_shape) for b in _whole(spec)) * _itemsize(spec)
-    out: dict[str, Any] = {"spec": {**asdict(spec), "hf": spec.hf}, "model_bytes": model_bytes, "methods": {}}
+    out: dict[str, Any] = {"spec": {**asdict(spec), "hf": spec.hf}, "model_bytes": model_bytes, "methods": {},
+                           # the weights each process holds before any sync (to read the memory growth against)
+                           "held_bytes": {r["rank"]: r["held_bytes"] for r in per_rank}}
     receivers = [r for r in per_rank if r["role"] == "receiver"]
     for method in spec.methods:
         walls = [max(r[method][i]["wall_s"] for r in per_rank) for i in range(spec.repeats)]
