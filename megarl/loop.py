@@ -22,6 +22,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from megarl.algorithms.registry import Algorithm, get_algorithm
+from megarl.batch import with_advantages
 from megarl.checkpoint import (
     Checkpoint,
     CheckpointError,
@@ -33,9 +34,9 @@ from megarl.checkpoint import (
     set_rng_state,
 )
 from megarl.config.schema import Config
+from megarl.metrics.sinks import open_sinks
 from megarl.metrics.timeline import Timeline, step_times
 from megarl.metrics.writer import MetricsWriter
-from megarl.rollout.batch import with_advantages
 from megarl.rollout.worker import RolloutWorker
 from megarl.sync.schedule import SyncSchedule
 from megarl.sync.weight_sync import SyncStats
@@ -128,7 +129,8 @@ def run_loop(cfg: Config, rank: int, policy, weight_sync,
             if loop_state["algorithm"] is not None:
                 algorithm.advantages.load_state_dict(loop_state["algorithm"])
     last_saved = resumed.step if resumed is not None else -1
-    writer = MetricsWriter(cfg.run.dir, resume_at=start if resumed is not None else None) if rank == 0 else None
+    resume_at = start if resumed is not None else None
+    writer = MetricsWriter(cfg.run.dir, resume_at, open_sinks(cfg, resume_at)) if rank == 0 else None
     timeline = Timeline() if rank == 0 else None
     bar = tqdm(range(start, cfg.run.steps), desc="megarl train", disable=rank != 0, dynamic_ncols=True,
                initial=start, total=cfg.run.steps)
@@ -157,6 +159,9 @@ def run_loop(cfg: Config, rank: int, policy, weight_sync,
                 if rollout is not None:
                     rollout.pushed(before)
             record: dict[str, Any] = {"step": step, "policy_version": policy.version}
+            if rollout is not None and cfg.eval.interval and step % cfg.eval.interval == 0:
+                with _span(timeline, "trainer", "eval", f"step {step}"):  # the fleet's weights of its last push
+                    record.update(rollout.evaluate())
             batch = None
             if rollout is not None:
                 batch = rollout.take(step)
@@ -166,8 +171,11 @@ def run_loop(cfg: Config, rank: int, policy, weight_sync,
                     batch = with_advantages(batch, algorithm, cfg.algorithm)
                 batch = _broadcast(batch, rank)
                 lag = policy.version - batch.policy_version
+                lengths = [len(r) for r in batch.response_ids]
                 record.update({"batch/generation_version": batch.policy_version, "batch_lag": lag,
-                               "reward/mean": float(batch.rewards.mean()), "reward/timeouts": batch.reward_timeouts})
+                               "reward/mean": float(batch.rewards.mean()), "reward/timeouts": batch.reward_timeouts,
+                               "response/length_mean": sum(lengths) / len(lengths),
+                               "response/length_min": min(lengths), "response/length_max": max(lengths)})
                 record.update(train_on_batch(policy, batch, algorithm, cfg, pad_id, *dp, lag=lag))
             record.update(_sync_metrics(syncs))
             record["sync/versions"] = [s.version for s in syncs]

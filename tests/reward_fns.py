@@ -39,3 +39,9 @@ def scripted(response_text: str, answer: str) -> float:
         time.sleep(0.01)
         return exact_match(response_text.removeprefix("slow:"), answer)
     return exact_match(response_text, answer)
+
+
+def odd_word_count(response_text: str, answer: str) -> float:
+    """1.0 when the response has an odd number of words: about half of a random model's responses score, so
+    evaluation tests see both outcomes."""
+    return float(len(response_text.split()) % 2 == 1)

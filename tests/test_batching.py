@@ -4,7 +4,7 @@ the response tokens, and data-parallel shares and microbatches partition the row
 import pytest
 import torch
 
-from megarl.rollout.batch import RolloutBatch
+from megarl.batch import RolloutBatch
 from megarl.trainer.batching import data_parallel_share, microbatches, pack_batch, pack_microbatch, packed_length
 
 
@@ -60,8 +60,9 @@ def test_shares_and_microbatches_partition_rows():
 
 def test_scored_batch_and_advantages_by_hand():
     from megarl.algorithms.registry import get_algorithm
+    from megarl.batch import with_advantages
     from megarl.config.schema import AlgorithmConfig
-    from megarl.rollout.batch import scored_batch, with_advantages
+    from megarl.rewards.scoring import scored_batch
     from megarl.rollout.client import Sample
 
     samples = [[Sample([1], [t], [-0.5], "length", 3) for t in (10, 11, 10, 11)]]

@@ -38,7 +38,9 @@ def _window_end(step: int, m: int, n: int, steps: int) -> int:
 def _overrides(fleet_dir, run_dir, m, n, steps, *extra):
     return [f"model.hf_dir={fleet_dir}", f"run.dir={run_dir}", f"run.steps={steps}", "trainer.world_size=2",
             "trainer.ep=2", "rollout.tp=1", "rollout.replicas=2", "rollout.samples_per_prompt=4",
-            "rollout.max_new_tokens=2", "data.prompts_per_step=4", f"sync.interval={m}", f"sync.offset={n}",
+            # multi-token answers ended by EOS: responses of 1-4 tokens, padded in the trainer
+            "rollout.max_new_tokens=4", "data.answer_digits=true", "data.max_operand=9",
+            "data.prompts_per_step=4", f"sync.interval={m}", f"sync.offset={n}",
             "sync.push_initial=true", "optimizer.lr=0.003", *extra]
 
 
@@ -103,6 +105,10 @@ def test_pipeline_lags_pushes_and_window(moe_fleet_2x1, tiny_moe_dir, tmp_path, 
             parts = sum(r[f"fleet/replica{rep}/{k}_s"] for k in ("generating", "paused", "idle"))
             assert parts == pytest.approx(r["time/step_s"], abs=1e-6)
         assert 0 <= r["time/wait_for_data_s"] + r["time/push_s"] + r["time/train_s"] <= r["time/step_s"] + 1e-6
+    # variable-length responses (EOS before max_new_tokens in some, not in others): the lag-0 agreement above
+    # holds for multi-token responses of different lengths in one batch
+    assert any(r["response/length_min"] < r["response/length_max"] for r in records)
+    assert all(1 <= r["response/length_min"] <= r["response/length_max"] <= 4 for r in records)
     if old_logprobs == "trainer":  # behaviour = the trainer's own recompute: the sequence ratio starts at exactly 1
         assert all(abs(r["seq_ratio_mean"] - 1.0) < 1e-6 for r in records)
 
@@ -132,11 +138,15 @@ def test_pipeline_lags_pushes_and_window(moe_fleet_2x1, tiny_moe_dir, tmp_path, 
 
 def test_sequential_controller_gives_the_same_run_without_overlap(moe_fleet_2x1, tiny_moe_dir, tmp_path):
     """rollout.overlap=false: the same batches, lags, rewards and losses as the pipeline (generation is seeded
-    per request and the fleet holds the same weights for the same batch), and no generation overlaps training."""
+    per request and the fleet holds the same weights for the same batch), and no generation overlaps training.
+    The pipelined run also evaluates every 2 steps: evaluation changes neither the schedule nor the data, and
+    each evaluation reports the version of the fleet's last push."""
     runs = {}
     for overlap in (True, False):
         run_dir = tmp_path / f"overlap_{overlap}"
-        train(prepare(None, _overrides(tiny_moe_dir, run_dir, 2, 1, 5, f"rollout.overlap={str(overlap).lower()}")),
+        evaluation = ["eval.interval=2", "eval.prompts=4", "eval.samples=2"] if overlap else []
+        train(prepare(None, _overrides(tiny_moe_dir, run_dir, 2, 1, 5, f"rollout.overlap={str(overlap).lower()}",
+                                       *evaluation)),
               fleet_urls=moe_fleet_2x1.urls)
         runs[overlap] = (_records(run_dir), load_spans(run_dir / "timeline.json"))
     (on, on_spans), (off, off_spans) = runs[True], runs[False]
@@ -147,6 +157,17 @@ def test_sequential_controller_gives_the_same_run_without_overlap(moe_fleet_2x1,
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
         _check_mismatch(a)
         _check_mismatch(b)
+    # evaluation at steps 0, 2, 4 on the fleet's weights: those of the last push at or before that step
+    pushed = 0
+    for r in on:
+        pushed = max([pushed, *r["sync/versions"]])
+        if r["step"] % 2 == 0:
+            assert r["eval/policy_version"] == pushed and 0 <= r["eval/mean@2"] <= r["eval/pass@2"] <= 1, r
+            assert r["eval/prompts"] == 4 and r["time/eval_s"] > 0
+        else:
+            assert not any(k.startswith("eval/") for k in r) and r["time/eval_s"] == 0
+    assert [r["eval/policy_version"] for r in on if r["step"] % 2 == 0] == [0, 1, 3]
+    assert not any(k.startswith("eval/") for r in off for k in r)
     # sequential: when the trainer takes batch k, exactly k + n + 1 batches exist (n = 1; 5 batches in all)
     assert [r["pipeline/batches_generated"] for r in off] == [2, 3, 4, 5, 5]
     train_spans = [s for s in off_spans if s.kind == "train"]

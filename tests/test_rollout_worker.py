@@ -8,7 +8,7 @@ from megarl.data.arithmetic import problem_batch
 from megarl.launch import free_port
 from megarl.metrics.timeline import Timeline
 from megarl.rewards.pool import RewardPool
-from megarl.rollout.batch import scored_batch
+from megarl.rewards.scoring import BatchScorer, scored_batch
 from megarl.rollout.client import RolloutClient, Sample
 from megarl.rollout.worker import RolloutWorker, RolloutWorkerError
 from megarl.sync.schedule import SyncSchedule
@@ -20,8 +20,8 @@ def _worker(urls, schedule, end, reward="megarl.rewards.exact_match:exact_match"
         return RolloutWorker(
             [RolloutClient(u, timeout_s=30) for u in urls], schedule,
             problems=lambda j: problem_batch(j, 2, 4, seed=0), encode=lambda text: [1, 2, 3],
-            decode=decode or (lambda ids: "7"), sampling={"n": 2, "max_tokens": 1}, seed=lambda j: 10 * j,
-            rewards=pool, timeline=Timeline(), end=end, **kw)
+            sampling={"n": 2, "max_tokens": 1}, seed=lambda j: 10 * j,
+            score=BatchScorer(pool, decode or (lambda ids: "7")), timeline=Timeline(), end=end, **kw)
     except BaseException:
         pool.close()
         raise

@@ -39,11 +39,11 @@ import math
 import pytest
 import torch
 
+from megarl.batch import RolloutBatch
 from megarl.config.schema import AlgorithmConfig, Config, ModelConfig, OptimizerConfig, TrainerConfig
 from megarl.metrics import mismatch
 from megarl.models.tiny import make_tiny_checkpoint
 from megarl.parallel.groups import TrainerLayout
-from megarl.rollout.batch import RolloutBatch
 from tests.dist_utils import free_port, run_distributed
 from tests.test_megatron_vs_hf import _per_expert
 

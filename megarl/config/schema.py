@@ -216,6 +216,11 @@ class DataConfig(_Strict):
     task: Literal["arithmetic"] = Field("arithmetic", description="Synthetic verifiable task.")
     prompts_per_step: int = Field(16, ge=1, description="Prompts per rollout batch (groups per step).")
     max_operand: int = Field(4, ge=1, le=9, description="Operands are drawn from 0..max_operand.")
+    answer_digits: bool = Field(
+        False, description="Arithmetic answers written one digit per token ('1 2' for 12) and ended by the EOS "
+        "token: multi-token, variable-length responses (set rollout.max_new_tokens >= 3). False: the sum is one "
+        "token and rollout.max_new_tokens=1 suffices.",
+    )
 
 
 class RewardConfig(_Strict):
@@ -227,6 +232,55 @@ class RewardConfig(_Strict):
         30.0, gt=0, description="Seconds one response's reward may take; past it the worker is killed and the "
         "response scores 0 (counted in the step's `reward/timeouts`).",
     )
+
+
+class EvalConfig(_Strict):
+    """Evaluation during training on a fixed held-out prompt set, through the same fleet (docs/data.md)."""
+
+    interval: int = Field(
+        0, ge=0, description="Evaluate every `interval` steps (0: never), at the start of the step, after its push "
+        "if it has one: the fleet's weights then are those of its last push (recorded as eval/policy_version; they "
+        "trail the trainer by up to sync.interval + sync.offset - 1 versions, like the training data generated "
+        "then). Evaluation never pushes and never changes what the rollout worker generates.",
+    )
+    prompts: int = Field(
+        32, ge=1, description="Held-out prompts. arithmetic: a fixed set drawn from its own seed stream (the task's "
+        "problem space is small, so some also occur in training); dataset tasks: the first prompts of "
+        "data.eval_files.",
+    )
+    samples: int = Field(4, ge=1, description="K responses per prompt: eval/mean@K (mean reward) and eval/pass@K.")
+    temperature: float = Field(
+        1.0, ge=0, description="Sampling temperature of the evaluation (0: greedy decoding; then samples must be 1).",
+    )
+    max_new_tokens: int | None = Field(
+        None, ge=1, description="Maximum response length of the evaluation; None: rollout.max_new_tokens.",
+    )
+
+    @model_validator(mode="after")
+    def _greedy_once(self) -> EvalConfig:
+        if self.temperature == 0 and self.samples > 1:
+            raise ValueError(f"eval.temperature=0 (greedy) gives {self.samples} identical samples per prompt: set "
+                             "eval.samples=1, or a temperature > 0 for mean@K / pass@K")
+        return self
+
+
+class MetricsConfig(_Strict):
+    """Where step metrics go besides `<run.dir>/metrics.jsonl`, which stays the source of truth."""
+
+    tensorboard: bool = Field(
+        True, description="Also write every numeric metric as a TensorBoard scalar to <run.dir>/tensorboard "
+        "(`tensorboard --logdir <run.dir>/tensorboard`).",
+    )
+    wandb: bool = Field(
+        False, description="Also log to Weights & Biases (the `wandb` package must be installed: pip install "
+        "wandb). Files go to <run.dir>/wandb; the API key comes from wandb's own login or WANDB_API_KEY and is "
+        "never written by megarl.",
+    )
+    wandb_mode: Literal["offline", "online"] = Field(
+        "offline", description="wandb mode: 'offline' needs no network (sync later with `wandb sync "
+        "<run.dir>/wandb/offline-run-*`), 'online' streams to the server.",
+    )
+    wandb_project: str = Field("megarl", description="wandb project name.")
 
 
 class OptimizerConfig(_Strict):
@@ -249,6 +303,8 @@ class Config(_Strict):
     data: DataConfig = Field(default_factory=DataConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
 
     @model_validator(mode="after")
     def _check_layout(self) -> Config:

@@ -14,8 +14,12 @@ def plot_run(records: list[dict[str, Any]], out_path: Path) -> None:
 
     steps = [r["step"] for r in records]
     fig, (ax_r, ax_s) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
-    ax_r.plot(steps, [r["reward/mean"] for r in records], marker="o", ms=3)
-    ax_r.set_ylabel("reward/mean")
+    ax_r.plot(steps, [r["reward/mean"] for r in records], marker="o", ms=3, label="reward/mean (training batch)")
+    for key in sorted({k for r in records for k in r if k.startswith(("eval/mean@", "eval/pass@"))}):
+        points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+        ax_r.plot(*zip(*points, strict=True), marker="s", ms=4, lw=1, label=f"{key} (held-out)")
+    ax_r.set_ylabel("reward")
+    ax_r.legend(fontsize=7)
     ax_r.grid(alpha=0.3)
     ax_s.bar(steps, [r.get("sync/bytes_sent", 0) / 2**20 for r in records], color="tab:orange")
     ax_s.set_ylabel("sync MiB sent")
@@ -81,7 +85,7 @@ def plot_mismatch(records: list[dict[str, Any]], out_path: Path) -> None:
 
 
 _COLOURS = {"generate": "tab:green", "score": "tab:olive", "train": "tab:blue", "wait": "lightgrey",
-            "push": "tab:red", "startup": "tab:purple", "checkpoint": "tab:brown"}
+            "push": "tab:red", "startup": "tab:purple", "checkpoint": "tab:brown", "eval": "tab:cyan"}
 
 
 def plot_timeline(spans: list, out_path: Path, title: str = "") -> None:

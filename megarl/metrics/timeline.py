@@ -108,7 +108,7 @@ def step_times(spans: list[Span], start: float, end: float) -> dict[str, float]:
     within = [s for s in spans if s.end > start and s.start < end]
     seconds = {k: sum(min(s.end, end) - max(s.start, start) for s in within if s.lane == lane and s.kind == kind)
                for k, lane, kind in (("wait_for_data", "trainer", "wait"), ("push", "push", "push"),
-                                     ("train", "trainer", "train"))}
+                                     ("train", "trainer", "train"), ("eval", "trainer", "eval"))}
     return {"time/step_s": end - start, **{f"time/{k}_s": v for k, v in seconds.items()},
             **window_metrics(within, start, end, replica_lanes(spans))}
 

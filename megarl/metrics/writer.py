@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from pathlib import Path
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 
 class MetricsWriter:
@@ -14,8 +17,9 @@ class MetricsWriter:
     `resume_at=k` continues a resumed run: the records of steps before k are kept, later ones (written by
     the interrupted run after its checkpoint) are dropped."""
 
-    def __init__(self, run_dir: Path, resume_at: int | None = None) -> None:
+    def __init__(self, run_dir: Path, resume_at: int | None = None, sinks: list | None = None) -> None:
         self.path = Path(run_dir) / "metrics.jsonl"
+        self.sinks = list(sinks or [])  # megarl.metrics.sinks: TensorBoard, wandb (fed after the JSONL line)
         self.records: list[dict[str, Any]] = []
         if resume_at is not None and self.path.exists():
             kept = []
@@ -39,6 +43,13 @@ class MetricsWriter:
         self.records.append(record)
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
+        for sink in list(self.sinks):
+            try:
+                sink.log(record)
+            except Exception as err:  # the JSONL has the record: report the sink once, drop it, train on
+                logger.warning("metrics sink %s failed at step %s and is dropped (metrics.jsonl is complete): %s",
+                               sink.name, record.get("step"), err)
+                self.sinks.remove(sink)
         if bad and not record.get("train/skipped_step"):
             raise FloatingPointError(
                 f"step {record.get('step')}: non-finite metrics {bad}; the run stops here "
@@ -47,6 +58,11 @@ class MetricsWriter:
 
     def close(self) -> None:
         self._file.close()
+        for sink in self.sinks:
+            try:
+                sink.close()
+            except Exception as err:
+                logger.warning("metrics sink %s failed to close: %s", sink.name, err)
 
 
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:

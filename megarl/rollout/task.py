@@ -11,12 +11,14 @@ from functools import partial
 
 from transformers import AutoTokenizer
 
+from megarl.batch import RolloutBatch
 from megarl.config.schema import Config
 from megarl.data.arithmetic import problem_batch
 from megarl.metrics.timeline import Timeline
 from megarl.rewards.pool import RewardPool
-from megarl.rollout.batch import RolloutBatch
+from megarl.rewards.scoring import BatchScorer
 from megarl.rollout.client import RolloutClient
+from megarl.rollout.evaluation import Evaluator
 from megarl.rollout.worker import RolloutWorker
 from megarl.sync.schedule import SyncSchedule
 
@@ -32,16 +34,32 @@ def start_rollout_worker(cfg: Config, clients: list[RolloutClient], timeline: Ti
     rewards = RewardPool(REWARD_FUNCTIONS[cfg.reward.name], workers=cfg.reward.workers,
                          timeout_s=cfg.reward.timeout_s)
     try:
+        encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+        scorer = BatchScorer(rewards, lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
         return RolloutWorker(
             clients, SyncSchedule(cfg.sync.interval, cfg.sync.offset),
-            problems=partial(problem_batch, size=d.prompts_per_step, max_operand=d.max_operand, seed=cfg.run.seed),
-            encode=lambda text: tokenizer(text, add_special_tokens=False)["input_ids"],
-            decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+            problems=partial(problem_batch, size=d.prompts_per_step, max_operand=d.max_operand, seed=cfg.run.seed,
+                             digits=d.answer_digits),
+            encode=encode,
             sampling={"n": r.samples_per_prompt, "max_tokens": r.max_new_tokens, "temperature": r.temperature,
                       "top_p": r.top_p},
             seed=lambda index: cfg.run.seed * 100_003 + index * prompts_per_batch,
-            rewards=rewards, timeline=timeline, end=cfg.run.steps, overlap=r.overlap, start=start, ready=ready,
+            score=scorer, timeline=timeline, end=cfg.run.steps, overlap=r.overlap, start=start, ready=ready,
+            evaluator=_evaluator(cfg, clients, encode, scorer) if cfg.eval.interval else None,
         )
     except BaseException:
         rewards.close()
         raise
+
+
+EVAL_BATCH_INDEX = -1  # the arithmetic held-out set: its own seed stream, apart from training batches 0, 1, ...
+
+
+def _evaluator(cfg: Config, clients: list[RolloutClient], encode, scorer: BatchScorer) -> Evaluator:
+    """The held-out evaluation: the same prompts and sampling seeds at every evaluation, so two evaluations differ
+    only by the fleet's weights."""
+    d, e = cfg.data, cfg.eval
+    problems = problem_batch(EVAL_BATCH_INDEX, e.prompts, d.max_operand, cfg.run.seed, digits=d.answer_digits)
+    sampling = {"n": e.samples, "max_tokens": e.max_new_tokens or cfg.rollout.max_new_tokens,
+                "temperature": e.temperature, "top_p": 1.0}
+    return Evaluator(clients, problems, encode, scorer, sampling, seed=cfg.run.seed * 100_003 - 1_000_003)

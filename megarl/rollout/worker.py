@@ -10,7 +10,8 @@ becomes ready. The controller (trainer rank 0) only
     quiesce(j)      blocks until every replica has finished every batch before `j` (before a push or
                     a checkpoint: no replica is then generating with the old weights),
     pushed(j)       after the push before batch `j`: generation may go on up to the next push,
-    pending()       the batches generated but not yet consumed (a checkpoint saves them).
+    pending()       the batches generated but not yet consumed (a checkpoint saves them),
+    evaluate()      the held-out evaluation on the fleet's current weights (`megarl.rollout.evaluation`),
 
 and calls `batches_generated()` for the metrics and `close()` at the end. With `overlap=False` the same
 threads generate only what the sequential controller would have generated before the trainer's current step
@@ -28,11 +29,12 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+from megarl.batch import RolloutBatch
 from megarl.data.arithmetic import Problem
 from megarl.metrics.timeline import Timeline
-from megarl.rewards.pool import RewardPool
-from megarl.rollout.batch import RolloutBatch, scored_batch
+from megarl.rewards.scoring import BatchScorer
 from megarl.rollout.client import RolloutClient, Sample
+from megarl.rollout.evaluation import Evaluator
 from megarl.sync.schedule import SyncSchedule
 
 
@@ -44,19 +46,22 @@ class RolloutWorkerError(RuntimeError):
 class RolloutWorker:
     """Generates and scores batches ahead of the trainer (see the module docstring).
 
-    `problems(j)` gives batch j's problems, `encode`/`decode` map text to token ids and back, `sampling`
+    `problems(j)` gives batch j's problems, `encode` maps a prompt's text to token ids, `sampling`
     holds the per-request sampling arguments of `RolloutClient.generate` (`n`, `max_tokens`, ...) and
     `seed(j)` the base seed of batch j (prompt i is sampled with `seed(j) + i`, whichever replica serves it).
-    Batches `start` to `end - 1` are generated (`ready`: batches already generated, a resumed run's saved
-    ones); the worker owns `rewards` and closes it."""
+    `score(j, problems, samples)` turns a generated batch into a scored `RolloutBatch` (the worker owns the
+    scorer and closes it). Batches `start` to `end - 1` are generated (`ready`: batches already generated, a
+    resumed run's saved ones)."""
 
     def __init__(self, clients: list[RolloutClient], schedule: SyncSchedule, problems: Callable[[int], list[Problem]],
-                 encode: Callable[[str], list[int]], decode: Callable[[list[int]], str], sampling: dict,
-                 seed: Callable[[int], int], rewards: RewardPool, timeline: Timeline, end: int,
-                 overlap: bool = True, start: int = 0, ready: dict[int, RolloutBatch] | None = None) -> None:
+                 encode: Callable[[str], list[int]], sampling: dict, seed: Callable[[int], int],
+                 score: BatchScorer, timeline: Timeline, end: int,
+                 overlap: bool = True, start: int = 0, ready: dict[int, RolloutBatch] | None = None,
+                 evaluator: Evaluator | None = None) -> None:
         self.clients, self.schedule, self.timeline, self.overlap, self.end = clients, schedule, timeline, overlap, end
-        self._problems, self._encode, self._decode = problems, encode, decode
-        self._sampling, self._seed, self._rewards = sampling, seed, rewards
+        self._problems, self._encode = problems, encode
+        self._sampling, self._seed, self._scorer = sampling, seed, score
+        self._evaluator = evaluator
         self._cv = threading.Condition()
         self._ready: dict[int, RolloutBatch] = dict(ready or {})
         first = max([start - 1, *self._ready]) + 1  # next batch to generate
@@ -109,6 +114,13 @@ class RolloutWorker:
             self._wait(lambda: self._scoring == 0 and not self._shares)
             return dict(self._ready)
 
+    def evaluate(self) -> dict[str, float]:
+        """The `eval/...` metrics of the fleet's current weights; generation of training batches goes on meanwhile
+        (the requests share the servers), so the schedule and the training data are unchanged."""
+        if self._evaluator is None:
+            raise RuntimeError("evaluate(): this rollout worker was built without an evaluator (eval.interval=0)")
+        return self._evaluator()
+
     def batches_generated(self) -> int:
         """How many batches have been fully generated so far (consumed ones included)."""
         with self._cv:
@@ -121,7 +133,7 @@ class RolloutWorker:
         for t in self._threads:
             t.join(timeout=5)
         self._score_pool.shutdown(wait=False, cancel_futures=True)
-        self._rewards.close()
+        self._scorer.close()
 
     # ---- inside ----------------------------------------------------------------------------------------------
     def _raise_demand(self, upto: int) -> None:
@@ -174,16 +186,11 @@ class RolloutWorker:
         try:
             replicas = len(self.clients)
             samples = [shares[i % replicas][i // replicas] for i in range(len(problems))]
-            items = [(self._decode(s.response_ids), p.answer) for p, group in zip(problems, samples, strict=True)
-                     for s in group]
             with self.timeline.span("reward", "score", f"batch {j}"):
                 try:
-                    scored = self._rewards.score(items)
+                    batch = self._scorer(j, problems, samples)
                 except Exception as err:
                     raise RolloutWorkerError(f"scoring batch {j}: {type(err).__name__}: {err}") from err
-            k = len(samples[0])
-            rewards = [scored.rewards[g * k:(g + 1) * k] for g in range(len(samples))]
-            batch = scored_batch(j, samples, rewards, reward_timeouts=len(scored.timed_out))
             with self._cv:
                 self._ready[j] = batch
                 self._scoring -= 1

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from megarl.rollout.batch import RolloutBatch
+from megarl.batch import RolloutBatch
 
 
 def pack_batch(batch: RolloutBatch, pad_id: int) -> dict[str, torch.Tensor]:

@@ -12,9 +12,9 @@ import torch
 
 from megarl.algorithms.losses import PolicyLossInput
 from megarl.algorithms.registry import Algorithm
+from megarl.batch import RolloutBatch
 from megarl.config.schema import Config
 from megarl.metrics import mismatch
-from megarl.rollout.batch import RolloutBatch
 from megarl.trainer.batching import data_parallel_share, microbatches, pack_batch, pack_microbatch, packed_length
 
 

@@ -1,0 +1,39 @@
+"""`RolloutBatch`: the unit the trainer consumes, one scored rollout batch, and its advantages.
+
+The rollout side builds scored batches ahead of the trainer (`megarl.rollout.worker` generates,
+`megarl.rewards.scoring` scores); the controller adds advantages when the trainer consumes a batch
+(`with_advantages`), so a stateful estimator (RED-Drop's generator) draws in consumption order whatever
+the fleet's lead. A `RolloutBatch` is plain and picklable: the other trainer ranks receive it by broadcast.
+The trainer imports this module only, never the rollout package.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from megarl.algorithms.registry import Algorithm
+from megarl.config.schema import AlgorithmConfig
+
+
+@dataclass
+class RolloutBatch:
+    index: int  # batch id l (zero-based)
+    prompt_ids: list[list[int]]  # [G*K] flattened groups, K consecutive samples per prompt
+    response_ids: list[list[int]]  # [G*K]
+    engine_logprobs: list[list[float]]  # [G*K] engine log-prob of each sampled token
+    rewards: torch.Tensor  # [G, K]
+    advantages: torch.Tensor | None  # [G, K]; None until the controller consumes the batch
+    policy_version: int  # version of the weights that generated every sample of the batch (engine-reported)
+    reward_timeouts: int = 0  # samples whose reward function passed reward.timeout_s (scored 0)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.response_ids)
+
+
+def with_advantages(batch: RolloutBatch, algorithm: Algorithm, algo_cfg: AlgorithmConfig) -> RolloutBatch:
+    """The batch with the algorithm's advantages of its rewards (call once per batch, in consumption order)."""
+    return dataclasses.replace(batch, advantages=algorithm.advantages(batch.rewards, algo_cfg))

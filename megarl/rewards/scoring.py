@@ -1,0 +1,61 @@
+"""Scoring, the step between generation and training: a generated batch's responses -> rewards -> `RolloutBatch`.
+
+`BatchScorer` decodes every response, computes its reward against the problem's gold answer in the reward
+pool (other processes, a hard per-response timeout: `megarl.rewards.pool`) and builds the scored batch. The
+task decides the problems and the gold answers (`data.task`), the reward function is chosen by `reward.name`;
+the rollout worker only calls `scorer(index, problems, samples)`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from megarl.batch import RolloutBatch
+from megarl.data.arithmetic import Problem
+from megarl.rewards.pool import RewardPool
+from megarl.rollout.client import Sample
+
+
+def scored_batch(index: int, samples: list[list[Sample]], rewards: list[list[float]],
+                 reward_timeouts: int = 0) -> RolloutBatch:
+    """A batch from its samples (per problem, its K samples) and their rewards; checks one policy version."""
+    versions = {s.policy_version for group in samples for s in group}
+    if len(versions) != 1:
+        raise RuntimeError(f"batch {index} mixes samples from policy versions {sorted(versions)}")
+    flat = [s for group in samples for s in group]
+    return RolloutBatch(
+        index=index,
+        prompt_ids=[list(s.prompt_ids) for s in flat],
+        response_ids=[list(s.response_ids) for s in flat],
+        engine_logprobs=[list(s.response_logprobs) for s in flat],
+        rewards=torch.tensor(rewards, dtype=torch.float32),
+        advantages=None,
+        policy_version=versions.pop(),
+        reward_timeouts=reward_timeouts,
+    )
+
+
+class BatchScorer:
+    """Scores batches with the reward pool `rewards` (owned: `close()` closes it); `decode` maps response ids
+    to the text the reward function reads."""
+
+    def __init__(self, rewards: RewardPool, decode: Callable[[list[int]], str]) -> None:
+        self.rewards, self.decode = rewards, decode
+
+    def rewards_of(self, problems: Sequence[Problem], samples: list[list[Sample]]) -> tuple[list[list[float]], int]:
+        """Each response's reward (`samples[g]` are the K responses to `problems[g]`) and how many timed out."""
+        items = [(self.decode(s.response_ids), p.answer) for p, group in zip(problems, samples, strict=True)
+                 for s in group]
+        scored = self.rewards.score(items)
+        k = len(samples[0])
+        return [scored.rewards[g * k:(g + 1) * k] for g in range(len(samples))], len(scored.timed_out)
+
+    def __call__(self, index: int, problems: Sequence[Problem], samples: list[list[Sample]]) -> RolloutBatch:
+        """Batch `index`: `samples[g]` are the K responses to `problems[g]`."""
+        rewards, timeouts = self.rewards_of(problems, samples)
+        return scored_batch(index, samples, rewards, reward_timeouts=timeouts)
+
+    def close(self) -> None:
+        self.rewards.close()

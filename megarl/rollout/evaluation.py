@@ -1,0 +1,75 @@
+"""Evaluation during training: a fixed held-out prompt set, sampled through the same fleet, scored like training.
+
+Every `eval.interval` steps the controller (trainer rank 0) calls the evaluator at the start of the step, after
+that step's push if it has one and before it takes its batch. The fleet then holds the weights of its last push
+(`eval/policy_version`, reported by the engine for every sample; it trails the trainer by up to
+`sync.interval + sync.offset - 1` versions, exactly like the training batches generated at that time).
+Evaluation never pushes weights and never changes the rollout worker's state: its requests share the servers
+with the batches being generated ahead, so the lag schedule and the training data are the same with or
+without it (only wall time changes). Metrics, per evaluation (K = `eval.samples`):
+
+    eval/mean@K   mean reward over every prompt's K samples (accuracy, for 0/1 rewards)
+    eval/pass@K   share of prompts with at least one correct sample (reward >= 1), the unbiased estimator
+                  of Chen et al. 2021 with n = k = K
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+from megarl.data.arithmetic import Problem
+from megarl.rewards.scoring import BatchScorer
+from megarl.rollout.client import RolloutClient, Sample
+
+
+def pass_at_k(n: int, correct: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which `correct` are right: 1 - C(n - c, k) / C(n, k) (Chen et al. 2021,
+    "Evaluating Large Language Models Trained on Code", eq. 1)."""
+    if not 0 <= correct <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= correct <= n and 1 <= k <= n (n={n}, correct={correct}, k={k})")
+    if n - correct < k:
+        return 1.0
+    return 1.0 - math.comb(n - correct, k) / math.comb(n, k)
+
+
+class Evaluator:
+    """Samples `sampling["n"]` responses for each of `problems` on the fleet's replicas (prompt i on replica
+    i mod R, all replicas at once), scores them with `scorer`, and returns the `eval/...` metrics."""
+
+    def __init__(self, clients: list[RolloutClient], problems: Sequence[Problem], encode: Callable[[str], list[int]],
+                 scorer: BatchScorer, sampling: dict, seed: int) -> None:
+        if not problems:
+            raise ValueError("evaluation needs at least one held-out prompt")
+        self.clients, self.problems, self.scorer, self.sampling, self.seed = clients, problems, scorer, sampling, seed
+        self._prompts = [encode(p.prompt) for p in problems]
+        self.k = int(sampling["n"])
+
+    def __call__(self) -> dict[str, float]:
+        start = time.perf_counter()
+        replicas = len(self.clients)
+
+        def on_replica(r: int) -> list[list[Sample]]:
+            mine = range(r, len(self._prompts), replicas)
+            return self.clients[r].generate([self._prompts[i] for i in mine], **self.sampling,
+                                            seed=[self.seed + i for i in mine])
+
+        with ThreadPoolExecutor(replicas, thread_name_prefix="megarl-eval") as pool:
+            shares = list(pool.map(on_replica, range(replicas)))
+        samples = [shares[i % replicas][i // replicas] for i in range(len(self.problems))]
+        rewards, timeouts = self.scorer.rewards_of(self.problems, samples)
+        versions = sorted({s.policy_version for group in samples for s in group})
+        k = self.k
+        flat = [x for group in rewards for x in group]
+        correct = [sum(x >= 1.0 for x in group) for group in rewards]
+        return {
+            f"eval/mean@{k}": sum(flat) / len(flat),
+            f"eval/pass@{k}": sum(pass_at_k(k, c, k) for c in correct) / len(correct),
+            "eval/policy_version": versions[-1] if len(versions) == 1 else versions,
+            "eval/response_tokens": sum(len(s.response_ids) for g in samples for s in g) / len(flat),
+            "eval/prompts": len(self.problems),
+            "eval/timeouts": timeouts,
+            "eval/seconds": time.perf_counter() - start,
+        }
