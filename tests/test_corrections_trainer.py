@@ -75,7 +75,7 @@ def _reference_loss(name, lp, engine, corr) -> tuple[torch.Tensor, float]:
             s = torch.exp((x - e).mean())
             m = float((a > 0 and s <= 1 + EPS) or (a < 0 and s >= 1 - EPS))
             total = total - a * m * s.detach() * (wi * torch.exp(x - x.detach())).mean()
-            value -= float(a * m * s) / n
+            value -= float(a * m * s.detach()) / n
         return total / n, value
     total = 0.0
     for x, e, a, wi in zip(lp, engine, adv, w, strict=True):
