@@ -8,6 +8,12 @@ computed without gradient. Each loss returns `(loss, metrics)` where `loss` is t
 data-parallel ranks gives the same loss and gradients however the global batch is split. Metric values
 are contributions too (the trainer sums them).
 
+Train-inference corrections (`corrections.py`, `PolicyLossInput.token_weight` = `w_i^t`, no gradient) enter every
+loss but OAPL's so that the gradient reaching `logp_i^t` is multiplied by `w_i^t`: token-level losses multiply their
+per-token term `l_i^t` by `w_i^t` before aggregating (value and gradient weighted); sequence-level losses read the
+log-probs through `PolicyLossInput.weighted_logprobs()` (value unchanged, gradient `w_i^t dlogp_i^t`), so their masks
+and ratios keep their definitions and their reported loss value is the unweighted one. OAPL refuses a weight.
+
 Two kinds of loss:
 - token-level losses (REINFORCE and the advantage-reweighted variants, GRPO, REC-*, off-policy GRPO)
   build a per-token loss `l_i^t` and reduce it with `aggregation.aggregate_tokens` (`algorithm.loss_agg`);
@@ -52,12 +58,25 @@ class PolicyLossInput:
     engine_logprobs: torch.Tensor | None = None  # [B, S] rollout engine's log-probs (OAPL's pi_vllm); None: old
     ref_logprobs: torch.Tensor | None = None  # [B, S] KL reference pi_ref (off-policy GRPO); None: old_logprobs
     seq_mask: torch.Tensor | None = None  # [B] per-sequence 0/1 weight from `Algorithm.sequence_mask`; None: 1
+    token_weight: torch.Tensor | None = None  # [B, S] train-inference correction (corrections.py, no grad); None: 1
 
     def engine(self) -> torch.Tensor:
         return self.old_logprobs if self.engine_logprobs is None else self.engine_logprobs
 
     def reference(self) -> torch.Tensor:
         return self.old_logprobs if self.ref_logprobs is None else self.ref_logprobs
+
+    def weigh(self, per_token: torch.Tensor) -> torch.Tensor:
+        """`per_token * token_weight` (the same tensor when there is no correction: bitwise unchanged)."""
+        return per_token if self.token_weight is None else per_token * self.token_weight.detach()
+
+    def weighted_logprobs(self) -> torch.Tensor:
+        """`[B, S]` log-probs whose value is exactly `logprobs` and whose gradient is `token_weight * dlogp`:
+        `sg(logp) + w (logp - sg(logp))`; sequence-level losses built on them scale each token's gradient by `w`."""
+        if self.token_weight is None:
+            return self.logprobs
+        frozen = self.logprobs.detach()
+        return frozen + self.token_weight.detach() * (self.logprobs - frozen)  # value: exactly logprobs
 
     def kept(self) -> torch.Tensor:
         """`[B]` per-sequence weight (1.0 when no sequence mask was given)."""
@@ -92,7 +111,7 @@ def reinforce_loss(inp: PolicyLossInput, agg: Aggregation) -> LossOutput:
     With group-mean advantages this is vanilla REINFORCE; with AsymRE, RED-Drop, RED-Weight or pairwise
     advantages it is that algorithm (their difference lives in `advantages.py`)."""
     adv = (inp.advantages * inp.kept())[:, None]
-    return aggregate_tokens(-adv * inp.logprobs, inp.mask, agg, inp.num_seqs, inp.num_tokens), {}
+    return aggregate_tokens(inp.weigh(-adv * inp.logprobs), inp.mask, agg, inp.num_seqs, inp.num_tokens), {}
 
 
 def asymre_loss(inp: PolicyLossInput, agg: Aggregation) -> LossOutput:
@@ -112,7 +131,7 @@ def rec_loss(
     adv = inp.advantages[:, None]
     m = mask_fn(ratio, adv, clip)
     weight = (adv * inp.kept()[:, None]) * m
-    per_token = -weight * (ratio if importance_sampling else inp.logprobs)
+    per_token = inp.weigh(-weight * (ratio if importance_sampling else inp.logprobs))
     return aggregate_tokens(per_token, inp.mask, agg, inp.num_seqs, inp.num_tokens), _token_clip_metrics(
         m, ratio, adv, inp
     )
@@ -133,7 +152,7 @@ def grpo_loss(inp: PolicyLossInput, clip: ClipParams, agg: Aggregation) -> LossO
     """GRPO (Shao et al. 2024; REC section 4.1): `l_i^t = -min(ratio A_i, clip(ratio, 1-eps_low, 1+eps_high) A_i)`
     with std-normalised advantages and no KL term (as REC runs it). Gradient per token: `-A_i ratio_i^t M_i^t`."""
     surrogate, m, ratio = _grpo_surrogate(inp, clip)
-    per_token = -surrogate * inp.kept()[:, None]
+    per_token = inp.weigh(-surrogate * inp.kept()[:, None])
     metrics = _token_clip_metrics(m, ratio, inp.advantages[:, None], inp)
     return aggregate_tokens(per_token, inp.mask, agg, inp.num_seqs, inp.num_tokens), metrics
 
@@ -149,7 +168,7 @@ def off_policy_grpo_loss(
     `z_i (-A_i ratio M + beta dKL_hat/dlogp)` (k1: 1, k2: `logp - ref`, k3: `1 - exp(ref - logp)`)."""
     surrogate, m, ratio = _grpo_surrogate(inp, clip)
     kl = kl_estimate(inp.logprobs, inp.reference(), estimator)
-    per_token = (-surrogate + beta * kl) * inp.kept()[:, None]
+    per_token = inp.weigh((-surrogate + beta * kl) * inp.kept()[:, None])
     metrics = _token_clip_metrics(m, ratio, inp.advantages[:, None], inp)
     metrics["kl"] = _token_mean_metric(kl, inp)
     return aggregate_tokens(per_token, inp.mask, agg, inp.num_seqs, inp.num_tokens), metrics
@@ -159,8 +178,9 @@ def off_policy_grpo_loss(
 
 
 def _sequence_ratio(inp: PolicyLossInput) -> torch.Tensor:
-    """GSPO's sequence importance ratio `s_i = exp(mean_t (logp_i^t - oldlogp_i^t))`, shape [B]."""
-    return torch.exp(sequence_mean(inp.logprobs - inp.old_logprobs, inp.mask))
+    """GSPO's sequence importance ratio `s_i = exp(mean_t (logp_i^t - oldlogp_i^t))`, shape [B] (under a correction
+    the gradient reaching token t is scaled by `token_weight_i^t`, the value is unchanged: `weighted_logprobs`)."""
+    return torch.exp(sequence_mean(inp.weighted_logprobs() - inp.old_logprobs, inp.mask))
 
 
 def _seq_clip_metrics(seq_mask: torch.Tensor, ratio: torch.Tensor, inp: PolicyLossInput) -> dict[str, torch.Tensor]:
@@ -187,7 +207,7 @@ def rec_gspo_nois_loss(inp: PolicyLossInput, clip: ClipParams) -> LossOutput:
     Gradient: `-(1/N) A_i M_i / |y_i|` on each response token of sequence i."""
     ratio = _sequence_ratio(inp)
     seq_mask = one_side_mask(ratio, inp.advantages, clip)
-    mean_logp = sequence_mean(inp.logprobs, inp.mask)
+    mean_logp = sequence_mean(inp.weighted_logprobs(), inp.mask)
     loss = -(inp.advantages * seq_mask * inp.kept() * mean_logp).sum() / inp.num_seqs
     return loss, _seq_clip_metrics(seq_mask, ratio, inp)
 
@@ -202,7 +222,7 @@ def opmd_loss(inp: PolicyLossInput, beta: float) -> LossOutput:
     """Kimi's OPMD as REC reads it (section 4.2, Table 3), per sequence with `logp_i = sum_t logp_i^t`:
     `L = (1/N) sum_i [ -A_i logp_i + beta/2 (logp_i - oldlogp_i)^2 ]`, `A_i = r_i - rbar`.
     Gradient on each response token of i: `(1/N) (-A_i + beta (logp_i - oldlogp_i))`."""
-    logp, old = sequence_sum(inp.logprobs, inp.mask), sequence_sum(inp.old_logprobs, inp.mask)
+    logp, old = sequence_sum(inp.weighted_logprobs(), inp.mask), sequence_sum(inp.old_logprobs, inp.mask)
     kept = inp.kept()
     delta = logp - old
     loss = ((-inp.advantages * logp + 0.5 * beta * delta**2) * kept).sum() / inp.num_seqs
@@ -215,6 +235,9 @@ def oapl_loss(inp: PolicyLossInput, beta2: float) -> LossOutput:
     `L = (1/N) sum_i ( beta2 (logp_i - vllm_i) - A_i )^2` (the paper sums over x and i; `1/N` is a constant).
     No importance weight, no clipping. Gradient on each response token of i:
     `(2 beta2 / N) (beta2 (logp_i - vllm_i) - A_i)`."""
+    if inp.token_weight is not None:
+        raise ValueError("OAPL must not be reweighted: PolicyLossInput.token_weight must be None "
+                         "(set algorithm.correction.kind=none)")
     logratio = sequence_sum(inp.logprobs, inp.mask) - sequence_sum(inp.engine(), inp.mask)
     residual = beta2 * logratio - inp.advantages
     kept = inp.kept()

@@ -6,6 +6,8 @@ it calls:
 - `sequence_mask(rewards [G, K], cfg) -> [G, K]` 0/1 per-sequence weights for `PolicyLossInput.seq_mask`
   (all ones except where an algorithm masks whole groups, e.g. off-policy GRPO's zero-variance groups);
 - `loss(PolicyLossInput, cfg) -> (loss, metrics)` per microbatch (global-batch contributions).
+A train-inference correction (`algorithm.correction`, `corrections.py`) reaches every loss the same way, as
+`PolicyLossInput.token_weight`; an algorithm with `reweightable=False` (OAPL) is refused with one at config time.
 Add an algorithm by registering it here; `config_keys` lists the `AlgorithmConfig` fields it reads.
 """
 
@@ -42,6 +44,8 @@ class Algorithm:
     sequence_mask: AdvantageFn = _keep_all  # rewards [G, K] -> 0/1 [G, K] for PolicyLossInput.seq_mask
     config_keys: tuple[str, ...] = ()  # AlgorithmConfig fields this algorithm reads (besides `name`)
     reference: str = ""  # paper and section of the formula
+    # the loss takes a train-inference correction (`PolicyLossInput.token_weight`, `algorithm.correction`)
+    reweightable: bool = True
 
 
 def _clip(cfg: AlgorithmConfig) -> ClipParams:
@@ -197,6 +201,7 @@ ALGORITHMS: dict[str, Algorithm] = {
             lambda inp, cfg: losses.oapl_loss(inp, cfg.oapl_beta2),
             config_keys=("oapl_beta1", "oapl_beta2"),
             reference="OAPL section 3 (eq. 2-3); A*-PO (Brantley et al. 2025)",
+            reweightable=False,  # regresses beta2 log(pi / pi_vllm) to the advantage: an IS weight breaks the target
         ),
         Algorithm(
             "off_policy_grpo",

@@ -122,6 +122,40 @@ class CheckpointConfig(_Strict):
     )
 
 
+class CorrectionConfig(_Strict):
+    """Train-inference mismatch correction (`megarl/algorithms/corrections.py`, docs/algorithms.md): a per-token
+    weight from `rho = pi_trainer / pi_engine` of the sampled tokens (trainer at this step's pre-update weights)."""
+
+    kind: Literal["none", "tis_token", "tis_seq", "mis_token", "mis_seq", "icepop"] = Field(
+        "none", description="none: no reweighting (default); tis_token: w = min(rho_t, cap) (Yao et al. 2025); "
+        "tis_seq: w = min(prod_t rho_t, cap) per sequence; mis_token / mis_seq: weight 0 for tokens / sequences whose "
+        "rho (sequence: prod_t rho_t) leaves [lower, upper], 1 otherwise (Liu, Li et al. 2025; verl rollout_rs); "
+        "icepop: w = rho_t inside [lower, upper], 0 outside (Ring-1T's IcePop, alpha = lower, beta = upper). "
+        "Refused with OAPL (its regression target must not be reweighted).",
+    )
+    cap: float = Field(
+        2.0, gt=0, description="C of tis_token / tis_seq: the weight is min(ratio, C). Default 2.0 (the TIS blog's "
+        "and verl's rollout_is_threshold default).",
+    )
+    lower: float = Field(
+        0.5, ge=0, description="Lower end of the kept band of mis_token / mis_seq / icepop (IcePop's alpha): ratios "
+        "below it get weight 0. Default 0.5.",
+    )
+    upper: float = Field(
+        2.0, gt=0, description="Upper end of the kept band of mis_token / mis_seq / icepop (IcePop's beta): ratios "
+        "above it get weight 0. Default 2.0.",
+    )
+
+    @model_validator(mode="after")
+    def _band(self) -> CorrectionConfig:
+        if self.lower >= self.upper:
+            raise ValueError(
+                f"algorithm.correction.lower={self.lower} must be < algorithm.correction.upper={self.upper} (the kept "
+                "band [lower, upper] of mis_token / mis_seq / icepop would be empty): lower it or raise upper"
+            )
+        return self
+
+
 class AlgorithmConfig(_Strict):
     """Algorithm hyper-parameters. Each algorithm reads only the keys listed for it in docs/algorithms.md
     (and in `Algorithm.config_keys`); the others are ignored."""
@@ -186,6 +220,10 @@ class AlgorithmConfig(_Strict):
         "recompute at its current weights before the update (decoupled-PPO 'proximal' policy). OAPL always "
         "regresses against the engine's log-probs (PolicyLossInput.engine_logprobs).",
     )
+    correction: CorrectionConfig = Field(
+        default_factory=CorrectionConfig, description="Train-inference mismatch correction (TIS / MIS / IcePop) "
+        "applied to the loss of any algorithm except OAPL; default none.",
+    )
 
     @field_validator("name")
     @classmethod
@@ -199,6 +237,25 @@ class AlgorithmConfig(_Strict):
         if name not in ALGORITHMS:
             raise ValueError(f"{name!r} is not a registered algorithm; choose one of: {', '.join(sorted(ALGORITHMS))}")
         return name
+
+    @model_validator(mode="after")
+    def _correctable(self) -> AlgorithmConfig:
+        if self.correction.kind == "none":
+            return self
+        try:
+            from megarl.algorithms.registry import ALGORITHMS
+        except ModuleNotFoundError as err:  # launch side without torch: `megarl prepare` on the nodes checks it
+            if err.name != "torch":
+                raise
+            return self
+        algorithm = ALGORITHMS.get(self.name)
+        if algorithm is not None and not algorithm.reweightable:
+            raise ValueError(
+                f"algorithm.correction.kind={self.correction.kind!r} cannot be combined with algorithm.name="
+                f"{self.name!r}: {algorithm.name} regresses the log-ratio to the engine directly and must not be "
+                "reweighted (docs/algorithms.md); set algorithm.correction.kind=none or choose another algorithm"
+            )
+        return self
 
     @model_validator(mode="after")
     def _ring_margins(self) -> AlgorithmConfig:

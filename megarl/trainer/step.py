@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from megarl.algorithms.corrections import correction_weights
 from megarl.algorithms.losses import PolicyLossInput
 from megarl.algorithms.registry import Algorithm
 from megarl.batch import RolloutBatch
@@ -33,10 +34,14 @@ def train_on_batch(
 
     def loss_fn(logprobs: torch.Tensor, entropy: torch.Tensor, mb: dict[str, torch.Tensor]):
         mask = mb["mask"]
+        # train-inference correction (algorithm.correction): rho = trainer (this step's pre-update weights) / engine
+        weight, correction_metrics = correction_weights(cfg.algorithm.correction, logprobs, mb["engine_logprobs"],
+                                                        mask, num_tokens)
         inp = PolicyLossInput(logprobs * mask, mb["old_logprobs"], mask, mb["advantages"], batch.num_seqs,
                               num_tokens=int(num_tokens), engine_logprobs=mb["engine_logprobs"],
-                              seq_mask=mb["seq_mask"].float())
+                              seq_mask=mb["seq_mask"].float(), token_weight=weight)
         loss, metrics = algorithm.loss(inp, cfg.algorithm)
+        metrics.update(correction_metrics)
         metrics["entropy"] = (entropy.detach() * mask).sum() / num_tokens
         gap = (logprobs.detach() - mb["engine_logprobs"]).abs()
         metrics["logprob/engine_vs_trainer"] = (gap * mask).sum() / num_tokens
