@@ -9,6 +9,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from megarl.rewards.registry import check_reward_name
+
 
 class _Strict(BaseModel):
     """Unknown keys are errors (a typo must not silently fall back to a default)."""
@@ -219,7 +221,13 @@ class DataConfig(_Strict):
 
 
 class RewardConfig(_Strict):
-    name: Literal["exact_match"] = Field("exact_match", description="Reward: 1 if the response equals the answer.")
+    name: str = Field(
+        "exact_match", description="Reward function: a registered name (`exact_match`: the stripped response equals "
+        "the answer; `math_verify`: math-verify equivalence of the last `\\boxed{}` / `#### N` / free-text answer, "
+        "after any `</think>`; `math_verify_boxed`: the same, a boxed or `#### N` answer required; `gsm8k_strict`: "
+        "the last `#### N`; `gsm8k_flexible`: the last number) or a dotted path `package.module:callable` with "
+        "signature fn(response_text, answer) -> float | (float, flag); see megarl/rewards/registry.py, docs/data.md.",
+    )
     workers: int = Field(
         2, ge=1, description="Processes that compute rewards (off the generation and training threads)."
     )
@@ -227,6 +235,11 @@ class RewardConfig(_Strict):
         30.0, gt=0, description="Seconds one response's reward may take; past it the worker is killed and the "
         "response scores 0 (counted in the step's `reward/timeouts`).",
     )
+
+    @field_validator("name")
+    @classmethod
+    def _known_reward(cls, name: str) -> str:
+        return check_reward_name(name)  # the form only: a dotted path is imported when the run starts
 
 
 class OptimizerConfig(_Strict):

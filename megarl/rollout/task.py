@@ -15,12 +15,11 @@ from megarl.config.schema import Config
 from megarl.data.arithmetic import problem_batch
 from megarl.metrics.timeline import Timeline
 from megarl.rewards.pool import RewardPool
+from megarl.rewards.registry import REWARD_FUNCTIONS  # reward.name -> module:callable
 from megarl.rollout.batch import RolloutBatch
 from megarl.rollout.client import RolloutClient
 from megarl.rollout.worker import RolloutWorker
 from megarl.sync.schedule import SyncSchedule
-
-REWARD_FUNCTIONS = {"exact_match": "megarl.rewards.exact_match:exact_match"}  # reward.name -> module:callable
 
 
 def start_rollout_worker(cfg: Config, clients: list[RolloutClient], timeline: Timeline, start: int = 0,
