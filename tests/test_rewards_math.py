@@ -8,8 +8,9 @@ import time
 
 import pytest
 
+from megarl.rewards.extract import final_answer_text, last_boxed
 from megarl.rewards.gsm8k import gsm8k_flexible, gsm8k_strict
-from megarl.rewards.math_verify_reward import final_answer_text, last_boxed, math_verify, math_verify_boxed
+from megarl.rewards.math_verify_reward import math_verify, math_verify_boxed
 from megarl.rewards.pool import RewardPool
 from megarl.rewards.registry import GOLD_UNPARSABLE, UNPARSABLE, reward_function
 

@@ -21,36 +21,14 @@ import re
 
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
+from megarl.rewards.extract import final_answer_text, last_boxed
+
 logging.getLogger("math_verify").setLevel(logging.ERROR)  # its "timeout is disabled" warning: the pool enforces one
 
 UNPARSABLE = "unparsable"  # same strings as megarl.rewards.registry (kept import-free for the workers)
 GOLD_UNPARSABLE = "gold_unparsable"
 _GSM8K = re.compile(r"####\s*\$?\s*(-?[\d,]*\.?\d+)")
 _LATEX = [LatexExtractionConfig(), ExprExtractionConfig()]
-
-
-def last_boxed(text: str) -> str | None:
-    """The content of the last `\\boxed{...}` (or `\\fbox{...}`) in `text`, nested braces included; None if none
-    (or if its braces never close)."""
-    start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
-    if start < 0:
-        return None
-    i = text.index("{", start) + 1
-    depth = 1
-    for j in range(i, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[j], 0)
-        if depth == 0:
-            return text[i:j]
-    return None
-
-
-def final_answer_text(response_text: str) -> str | None:
-    """The part of the response that holds the answer: after the last `</think>`; None for an unclosed `<think>`."""
-    if "</think>" in response_text:
-        return response_text.rsplit("</think>", 1)[1]
-    if "<think>" in response_text:
-        return None
-    return response_text
 
 
 def _parse_pred(text: str, boxed_only: bool) -> list:
