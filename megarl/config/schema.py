@@ -215,9 +215,56 @@ class AlgorithmConfig(_Strict):
 
 
 class DataConfig(_Strict):
-    task: Literal["arithmetic"] = Field("arithmetic", description="Synthetic verifiable task.")
+    task: Literal["arithmetic", "guru", "gsm8k", "math"] = Field(
+        "arithmetic", description="Where prompts come from: `arithmetic` (synthetic additions, no files: the CPU "
+        "demo's), or dataset files in one of the row formats of megarl/data/formats.py: `guru` (verl/Reasoning360 "
+        "layout: chat-message `prompt`, `reward_model.ground_truth`, `data_source`), `gsm8k` (`question`, `answer` "
+        "ending in `#### N`), `math` (MATH / MATH-500: `problem`, `answer` or the last `\\boxed{}` of `solution`).",
+    )
     prompts_per_step: int = Field(16, ge=1, description="Prompts per rollout batch (groups per step).")
-    max_operand: int = Field(4, ge=1, le=9, description="Operands are drawn from 0..max_operand.")
+    max_operand: int = Field(4, ge=1, le=9, description="arithmetic only: operands are drawn from 0..max_operand.")
+    train_files: list[Path] = Field(
+        default_factory=list, description="Dataset tasks: the training files (`.parquet` or `.jsonl`), read in "
+        "this order as one row list; relative paths are from the working directory. The samples shipped in "
+        "megarl/data/samples/ have every format.",
+    )
+    eval_files: list[Path] = Field(
+        default_factory=list, description="Dataset tasks: held-out files (same format as train_files) for "
+        "evaluation, read in order, unshuffled.",
+    )
+    max_prompt_tokens: int | None = Field(
+        None, ge=1, description="Dataset tasks: drop rows whose rendered prompt (template and instruction applied) "
+        "has more tokens than this; the count dropped is logged once. None keeps every row.",
+    )
+    prompt_template: Literal["auto", "chat", "raw"] = Field(
+        "auto", description="How a row becomes prompt text: `chat` = the tokenizer's own chat template "
+        "(apply_chat_template with add_generation_prompt; plain-text rows as one user message), `raw` = the text "
+        "itself (chat rows: their messages' contents joined by a blank line), `auto` = chat when the tokenizer has "
+        "a chat template, else raw. The papers state no template (see megarl/data/prompts.py).",
+    )
+    instruction: str = Field(
+        "", description="Dataset tasks: text appended on a new line to the row's (last user) prompt, e.g. 'Please "
+        "reason step by step, and put your final answer within \\boxed{}.'; empty adds nothing (Guru's prompts "
+        "carry their own).",
+    )
+    shuffle: bool = Field(
+        True, description="Dataset tasks: permute the rows anew each epoch, seeded by (run.seed, epoch); off "
+        "streams them in file order, epoch after epoch.",
+    )
+
+    @model_validator(mode="after")
+    def _check_files(self) -> DataConfig:
+        if self.task == "arithmetic":
+            if self.train_files or self.eval_files:
+                raise ValueError("data.train_files / data.eval_files are read only by dataset tasks (data.task: "
+                                 "guru, gsm8k or math), not by data.task: arithmetic")
+            return self
+        if not self.train_files:
+            raise ValueError(f"data.task: {self.task} needs data.train_files (.parquet or .jsonl files)")
+        bad = [str(f) for f in [*self.train_files, *self.eval_files] if f.suffix not in (".parquet", ".jsonl")]
+        if bad:
+            raise ValueError(f"data files must end in .parquet or .jsonl: {', '.join(bad)}")
+        return self
 
 
 class RewardConfig(_Strict):
