@@ -54,7 +54,7 @@ class _Row:
         value = self.row.get(field)
         if value is None:
             if required:
-                raise self.error(field, "is missing" if field not in self.row else "is null")
+                raise self.error(field, "is missing or null")
             return None
         if not isinstance(value, types) or isinstance(value, bool):
             raise self.error(field, f"has type {type(value).__name__}")
