@@ -4,6 +4,7 @@ inputs time out within the pool's timeout without stalling the other items."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -107,3 +108,12 @@ def test_math_verify_through_the_pool_counts_unparsable_and_times_out_pathologic
         assert scored.timed_out == [n + 1, n + 4]
         assert elapsed < 2 * timeout_s + 30  # at most two timeouts and two worker restarts (sympy import)
         assert pool.score([("\\boxed{3}", "3")]).rewards == [1.0]  # the replaced workers score again
+
+
+def test_math_verify_works_off_the_main_thread():
+    # math-verify's own SIGALRM timeouts fail outside the main thread (its parse would return nothing): they are off
+    results: list[object] = []
+    thread = threading.Thread(target=lambda: results.append(math_verify("\\boxed{\\frac{1}{2}}", "0.5")))
+    thread.start()
+    thread.join(60)
+    assert results == [1.0]
