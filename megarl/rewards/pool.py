@@ -43,6 +43,7 @@ class ScoredRewards:
     seconds: float  # wall time of the call
     flags: dict[str, list[int]] = field(default_factory=dict)  # flag -> indices of the items the function flagged
 
+
 _MAX_FLAG_CHARS = 40
 
 
