@@ -28,6 +28,7 @@ class RolloutBatch:
     advantages: torch.Tensor | None  # [G, K]; None until the controller consumes the batch
     policy_version: int  # version of the weights that generated every sample of the batch (engine-reported)
     reward_timeouts: int = 0  # samples whose reward function passed reward.timeout_s (scored 0)
+    reward_flags: dict[str, int] = dataclasses.field(default_factory=dict)  # flag -> samples the reward flagged
 
     @property
     def num_seqs(self) -> int:

@@ -97,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
             for_gpu = True if getattr(args, "gpu", False) else None
             cfg = prepare(args.config, args.overrides, create_run_dir=args.command == "train", for_gpu=for_gpu)
             if args.command == "check":
+                from megarl.launch import check_data
+
+                print("\n".join(check_data(cfg)))
                 print(f"config OK{' for a GPU job' if for_gpu else ''}: {args.config}")
                 return 0
             from megarl.metrics.timeline import describe

@@ -39,6 +39,7 @@ def prepare(config_path: str | None, overrides: list[str], create_run_dir: bool 
         ensure_tiny_checkpoint(cfg.model.hf_dir, kind=cfg.model.tiny, seed=cfg.run.seed)
     cuda = torch.cuda.is_available() if for_gpu is None else for_gpu
     check_against_model(cfg, read_hf_config(cfg.model.hf_dir), cuda=cuda)
+    check_data(cfg)
     if cfg.checkpoint.resume is not None:  # fail here, before anything starts, if the checkpoint is unusable
         from megarl.checkpoint import CheckpointError
         from megarl.loop import resume_point
@@ -71,6 +72,17 @@ def prepare(config_path: str | None, overrides: list[str], create_run_dir: bool 
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     return cfg
+
+
+def check_data(cfg: Config) -> list[str]:
+    """Open every dataset file and check each row's schema, and import the reward function, before anything
+    starts (megarl/data/task.py `validate`); one line per file. Raises ConfigError naming the file, row and field."""
+    from megarl.data.task import validate
+
+    try:
+        return validate(cfg)
+    except (ValueError, OSError) as err:  # DataFormatError, RewardConfigError, a missing or unreadable file
+        raise ConfigError(f"data/reward: {err}") from None
 
 
 def _trainer_rank(rank: int, cfg_data: dict[str, Any], fleet_urls: list[str], ports: dict[str, int]) -> None:

@@ -37,6 +37,7 @@ from megarl.config.schema import Config
 from megarl.metrics.sinks import open_sinks
 from megarl.metrics.timeline import Timeline, step_times
 from megarl.metrics.writer import MetricsWriter
+from megarl.rewards.registry import GOLD_UNPARSABLE, UNPARSABLE
 from megarl.rollout.worker import RolloutWorker
 from megarl.sync.schedule import SyncSchedule
 from megarl.sync.weight_sync import SyncStats
@@ -53,6 +54,7 @@ def _broadcast(obj: Any, rank: int) -> Any:
     return box[0]
 
 
+REWARD_FLAGS = (UNPARSABLE, GOLD_UNPARSABLE)  # recorded every step (0 when the reward flags nothing)
 SYNC_PHASES = ("plan_s", "open_s", "send_s", "close_s", "fleet_paused_s", "worker_receive_s", "worker_load_s")
 
 
@@ -109,14 +111,15 @@ def _span(timeline: Timeline | None, lane: str, kind: str, label: str) -> Abstra
 
 
 def run_loop(cfg: Config, rank: int, policy, weight_sync,
-             start_rollout: Callable[[Timeline, int, dict], RolloutWorker] | None,
+             start_rollout: Callable[[Timeline, int, dict, dict | None], RolloutWorker] | None,
              dp: tuple[int, int], pad_id: int) -> list[dict]:
     """Train until cfg.run.steps steps are done; returns the metric records (rank 0; other ranks return []).
-    Rank 0 passes `start_rollout(timeline, first_batch, saved_batches)`, which starts the rollout worker."""
+    Rank 0 passes `start_rollout(timeline, first_batch, saved_batches, data_position)`, which starts the rollout
+    worker (`data_position`: where a resumed run's data continues, as its checkpoint recorded it; None if fresh)."""
     algorithm = get_algorithm(cfg.algorithm.name)
     schedule = SyncSchedule(cfg.sync.interval, cfg.sync.offset)
     world = dist.get_world_size()
-    start, saved = 0, {}
+    start, saved, data_position = 0, {}, None
     resumed = resume_point(cfg)
     if resumed is not None:  # trainer state, then (rank 0) the batches generated ahead and the estimator state
         state = resumed.rank_state(rank)
@@ -126,6 +129,7 @@ def run_loop(cfg: Config, rank: int, policy, weight_sync,
         if rank == 0:
             loop_state = resumed.loop_state()
             saved = loop_state["pending"]
+            data_position = loop_state.get("data")  # checkpoints written before data positions existed: None
             if loop_state["algorithm"] is not None:
                 algorithm.advantages.load_state_dict(loop_state["algorithm"])
     last_saved = resumed.step if resumed is not None else -1
@@ -148,7 +152,7 @@ def run_loop(cfg: Config, rank: int, policy, weight_sync,
     try:
         if rank == 0 and start_rollout is not None:
             with _span(timeline, "trainer", "startup", "rollout worker"):
-                rollout = start_rollout(timeline, start, saved)
+                rollout = start_rollout(timeline, start, saved, data_position)
         for step in bar:
             before = schedule.push_at_step(step)  # the batch a push of the trainer's weights precedes now
             if before is not None and before < cfg.run.steps:  # (a push for batches never trained on is skipped)
@@ -175,7 +179,10 @@ def run_loop(cfg: Config, rank: int, policy, weight_sync,
                 record.update({"batch/generation_version": batch.policy_version, "batch_lag": lag,
                                "reward/mean": float(batch.rewards.mean()), "reward/timeouts": batch.reward_timeouts,
                                "response/length_mean": sum(lengths) / len(lengths),
-                               "response/length_min": min(lengths), "response/length_max": max(lengths)})
+                               "response/length_min": min(lengths), "response/length_max": max(lengths),
+                               # samples the reward function flagged, e.g. reward/unparsable (no answer found)
+                               **{f"reward/{flag}": 0 for flag in REWARD_FLAGS},
+                               **{f"reward/{flag}": n for flag, n in batch.reward_flags.items()}})
                 record.update(train_on_batch(policy, batch, algorithm, cfg, pad_id, *dp, lag=lag))
             record.update(_sync_metrics(syncs))
             record["sync/versions"] = [s.version for s in syncs]
@@ -202,7 +209,8 @@ def run_loop(cfg: Config, rank: int, policy, weight_sync,
                     loop_state = None
                     if rollout is not None:  # the fleet stops before the push that follows; save what it made
                         rollout.quiesce(min(schedule.batches_ready_before_step(step), cfg.run.steps))
-                        loop_state = {"pending": rollout.pending(), "algorithm": _algorithm_state(algorithm)}
+                        loop_state = {"pending": rollout.pending(), "algorithm": _algorithm_state(algorithm),
+                                      "data": rollout.data_position(step + 1)}  # where the data continues
                     save_checkpoint(Path(cfg.run.dir) / "checkpoints", step, rank, world,
                                     {"policy": policy.state_dict(), "rng": rng_state()}, loop_state,
                                     checkpoint_identity(cfg), cfg.checkpoint.keep_last)

@@ -61,8 +61,8 @@ def run_rank(cfg: Config, place: ProcessPlace, sync_port: int, fleet_urls: Calla
         )
         start_rollout = None
         if rank == 0:
-            def start_rollout(timeline, start, saved):
-                return start_rollout_worker(cfg, clients, timeline, start, saved)
+            def start_rollout(timeline, start, saved, data_position):
+                return start_rollout_worker(cfg, clients, timeline, start, saved, data_position)
         run_loop(cfg, rank, policy, weight_sync, start_rollout, dp_rank_and_size(), pad_id=hf.get("pad_token_id") or 0)
         weight_sync.close()
     finally:

@@ -1,7 +1,8 @@
 """Reward functions for tests/test_reward_pool.py, imported by the pool's worker processes.
 
 `scripted` acts on the response text: most responses are scored by exact match; a few keywords make it
-misbehave the way a real reward function might (hang, raise, crash the process, return a bad value).
+misbehave the way a real reward function might (hang, raise, crash the process, return a bad value), or return
+a flagged `(score, flag)` pair.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from megarl.rewards.exact_match import exact_match
 NOT_CALLABLE = 3
 
 
-def scripted(response_text: str, answer: str) -> float:
+def scripted(response_text: str, answer: str) -> float | tuple[float, str]:
     if response_text == "hang":
         time.sleep(3600)
     if response_text.startswith("boom"):
@@ -25,6 +26,10 @@ def scripted(response_text: str, answer: str) -> float:
         os._exit(3)
     if response_text == "nan":
         return float("nan")
+    if response_text.startswith("flag:"):  # "flag:<flag>": 0.0 marked with <flag>
+        return 0.0, response_text.removeprefix("flag:")
+    if response_text == "badflag":
+        return 1.0, 3  # type: ignore[return-value]
     if response_text == "text":
         return "not a number"  # type: ignore[return-value]
     if response_text.startswith("meet:"):  # wait until two processes are inside this call at the same time

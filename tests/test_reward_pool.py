@@ -138,3 +138,16 @@ def test_concurrent_score_calls_from_two_threads(pool):
     for thread in threads:
         thread.join()
     assert results == expected
+
+
+def test_flagged_items_are_listed_per_flag(pool):
+    items = [("1", "1"), ("flag:unparsable", "1"), ("2", "3"), ("flag:gold_unparsable", "1"), ("flag:unparsable", "")]
+    scored = pool.score(items)
+    assert scored.rewards == [1.0, 0.0, 0.0, 0.0, 0.0]
+    assert scored.flags == {"unparsable": [1, 4], "gold_unparsable": [3]}
+    assert pool.score([("1", "1")]).flags == {}
+
+
+def test_bad_flag_raises_reward_error(pool):
+    with pytest.raises(RewardError, match="returned flag 3, not a string"):
+        pool.score([("badflag", "1")])

@@ -9,6 +9,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from megarl.rewards.registry import check_reward_name
+
 
 class _Strict(BaseModel):
     """Unknown keys are errors (a typo must not silently fall back to a default)."""
@@ -270,18 +272,71 @@ class AlgorithmConfig(_Strict):
 
 
 class DataConfig(_Strict):
-    task: Literal["arithmetic"] = Field("arithmetic", description="Synthetic verifiable task.")
+    task: Literal["arithmetic", "guru", "gsm8k", "math"] = Field(
+        "arithmetic", description="Where prompts come from: `arithmetic` (synthetic additions, no files: the CPU "
+        "demo's), or dataset files in one of the row formats of megarl/data/formats.py: `guru` (verl/Reasoning360 "
+        "layout: chat-message `prompt`, `reward_model.ground_truth`, `data_source`), `gsm8k` (`question`, `answer` "
+        "ending in `#### N`), `math` (MATH / MATH-500: `problem`, `answer` or the last `\\boxed{}` of `solution`).",
+    )
     prompts_per_step: int = Field(16, ge=1, description="Prompts per rollout batch (groups per step).")
-    max_operand: int = Field(4, ge=1, le=9, description="Operands are drawn from 0..max_operand.")
+    max_operand: int = Field(4, ge=1, le=9, description="arithmetic only: operands are drawn from 0..max_operand.")
     answer_digits: bool = Field(
-        False, description="Arithmetic answers written one digit per token ('1 2' for 12) and ended by the EOS "
-        "token: multi-token, variable-length responses (set rollout.max_new_tokens >= 3). False: the sum is one "
+        False, description="arithmetic only: answers written one digit per token ('1 2' for 12) and ended by the "
+        "EOS token: multi-token, variable-length responses (set rollout.max_new_tokens >= 3). False: the sum is one "
         "token and rollout.max_new_tokens=1 suffices.",
     )
+    train_files: list[Path] = Field(
+        default_factory=list, description="Dataset tasks: the training files (`.parquet` or `.jsonl`), read in "
+        "this order as one row list; relative paths are from the working directory. The samples shipped in "
+        "megarl/data/samples/ have every format.",
+    )
+    eval_files: list[Path] = Field(
+        default_factory=list, description="Dataset tasks: held-out files (same format as train_files) for "
+        "evaluation, read in order, unshuffled.",
+    )
+    max_prompt_tokens: int | None = Field(
+        None, ge=1, description="Dataset tasks: drop rows whose rendered prompt (template and instruction applied) "
+        "has more tokens than this; the count dropped is logged once. None keeps every row.",
+    )
+    prompt_template: Literal["auto", "chat", "raw"] = Field(
+        "auto", description="How a row becomes prompt text: `chat` = the tokenizer's own chat template "
+        "(apply_chat_template with add_generation_prompt; plain-text rows as one user message), `raw` = the text "
+        "itself (chat rows: their messages' contents joined by a blank line), `auto` = chat when the tokenizer has "
+        "a chat template, else raw. The papers state no template (see megarl/data/prompts.py).",
+    )
+    instruction: str = Field(
+        "", description="Dataset tasks: text appended on a new line to the row's (last user) prompt, e.g. 'Please "
+        "reason step by step, and put your final answer within \\boxed{}.'; empty adds nothing (Guru's prompts "
+        "carry their own).",
+    )
+    shuffle: bool = Field(
+        True, description="Dataset tasks: permute the rows anew each epoch, seeded by (run.seed, epoch); off "
+        "streams them in file order, epoch after epoch.",
+    )
+
+    @model_validator(mode="after")
+    def _check_files(self) -> DataConfig:
+        if self.task == "arithmetic":
+            if self.train_files or self.eval_files:
+                raise ValueError("data.train_files / data.eval_files are read only by dataset tasks (data.task: "
+                                 "guru, gsm8k or math), not by data.task: arithmetic")
+            return self
+        if not self.train_files:
+            raise ValueError(f"data.task: {self.task} needs data.train_files (.parquet or .jsonl files)")
+        bad = [str(f) for f in [*self.train_files, *self.eval_files] if f.suffix not in (".parquet", ".jsonl")]
+        if bad:
+            raise ValueError(f"data files must end in .parquet or .jsonl: {', '.join(bad)}")
+        return self
 
 
 class RewardConfig(_Strict):
-    name: Literal["exact_match"] = Field("exact_match", description="Reward: 1 if the response equals the answer.")
+    name: str = Field(
+        "exact_match", description="Reward function: a registered name (`exact_match`: the stripped response equals "
+        "the answer; `math_verify`: math-verify equivalence of the last `\\boxed{}` / `#### N` / free-text answer, "
+        "after any `</think>`; `math_verify_boxed`: the same, a boxed or `#### N` answer required; `gsm8k_strict`: "
+        "the last `#### N`; `gsm8k_flexible`: the last number) or a dotted path `package.module:callable` with "
+        "signature fn(response_text, answer) -> float | (float, flag); see megarl/rewards/registry.py, docs/data.md.",
+    )
     workers: int = Field(
         2, ge=1, description="Processes that compute rewards (off the generation and training threads)."
     )
@@ -289,6 +344,11 @@ class RewardConfig(_Strict):
         30.0, gt=0, description="Seconds one response's reward may take; past it the worker is killed and the "
         "response scores 0 (counted in the step's `reward/timeouts`).",
     )
+
+    @field_validator("name")
+    @classmethod
+    def _known_reward(cls, name: str) -> str:
+        return check_reward_name(name)  # the form only: a dotted path is imported when the run starts
 
 
 class EvalConfig(_Strict):
@@ -371,6 +431,9 @@ class Config(_Strict):
                 f"trainer.world_size={t.world_size} is not a multiple of trainer.tp * trainer.pp = {t.tp * t.pp}: "
                 "set trainer.world_size to a multiple of tp*pp (data parallel = world_size / (tp*pp))"
             )
+        if self.eval.interval and self.data.task != "arithmetic" and not self.data.eval_files:
+            raise ValueError(f"eval.interval={self.eval.interval} with data.task: {self.data.task} needs held-out "
+                             "data: set data.eval_files (or eval.interval=0)")
         dp = t.world_size // (t.tp * t.pp)
         if dp % t.ep:  # megatron-core: expert tensor parallel = tp, so world_size % (tp * ep * pp) == 0
             raise ValueError(

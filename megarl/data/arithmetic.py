@@ -10,13 +10,10 @@ sequence-level losses, EOS handling and padding run end to end, and an untrained
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 
+from megarl.data.problem import Problem
 
-@dataclass(frozen=True)
-class Problem:
-    prompt: str
-    answer: str
+__all__ = ["Problem", "problem_batch"]
 
 
 def problem_batch(batch_index: int, size: int, max_operand: int, seed: int, digits: bool = False) -> list[Problem]:

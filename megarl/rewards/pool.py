@@ -5,8 +5,10 @@ function's module and answers one `(response_text, answer)` pair at a time over 
 the idle workers in a queue and one thread per worker (a `ThreadPoolExecutor`); the thread holding a worker waits
 at most `timeout_s` for the reply. A worker past the timeout is killed (SIGTERM, then SIGKILL) and replaced, and
 its item scores 0.0; a function that raises or returns a non-finite / non-number value, or a worker that dies,
-raises `RewardError`. Workers keep no state between items, so a reward never depends on which worker computed
-it, and concurrent `score()` calls just share the executor's queue.
+raises `RewardError`. A reward function returns a float, or a `(score, flag)` pair whose short `flag` string (e.g.
+`"unparsable"`, see `megarl.rewards.registry`) marks the item: the pool lists flagged items per flag, so a caller can
+count them as metrics (`ScoredRewards.flags`). Workers keep no state between items, so a reward never depends on
+which worker computed it, and concurrent `score()` calls just share the executor's queue.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -39,9 +41,25 @@ class ScoredRewards:
     rewards: list[float]  # one per item, in input order; 0.0 for an item that timed out
     timed_out: list[int]  # indices of items whose reward function passed the timeout
     seconds: float  # wall time of the call
+    flags: dict[str, list[int]] = field(default_factory=dict)  # flag -> indices of the items the function flagged
 
 
-def _load(function: str) -> Callable[[str, str], float]:
+_MAX_FLAG_CHARS = 40
+
+
+def _check_value(value: Any) -> tuple[float, str | None] | str:
+    """A reward function's return value as (score, flag or None), or the reason it is not a valid one."""
+    flag = None
+    if isinstance(value, tuple) and len(value) == 2:
+        value, flag = value
+        if not (isinstance(flag, str) and 0 < len(flag) <= _MAX_FLAG_CHARS):
+            return f"returned flag {repr(flag)[:100]}, not a string of 1..{_MAX_FLAG_CHARS} characters"
+    if isinstance(value, numbers.Real) and math.isfinite(value):
+        return float(value), flag
+    return f"returned {repr(value)[:100]}, not a finite number (or a (number, flag) pair)"
+
+
+def _load(function: str) -> Callable[[str, str], float | tuple[float, str]]:
     """Import 'package.module:callable', or raise ValueError naming the string and the expected form."""
     module_name, colon, attr = function.partition(":")
     bad = f"bad reward function {function!r} (expected 'package.module:callable')"
@@ -75,10 +93,8 @@ def _worker_main(function: str, conn: Connection) -> None:
             frame = traceback.extract_tb(exc.__traceback__)[-1]
             conn.send(("error", f"raised {exc!r} at {frame.filename}:{frame.lineno}"))
             continue
-        if isinstance(value, numbers.Real) and math.isfinite(value):
-            conn.send(("ok", float(value)))
-        else:
-            conn.send(("error", f"returned {repr(value)[:100]}, not a finite number"))
+        checked = _check_value(value)
+        conn.send(("error", checked) if isinstance(checked, str) else ("ok", checked))
 
 
 class _Worker:
@@ -112,8 +128,8 @@ class _Worker:
             raise RewardError(f"reward worker for {self.function} did not start: {reply[1] if reply else 'timeout'}")
         self.ready = True
 
-    def call(self, text: str, answer: str, timeout_s: float) -> float | None:
-        """The reward of one item, or None if it passed the timeout (the process is then killed and replaced)."""
+    def call(self, text: str, answer: str, timeout_s: float) -> tuple[float, str | None] | None:
+        """(reward, flag) of one item, or None if it passed the timeout (the process is then killed and replaced)."""
         if self.stopped:
             self._start()
         if not self.ready:
@@ -149,7 +165,8 @@ class RewardPool:
 
     def __init__(self, function: str, workers: int = 2, timeout_s: float = 30.0) -> None:
         """`function` is 'package.module:callable' (imported in each worker process, e.g.
-        'megarl.rewards.exact_match:exact_match'); called as fn(response_text: str, answer: str) -> float."""
+        'megarl.rewards.exact_match:exact_match'); called as fn(response_text: str, answer: str) -> float, or
+        -> (float, flag) to mark an item (see the module docstring)."""
         if workers < 1 or not timeout_s > 0:
             raise ValueError(f"RewardPool needs workers >= 1 and timeout_s > 0, got {workers} and {timeout_s}")
         _load(function)  # fail fast, in the caller, on a bad string
@@ -166,7 +183,7 @@ class RewardPool:
             self.close()
             raise
 
-    def _score_one(self, text: str, answer: str) -> float | None:
+    def _score_one(self, text: str, answer: str) -> tuple[float, str | None] | None:
         worker = self._idle.get()  # never blocks for long: the executor has exactly one thread per worker
         try:
             return worker.call(text, answer, self._timeout_s)
@@ -187,9 +204,13 @@ class RewardPool:
                 future.cancel()
             concurrent.futures.wait(futures)  # running items finish, so every worker is back in the queue
             raise
-        rewards = [0.0 if value is None else value for value in values]
+        rewards = [0.0 if value is None else value[0] for value in values]
         timed_out = [i for i, value in enumerate(values) if value is None]
-        return ScoredRewards(rewards, timed_out, time.perf_counter() - start)
+        flags: dict[str, list[int]] = {}
+        for i, value in enumerate(values):
+            if value is not None and value[1] is not None:
+                flags.setdefault(value[1], []).append(i)
+        return ScoredRewards(rewards, timed_out, time.perf_counter() - start, flags)
 
     def close(self) -> None:
         """Stop every worker process (idempotent); items still running finish first (at most `timeout_s`)."""

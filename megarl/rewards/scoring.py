@@ -9,17 +9,18 @@ the rollout worker only calls `scorer(index, problems, samples)`.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 
 from megarl.batch import RolloutBatch
-from megarl.data.arithmetic import Problem
+from megarl.data.problem import Problem
 from megarl.rewards.pool import RewardPool
 from megarl.rollout.client import Sample
 
 
 def scored_batch(index: int, samples: list[list[Sample]], rewards: list[list[float]],
-                 reward_timeouts: int = 0) -> RolloutBatch:
+                 reward_timeouts: int = 0, reward_flags: dict[str, int] | None = None) -> RolloutBatch:
     """A batch from its samples (per problem, its K samples) and their rewards; checks one policy version."""
     versions = {s.policy_version for group in samples for s in group}
     if len(versions) != 1:
@@ -34,7 +35,14 @@ def scored_batch(index: int, samples: list[list[Sample]], rewards: list[list[flo
         advantages=None,
         policy_version=versions.pop(),
         reward_timeouts=reward_timeouts,
+        reward_flags=dict(reward_flags or {}),
     )
+
+
+class Scores(NamedTuple):
+    rewards: list[list[float]]  # [G][K]
+    timeouts: int  # responses whose reward passed reward.timeout_s (scored 0)
+    flags: dict[str, int]  # flag -> responses the reward function flagged
 
 
 class BatchScorer:
@@ -44,18 +52,21 @@ class BatchScorer:
     def __init__(self, rewards: RewardPool, decode: Callable[[list[int]], str]) -> None:
         self.rewards, self.decode = rewards, decode
 
-    def rewards_of(self, problems: Sequence[Problem], samples: list[list[Sample]]) -> tuple[list[list[float]], int]:
-        """Each response's reward (`samples[g]` are the K responses to `problems[g]`) and how many timed out."""
+    def rewards_of(self, problems: Sequence[Problem], samples: list[list[Sample]]) -> Scores:
+        """Each response's reward (`samples[g]` are the K responses to `problems[g]`), how many timed out, and
+        how many the reward function flagged, per flag (e.g. `unparsable`: megarl/rewards/registry.py)."""
         items = [(self.decode(s.response_ids), p.answer) for p, group in zip(problems, samples, strict=True)
                  for s in group]
         scored = self.rewards.score(items)
         k = len(samples[0])
-        return [scored.rewards[g * k:(g + 1) * k] for g in range(len(samples))], len(scored.timed_out)
+        return Scores([scored.rewards[g * k:(g + 1) * k] for g in range(len(samples))], len(scored.timed_out),
+                      {flag: len(items) for flag, items in scored.flags.items()})
 
     def __call__(self, index: int, problems: Sequence[Problem], samples: list[list[Sample]]) -> RolloutBatch:
         """Batch `index`: `samples[g]` are the K responses to `problems[g]`."""
-        rewards, timeouts = self.rewards_of(problems, samples)
-        return scored_batch(index, samples, rewards, reward_timeouts=timeouts)
+        scores = self.rewards_of(problems, samples)
+        return scored_batch(index, samples, scores.rewards, reward_timeouts=scores.timeouts,
+                            reward_flags=scores.flags)
 
     def close(self) -> None:
         self.rewards.close()

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from megarl.data.arithmetic import Problem
+from megarl.data.problem import Problem
 from megarl.rewards.scoring import BatchScorer
 from megarl.rollout.client import RolloutClient, Sample
 
@@ -59,7 +59,7 @@ class Evaluator:
         with ThreadPoolExecutor(replicas, thread_name_prefix="megarl-eval") as pool:
             shares = list(pool.map(on_replica, range(replicas)))
         samples = [shares[i % replicas][i // replicas] for i in range(len(self.problems))]
-        rewards, timeouts = self.scorer.rewards_of(self.problems, samples)
+        rewards, timeouts, flags = self.scorer.rewards_of(self.problems, samples)
         versions = sorted({s.policy_version for group in samples for s in group})
         k = self.k
         flat = [x for group in rewards for x in group]
@@ -71,5 +71,6 @@ class Evaluator:
             "eval/response_tokens": sum(len(s.response_ids) for g in samples for s in g) / len(flat),
             "eval/prompts": len(self.problems),
             "eval/timeouts": timeouts,
+            **{f"eval/{flag}": count for flag, count in flags.items()},
             "eval/seconds": time.perf_counter() - start,
         }

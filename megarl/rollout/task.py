@@ -1,51 +1,68 @@
-"""The task side of rollouts: which problems batch `l` holds, how prompts are tokenized, the sampling
-arguments and seeds, and the reward function. `start_rollout_worker` wires them into a `RolloutWorker`.
+"""The task side of rollouts: which problems batch `l` holds (`data.task`: megarl/data/task.py), how prompts are
+tokenized, the sampling arguments and seeds, the reward (`reward.name`: megarl/rewards/registry.py) and the held-out
+evaluation. `start_rollout_worker` wires them into a `RolloutWorker`.
 
-Problems and seeds of batch `l` are a deterministic function of `l` and `run.seed`, so which version
-generates which batch is decided by the schedule alone, and a resumed run regenerates nothing it saved.
+Problems and seeds of batch `l` are a deterministic function of `l`, the data and `run.seed`, so which version
+generates which batch is decided by the schedule alone, and a resumed run regenerates nothing it saved and continues
+the data stream where the checkpoint left it (checked against the position the checkpoint recorded).
 """
 
 from __future__ import annotations
 
-from functools import partial
+import logging
+from pathlib import Path
+from typing import Any
 
 from transformers import AutoTokenizer
 
 from megarl.batch import RolloutBatch
 from megarl.config.schema import Config
 from megarl.data.arithmetic import problem_batch
+from megarl.data.problem import Problem
+from megarl.data.task import build_task
 from megarl.metrics.timeline import Timeline
 from megarl.rewards.pool import RewardPool
+from megarl.rewards.registry import reward_function
 from megarl.rewards.scoring import BatchScorer
 from megarl.rollout.client import RolloutClient
 from megarl.rollout.evaluation import Evaluator
 from megarl.rollout.worker import RolloutWorker
 from megarl.sync.schedule import SyncSchedule
 
-REWARD_FUNCTIONS = {"exact_match": "megarl.rewards.exact_match:exact_match"}  # reward.name -> module:callable
+logger = logging.getLogger(__name__)
+PROMPTS_FILE = "prompts.txt"  # in run.dir: the exact text of the first prompts, written once per run
 
 
 def start_rollout_worker(cfg: Config, clients: list[RolloutClient], timeline: Timeline, start: int = 0,
-                         ready: dict[int, RolloutBatch] | None = None) -> RolloutWorker:
-    """The run's rollout worker, generating from batch `start` on (`ready`: batches a checkpoint saved)."""
-    d, r = cfg.data, cfg.rollout
+                         ready: dict[int, RolloutBatch] | None = None,
+                         data_position: dict[str, Any] | None = None) -> RolloutWorker:
+    """The run's rollout worker, generating from batch `start` on (`ready`: batches a checkpoint saved;
+    `data_position`: the data position it recorded, checked against this run's data)."""
+    r = cfg.rollout
     tokenizer = AutoTokenizer.from_pretrained(str(cfg.model.hf_dir))
-    prompts_per_batch = d.prompts_per_step
-    rewards = RewardPool(REWARD_FUNCTIONS[cfg.reward.name], workers=cfg.reward.workers,
-                         timeout_s=cfg.reward.timeout_s)
+    task = build_task(cfg, tokenizer)
+    if data_position is not None:
+        task.check_position(data_position)
+    text = task.describe()
+    Path(cfg.run.dir, PROMPTS_FILE).write_text(text + "\n")
+    logger.info("data: the first prompts of the run, as the engine gets them:\n%s", text)
+    prompts_per_batch = cfg.data.prompts_per_step
+    rewards = RewardPool(reward_function(cfg.reward.name), workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s)
     try:
-        encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+        def encode(text: str) -> list[int]:
+            return tokenizer(text, add_special_tokens=False)["input_ids"]
+
         scorer = BatchScorer(rewards, lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+        evaluator = None
+        if cfg.eval.interval:
+            evaluator = _evaluator(cfg, clients, encode, scorer, _eval_problems(cfg, tokenizer))
         return RolloutWorker(
-            clients, SyncSchedule(cfg.sync.interval, cfg.sync.offset),
-            problems=partial(problem_batch, size=d.prompts_per_step, max_operand=d.max_operand, seed=cfg.run.seed,
-                             digits=d.answer_digits),
-            encode=encode,
+            clients, SyncSchedule(cfg.sync.interval, cfg.sync.offset), problems=task.problems, encode=encode,
             sampling={"n": r.samples_per_prompt, "max_tokens": r.max_new_tokens, "temperature": r.temperature,
                       "top_p": r.top_p},
             seed=lambda index: cfg.run.seed * 100_003 + index * prompts_per_batch,
             score=scorer, timeline=timeline, end=cfg.run.steps, overlap=r.overlap, start=start, ready=ready,
-            evaluator=_evaluator(cfg, clients, encode, scorer) if cfg.eval.interval else None,
+            evaluator=evaluator, position=task.position,
         )
     except BaseException:
         rewards.close()
@@ -55,11 +72,18 @@ def start_rollout_worker(cfg: Config, clients: list[RolloutClient], timeline: Ti
 EVAL_BATCH_INDEX = -1  # the arithmetic held-out set: its own seed stream, apart from training batches 0, 1, ...
 
 
-def _evaluator(cfg: Config, clients: list[RolloutClient], encode, scorer: BatchScorer) -> Evaluator:
-    """The held-out evaluation: the same prompts and sampling seeds at every evaluation, so two evaluations differ
-    only by the fleet's weights."""
+def _eval_problems(cfg: Config, tokenizer) -> list[Problem]:
+    """The held-out set: arithmetic draws its own fixed set; dataset tasks take the first rows of data.eval_files."""
     d, e = cfg.data, cfg.eval
-    problems = problem_batch(EVAL_BATCH_INDEX, e.prompts, d.max_operand, cfg.run.seed, digits=d.answer_digits)
+    if d.task == "arithmetic":
+        return problem_batch(EVAL_BATCH_INDEX, e.prompts, d.max_operand, cfg.run.seed, digits=d.answer_digits)
+    return build_task(cfg, tokenizer, split="eval").all_problems()[:e.prompts]
+
+
+def _evaluator(cfg: Config, clients: list[RolloutClient], encode, scorer: BatchScorer,
+               problems: list[Problem]) -> Evaluator:
+    """The same prompts and sampling seeds at every evaluation, so two evaluations differ only by the weights."""
+    e = cfg.eval
     sampling = {"n": e.samples, "max_tokens": e.max_new_tokens or cfg.rollout.max_new_tokens,
                 "temperature": e.temperature, "top_p": 1.0}
     return Evaluator(clients, problems, encode, scorer, sampling, seed=cfg.run.seed * 100_003 - 1_000_003)

@@ -12,6 +12,7 @@ becomes ready. The controller (trainer rank 0) only
     pushed(j)       after the push before batch `j`: generation may go on up to the next push,
     pending()       the batches generated but not yet consumed (a checkpoint saves them),
     evaluate()      the held-out evaluation on the fleet's current weights (`megarl.rollout.evaluation`),
+    data_position(j)  where batch j starts in the task's data (recorded in checkpoints),
 
 and calls `batches_generated()` for the metrics and `close()` at the end. With `overlap=False` the same
 threads generate only what the sequential controller would have generated before the trainer's current step
@@ -30,7 +31,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from megarl.batch import RolloutBatch
-from megarl.data.arithmetic import Problem
+from megarl.data.problem import Problem
 from megarl.metrics.timeline import Timeline
 from megarl.rewards.scoring import BatchScorer
 from megarl.rollout.client import RolloutClient, Sample
@@ -57,11 +58,11 @@ class RolloutWorker:
                  encode: Callable[[str], list[int]], sampling: dict, seed: Callable[[int], int],
                  score: BatchScorer, timeline: Timeline, end: int,
                  overlap: bool = True, start: int = 0, ready: dict[int, RolloutBatch] | None = None,
-                 evaluator: Evaluator | None = None) -> None:
+                 evaluator: Evaluator | None = None, position: Callable[[int], dict] | None = None) -> None:
         self.clients, self.schedule, self.timeline, self.overlap, self.end = clients, schedule, timeline, overlap, end
         self._problems, self._encode = problems, encode
         self._sampling, self._seed, self._scorer = sampling, seed, score
-        self._evaluator = evaluator
+        self._evaluator, self._position = evaluator, position
         self._cv = threading.Condition()
         self._ready: dict[int, RolloutBatch] = dict(ready or {})
         first = max([start - 1, *self._ready]) + 1  # next batch to generate
@@ -120,6 +121,10 @@ class RolloutWorker:
         if self._evaluator is None:
             raise RuntimeError("evaluate(): this rollout worker was built without an evaluator (eval.interval=0)")
         return self._evaluator()
+
+    def data_position(self, batch: int) -> dict | None:
+        """Where batch `batch` starts in the task's data (a checkpoint records it; None: the task has none)."""
+        return self._position(batch) if self._position is not None else None
 
     def batches_generated(self) -> int:
         """How many batches have been fully generated so far (consumed ones included)."""
