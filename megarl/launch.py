@@ -27,9 +27,10 @@ from megarl.sync.schedule import SyncSchedule
 
 
 def prepare(config_path: str | None, overrides: list[str], create_run_dir: bool = True,
-            for_gpu: bool | None = None) -> Config:
+            for_gpu: bool | None = None, check_files: bool = True) -> Config:
     """Validate the config and the model layout; make the tiny checkpoint and the run directory.
-    `for_gpu`: check the layout for a GPU job (True) or a CPU one (False); None: for this machine."""
+    `for_gpu`: check the layout for a GPU job (True) or a CPU one (False); None: for this machine.
+    `check_files`: also open the dataset files and import the reward (`megarl plan` needs neither)."""
     import torch
 
     cfg = load_config(config_path, overrides)
@@ -39,7 +40,8 @@ def prepare(config_path: str | None, overrides: list[str], create_run_dir: bool 
         ensure_tiny_checkpoint(cfg.model.hf_dir, kind=cfg.model.tiny, seed=cfg.run.seed)
     cuda = torch.cuda.is_available() if for_gpu is None else for_gpu
     check_against_model(cfg, read_hf_config(cfg.model.hf_dir), cuda=cuda)
-    check_data(cfg)
+    if check_files:
+        check_data(cfg)
     if cfg.checkpoint.resume is not None:  # fail here, before anything starts, if the checkpoint is unusable
         from megarl.checkpoint import CheckpointError
         from megarl.loop import resume_point

@@ -270,7 +270,7 @@ def run(args: argparse.Namespace) -> int:
         from megarl.launch import prepare
 
         # as `megarl check --gpu`: the layout is checked for the GPU job it plans (tiny checkpoints are made)
-        cfg = prepare(args.config, args.overrides, create_run_dir=False, for_gpu=True)
+        cfg = prepare(args.config, args.overrides, create_run_dir=False, for_gpu=True, check_files=False)
         hf = read_hf_config(cfg.model.hf_dir)
         plan = make_plan(hf, cfg, args.dtype)
     except ConfigError as err:

@@ -294,6 +294,10 @@ class DataConfig(_Strict):
         default_factory=list, description="Dataset tasks: held-out files (same format as train_files) for "
         "evaluation, read in order, unshuffled.",
     )
+    eval_format: Literal["guru", "gsm8k", "math"] | None = Field(
+        None, description="Row format of data.eval_files when it differs from data.task's (e.g. Guru training "
+        "with MATH-500 as the held-out set: eval_format: math); None: the same as data.task.",
+    )
     max_prompt_tokens: int | None = Field(
         None, ge=1, description="Dataset tasks: drop rows whose rendered prompt (template and instruction applied) "
         "has more tokens than this; the count dropped is logged once. None keeps every row.",

@@ -75,10 +75,11 @@ class DatasetTask:
     """Rows of dataset files, rendered and length-filtered once, streamed in seeded epochs (see datasets.py)."""
 
     def __init__(self, data: DataConfig, files: list[Path], tokenizer: Any, seed: int, shuffle: bool,
-                 batch_size: int) -> None:
+                 batch_size: int, fmt: str | None = None) -> None:
+        fmt = fmt or data.task  # the files' row format (the eval files may have their own: data.eval_format)
         self._render = partial(render_prompt, tokenizer=tokenizer, template=data.prompt_template,
                                instruction=data.instruction)
-        records = load_records(files, data.task)
+        records = load_records(files, fmt)
         texts = [self._render(r.prompt) for r in records]
         self.dropped = 0
         if data.max_prompt_tokens is not None:
@@ -94,7 +95,7 @@ class DatasetTask:
             records, texts = [records[i] for i in keep], [texts[i] for i in keep]
         self.records: list[Record] = records
         self._texts, self._seed, self._shuffle, self._batch_size = texts, seed, shuffle, batch_size
-        self._record = {"task": data.task, "fingerprint": fingerprint(files), "rows": len(records), "seed": seed,
+        self._record = {"task": fmt, "fingerprint": fingerprint(files), "rows": len(records), "seed": seed,
                         "shuffle": shuffle, "batch_size": batch_size}
 
     def __len__(self) -> int:
@@ -139,7 +140,8 @@ def build_task(cfg: Config, tokenizer: Any, split: str = "train") -> ArithmeticT
     if split == "eval":
         if not d.eval_files:
             raise ValueError("no data.eval_files: the eval split of a dataset task needs them")
-        return DatasetTask(d, list(d.eval_files), tokenizer, cfg.run.seed, False, d.prompts_per_step)
+        return DatasetTask(d, list(d.eval_files), tokenizer, cfg.run.seed, False, d.prompts_per_step,
+                           fmt=d.eval_format or d.task)
     raise ValueError(f"unknown split {split!r} (expected 'train' or 'eval')")
 
 
@@ -154,8 +156,8 @@ def validate(cfg: Config) -> list[str]:
     if d.task == "arithmetic":
         return [f"data: arithmetic task (operands 0..{d.max_operand}), no files"]
     lines = []
-    for kind, files in (("train", d.train_files), ("eval", d.eval_files)):
+    for kind, files, fmt in (("train", d.train_files, d.task), ("eval", d.eval_files, d.eval_format or d.task)):
         for path in files:
-            records = load_records([Path(path)], d.task)
-            lines.append(f"data: {kind} file {path}: {len(records)} {d.task} rows")
+            records = load_records([Path(path)], fmt)
+            lines.append(f"data: {kind} file {path}: {len(records)} {fmt} rows")
     return lines
