@@ -1,8 +1,10 @@
 """megatron-core, loaded from a tiny HF checkpoint under TP / EP, against `transformers` itself:
 log-probs and entropy of the same tokens, parameter gradients of the same loss, and the HF blocks
 each rank exports for the weight sync (their union must rebuild every HF tensor bit-exactly).
-Layouts: world 2 (dense TP=2 / PP=2, MoE EP=2, Qwen2 with q/k/v biases at TP=2) and world 4 (dense
-TP=2 x PP=2, MoE EP=2 x PP=2: expert data parallel 1, dense data parallel 2).
+Layouts: world 2 (dense TP=2 / PP=2, MoE EP=2, Qwen2 with q/k/v biases at TP=2, tied embeddings at PP=2) and
+world 4 (dense TP=2 x PP=2, MoE EP=2 x PP=2: expert data parallel 1, dense data parallel 2; tied TP=2 x PP=2).
+Tied embeddings: transformers has ONE parameter `model.embed_tokens.weight` whose gradient is the embedding's plus
+the output layer's; megatron's two copies (first and last stage) must each hold that gradient and that step.
 
 Tolerance: both sides run fp32 on CPU, but with different kernels and reduction orders (fused QKV
 vs separate projections, TP partial sums, the vocab-parallel softmax); differences are ~1e-6, so
@@ -117,7 +119,10 @@ def _megatron_rank(rank, world, hf_dir, layout, clip, port):
         grads = [(block, p.grad[idx].clone()) for n, p in policy.model.named_parameters()
                  for idx, block in layout_map.blocks(n, tuple(p.shape))]
         stepped = [(block, t.clone()) for block, t in policy.iter_local_hf_slices()]
-        return lp, ent, exported, grads, stepped, metrics, policy.version
+        # every copy a rank holds (a tied embedding's last-stage copy too), read through the import layout
+        copies = [(block, p.detach()[idx].clone()) for n, p in policy.model.named_parameters()
+                  for idx, block in layout_map.blocks(n, tuple(p.shape))]
+        return lp, ent, exported, grads, stepped, metrics, policy.version, copies
     finally:
         destroy_trainer_groups()
 
@@ -129,7 +134,8 @@ def _with_vocab(src: Path, out: Path, vocab: int) -> Path:
     (out / "config.json").write_text(json.dumps({**config, "vocab_size": vocab}))
     tensors = load_file(src / "model.safetensors")
     for name in ("model.embed_tokens.weight", "lm_head.weight"):
-        tensors[name] = tensors[name][:vocab].clone()
+        if name in tensors:  # a tied checkpoint has no lm_head
+            tensors[name] = tensors[name][:vocab].clone()
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
     return out
 
@@ -137,7 +143,7 @@ def _with_vocab(src: Path, out: Path, vocab: int) -> Path:
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
-    made = {kind: make_tiny_checkpoint(root / kind, kind=kind) for kind in ("dense", "moe", "qwen2")}
+    made = {kind: make_tiny_checkpoint(root / kind, kind=kind) for kind in ("dense", "moe", "qwen2", "dense-tied")}
     made["dense-vocab31"] = _with_vocab(made["dense"], root / "dense-vocab31", 31)
     return made
 
@@ -164,7 +170,11 @@ def _assert_blocks_match(per_rank_blocks, reference: dict[str, torch.Tensor], ex
     ("qwen2", TrainerLayout(tp=2), 2),  # Qwen2 / Qwen2.5: q/k/v biases split with their query groups, no q/k norms
     ("dense", TrainerLayout(tp=2, pp=2), 4),
     ("moe", TrainerLayout(ep=2, pp=2), 4),
-], ids=["dense-tp2", "dense-vocab31-tp2", "dense-pp2", "moe-ep2", "qwen2-tp2", "dense-tp2-pp2", "moe-ep2-pp2"])
+    # tied embeddings: embedding on the first stage, its copy as the output layer on the last stage
+    ("dense-tied", TrainerLayout(pp=2), 2),
+    ("dense-tied", TrainerLayout(tp=2, pp=2), 4),
+], ids=["dense-tp2", "dense-vocab31-tp2", "dense-pp2", "moe-ep2", "qwen2-tp2", "dense-tp2-pp2", "moe-ep2-pp2",
+        "tied-pp2", "tied-tp2-pp2"])
 def test_megatron_matches_transformers(checkpoints, kind, layout, world):
     hf_dir = checkpoints[kind]
     ref_lp, ref_ent, ref_norm, clip, ref_grads, initial, stepped = _hf_reference(hf_dir, clip_fraction=0.5)
@@ -175,10 +185,20 @@ def test_megatron_matches_transformers(checkpoints, kind, layout, world):
     # exported blocks: together they cover every HF tensor, and each equals the checkpoint bit-exactly
     _assert_blocks_match([o[2] for o in outs], initial, exact=True)
     # the same loss, microbatched and data-parallel: gradients summed over both, clipped by the global norm
-    for *_, metrics, version in outs:
+    if kind == "dense-tied":  # the weight sync / export sends the tied weight once: from the embedding's stage
+        names = [block.name for o in outs for block, _ in o[2]]
+        assert "lm_head.weight" not in names
+        embed = [block for o in outs for block, _ in o[2] if block.name == "model.embed_tokens.weight"]
+        assert sum(block.numel for block in embed) == initial["model.embed_tokens.weight"].numel()
+        # both copies took part: the last stage's output layer, loaded from the embedding, with the summed gradient
+        last = outs[-1][7]
+        assert any(block.name == "model.embed_tokens.weight" for block, _ in last)
+    for *_, metrics, version, _ in outs:
         assert metrics["grad_norm"] == pytest.approx(ref_norm, rel=1e-4)
         assert metrics["tokens"] == float(_batch(32)[2].sum())  # summed over microbatches and DP ranks
         assert version == 1
     _assert_blocks_match([o[3] for o in outs], ref_grads, exact=False, atol=1e-5, rtol=1e-3)
     # one AdamW step (weight decay on matrices) lands on transformers' parameters after the same step
     _assert_blocks_match([o[4] for o in outs], stepped, exact=False, atol=2e-5, rtol=0)
+    # every copy on every rank (the tied output layer too) is the stepped parameter
+    _assert_blocks_match([o[7] for o in outs], stepped, exact=False, atol=2e-5, rtol=0)
