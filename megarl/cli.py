@@ -6,7 +6,7 @@
     megarl rank --config RUN_DIR/config.yaml  one trainer rank of a cluster job, under srun or torchrun
     megarl check --config FILE [--gpu] [overrides]  validate a config against its model, start nothing
     megarl algorithms                         list registered algorithms
-    megarl make-tiny DIR --kind moe|dense|qwen2  write a tiny random HF checkpoint with its tokenizer
+    megarl make-tiny DIR --kind moe|dense|qwen2|dense-tied  write a tiny random HF checkpoint with its tokenizer
     megarl plan --config FILE [--dtype bf16]  parameters and bytes per trainer / rollout rank and per sync
     megarl export CHECKPOINT_DIR --out DIR    write a run checkpoint as a Hugging Face checkpoint
     megarl bench logprob [--tp 1 2 4 ...]     peak memory and time of the vocab-parallel log-prob + entropy
@@ -78,9 +78,9 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("algorithms", help="list registered algorithms")
     for name, (_, help_text) in _DELEGATED.items():
         sub.add_parser(name, help=help_text, add_help=False)
-    t = sub.add_parser("make-tiny", help="write a tiny random Qwen3-MoE / Qwen3 / Qwen2 checkpoint")
+    t = sub.add_parser("make-tiny", help="write a tiny random Qwen3-MoE / Qwen3 / Qwen2 / tied Qwen3 checkpoint")
     t.add_argument("out_dir")
-    t.add_argument("--kind", choices=("moe", "dense", "qwen2"), default="moe")
+    t.add_argument("--kind", choices=("moe", "dense", "qwen2", "dense-tied"), default="moe")
     t.add_argument("--seed", type=int, default=0)
     return p
 

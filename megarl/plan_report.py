@@ -87,8 +87,8 @@ def megatron_local_shapes(hf: dict[str, Any], tp: int, pp: int, ep: int, pp_rank
             shapes[f"{p}.mlp.linear_fc2.weight"] = (h, inter)
     if pp_rank == pp - 1:
         shapes["decoder.final_layernorm.weight"] = (h,)
-        if not hf.get("tie_word_embeddings", False):  # tied (pp = 1 only): the embedding is the output layer
-            shapes["output_layer.weight"] = (vocab_rows, h)
+        if not hf.get("tie_word_embeddings", False) or pp > 1:  # tied at pp 1: the embedding is the output layer
+            shapes["output_layer.weight"] = (vocab_rows, h)  # tied at pp > 1: the last stage holds a copy
     return shapes
 
 

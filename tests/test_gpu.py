@@ -34,7 +34,7 @@ def _need_cuda():
 def test_policy_on_gpu_matches_transformers(tmp_path, kind):
     hf_dir = make_tiny_checkpoint(tmp_path / kind, kind=kind)
     ref_lp, ref_ent, ref_norm, clip, ref_grads, _, stepped = _hf_reference(hf_dir, clip_fraction=0.5)
-    [(lp, ent, exported, grads, after, metrics, version)] = run_distributed(
+    [(lp, ent, exported, grads, after, metrics, version, _)] = run_distributed(
         _megatron_rank, 1, hf_dir, TrainerLayout(), clip, free_port(), init_dist=False
     )
     assert all(t.device.type == "cuda" for _, t in grads)  # the policy really trained on the GPU

@@ -1,13 +1,15 @@
 """`megarl export`: a run checkpoint written by real trainer ranks back to a Hugging Face checkpoint.
 
-For MoE EP=2, dense TP=2 and dense PP=2 (world 2, gloo), trainer ranks load a tiny HF checkpoint into
-megatron-core and save two run checkpoints with `megarl.checkpoint.save_checkpoint`: step 0 as loaded, and
-step 1 after adding seeded noise to every HF block (the noise is defined in HF coordinates, so the expected
-HF tensors are known exactly: original + noise, rounded to the checkpoint's dtype; the ranks round their
-fp32 weights the same way). The dense TP=2 case starts from a bfloat16 copy of the checkpoint: the trainer
-holds fp32, export must write bfloat16 again. Export (a fresh spawn of the checkpoint's layout) must
+For MoE EP=2, dense TP=2, dense PP=2 and tied-embedding PP=2 (world 2, gloo), trainer ranks load a tiny HF
+checkpoint into megatron-core and save two run checkpoints with `megarl.checkpoint.save_checkpoint`: step 0 as
+loaded, and step 1 after adding seeded noise to every HF block of every parameter copy (the noise is defined in
+HF coordinates, so the expected HF tensors are known exactly: original + noise, rounded to the checkpoint's
+dtype; the ranks round their fp32 weights the same way). The dense TP=2 case starts from a bfloat16 copy of
+the checkpoint: the trainer holds fp32, export must write bfloat16 again. Export (a fresh spawn of the
+checkpoint's layout) must
 1. give back every tensor of the original safetensors bit-exactly (names, dtypes, shapes, bytes) for step 0
-   (MoE EP=2, dense TP=2; skipped for PP=2 to save a spawn: its step-1 check below is bit-exact too),
+   (MoE EP=2, dense TP=2, tied PP=2: no lm_head, the embedding written once, from the first stage; skipped
+   for dense PP=2 to save a spawn: its step-1 check below is bit-exact too),
    and original + noise bit-exactly for step 1;
 2. load in `transformers.AutoModelForCausalLM` with no missing or unexpected keys, and its log-probs of the
    step-1 export equal the trainer's own log-probs of the perturbed megatron model, computed in the ranks:
@@ -75,6 +77,7 @@ def _train_rank(rank, world, hf_dir, layout, run_dir, dtype, port):
     """Load the HF checkpoint, save step 0; perturb every HF block, save step 1; return the perturbed log-probs."""
     from megarl.checkpoint import rng_state, save_checkpoint
     from megarl.config.schema import OptimizerConfig
+    from megarl.models.hf_layout import layout_for
     from megarl.models.qwen_provider import read_hf_config
     from megarl.parallel.groups import destroy_trainer_groups, init_trainer_groups
     from megarl.trainer.policy import MegatronPolicy
@@ -92,9 +95,12 @@ def _train_rank(rank, world, hf_dir, layout, run_dir, dtype, port):
                             {"pending": {}, "algorithm": None}, meta, keep_last=0)
 
         save(0)
+        layout_map = layout_for(policy.model, hf)  # every copy: a tied embedding's last-stage copy too
         with torch.no_grad():
-            for block, view in policy.iter_local_hf_slices():
-                view.copy_(_perturbed(view.to(dtype), _block_noise(block)))
+            for name, param in policy.model.named_parameters():
+                for index, block in layout_map.blocks(name, tuple(param.shape)):
+                    view = param[index]
+                    view.copy_(_perturbed(view.to(dtype), _block_noise(block)))
         logprobs, _ = policy.compute_logprobs(*_tokens(hf["vocab_size"]))
         save(1)
         return logprobs
@@ -148,7 +154,8 @@ def _as_bf16(src: Path, out: Path) -> Path:
     ("moe", TrainerLayout(ep=2), torch.float32, True, False),
     ("dense", TrainerLayout(tp=2), torch.bfloat16, True, False),
     ("dense", TrainerLayout(pp=2), torch.float32, False, True),
-], ids=["moe-ep2", "dense-tp2-bf16", "dense-pp2-cli"])
+    ("dense-tied", TrainerLayout(pp=2), torch.float32, True, False),
+], ids=["moe-ep2", "dense-tp2-bf16", "dense-pp2-cli", "tied-pp2"])
 def test_export_round_trip_and_trained_state(tmp_path, kind, layout, dtype, as_loaded, via_cli):
     hf_dir = make_tiny_checkpoint(tmp_path / kind, kind=kind)
     if dtype == torch.bfloat16:

@@ -1,8 +1,10 @@
 """megatron-core, loaded from a tiny HF checkpoint under TP / EP, against `transformers` itself:
 log-probs and entropy of the same tokens, parameter gradients of the same loss, and the HF blocks
 each rank exports for the weight sync (their union must rebuild every HF tensor bit-exactly).
-Layouts: world 2 (dense TP=2 / PP=2, MoE EP=2, Qwen2 with q/k/v biases at TP=2) and world 4 (dense
-TP=2 x PP=2, MoE EP=2 x PP=2: expert data parallel 1, dense data parallel 2).
+Layouts: world 2 (dense TP=2 / PP=2, MoE EP=2, Qwen2 with q/k/v biases at TP=2, tied embeddings at PP=2) and
+world 4 (dense TP=2 x PP=2, MoE EP=2 x PP=2: expert data parallel 1, dense data parallel 2; tied TP=2 x PP=2).
+Tied embeddings: transformers has ONE parameter `model.embed_tokens.weight` whose gradient is the embedding's plus
+the output layer's; megatron's two copies (first and last stage) must each hold that gradient and that step.
 
 Tolerance: both sides run fp32 on CPU, but with different kernels and reduction orders (fused QKV
 vs separate projections, TP partial sums, the vocab-parallel softmax); differences are ~1e-6, so
@@ -90,7 +92,7 @@ def _hf_reference(hf_dir: Path, clip_fraction: float):
     return lp.detach(), ent.detach(), norm, clip, grads, initial, stepped
 
 
-def _megatron_rank(rank, world, hf_dir, layout, clip, port):
+def _megatron_rank(rank, world, hf_dir, layout, clip, port, zero1=False):
     from megarl.models.hf_layout import layout_for
     from megarl.models.qwen_provider import read_hf_config
     from megarl.parallel.groups import destroy_trainer_groups, dp_rank_and_size, init_trainer_groups
@@ -99,7 +101,7 @@ def _megatron_rank(rank, world, hf_dir, layout, clip, port):
     init_trainer_groups(layout, rank, world, "127.0.0.1", port)
     try:
         hf = read_hf_config(hf_dir)
-        policy = MegatronPolicy(hf_dir, hf, _optimizer(clip))
+        policy = MegatronPolicy(hf_dir, hf, _optimizer(clip), distributed_optimizer=zero1)
         tokens, targets, mask, weights = _batch(hf["vocab_size"])
         lp, ent = policy.compute_logprobs(tokens, targets, micro=3)  # 2 uneven microbatches
         exported = [(block, t.clone()) for block, t in policy.iter_local_hf_slices()]
@@ -117,7 +119,10 @@ def _megatron_rank(rank, world, hf_dir, layout, clip, port):
         grads = [(block, p.grad[idx].clone()) for n, p in policy.model.named_parameters()
                  for idx, block in layout_map.blocks(n, tuple(p.shape))]
         stepped = [(block, t.clone()) for block, t in policy.iter_local_hf_slices()]
-        return lp, ent, exported, grads, stepped, metrics, policy.version
+        # every copy a rank holds (a tied embedding's last-stage copy too), read through the import layout
+        copies = [(block, p.detach()[idx].clone()) for n, p in policy.model.named_parameters()
+                  for idx, block in layout_map.blocks(n, tuple(p.shape))]
+        return lp, ent, exported, grads, stepped, metrics, policy.version, copies
     finally:
         destroy_trainer_groups()
 
@@ -129,7 +134,8 @@ def _with_vocab(src: Path, out: Path, vocab: int) -> Path:
     (out / "config.json").write_text(json.dumps({**config, "vocab_size": vocab}))
     tensors = load_file(src / "model.safetensors")
     for name in ("model.embed_tokens.weight", "lm_head.weight"):
-        tensors[name] = tensors[name][:vocab].clone()
+        if name in tensors:  # a tied checkpoint has no lm_head
+            tensors[name] = tensors[name][:vocab].clone()
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
     return out
 
@@ -137,7 +143,7 @@ def _with_vocab(src: Path, out: Path, vocab: int) -> Path:
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
-    made = {kind: make_tiny_checkpoint(root / kind, kind=kind) for kind in ("dense", "moe", "qwen2")}
+    made = {kind: make_tiny_checkpoint(root / kind, kind=kind) for kind in ("dense", "moe", "qwen2", "dense-tied")}
     made["dense-vocab31"] = _with_vocab(made["dense"], root / "dense-vocab31", 31)
     return made
 
@@ -156,6 +162,31 @@ def _assert_blocks_match(per_rank_blocks, reference: dict[str, torch.Tensor], ex
     assert all(c.all() for c in covered.values()), [n for n, c in covered.items() if not c.all()]
 
 
+def _tied_vllm_rank_elements(hf: dict, tp: int) -> list[int]:
+    """Elements each vLLM TP rank of the tied tiny Qwen3 loads, written out from the architecture (not from the
+    planner): no lm_head, the embedding rows vLLM gives the rank (vocabulary padded to 64 rows, then split)."""
+    h, d, heads, kv, inter = (hf["hidden_size"], hf["head_dim"], hf["num_attention_heads"],
+                              hf["num_key_value_heads"], hf["intermediate_size"])
+    layer = 2 * h + (heads + 2 * kv) * d // tp * h + h * heads * d // tp + 2 * d + 3 * inter // tp * h
+    rows = [max(0, min(hf["vocab_size"], (r + 1) * 64 // tp) - r * 64 // tp) for r in range(tp)]
+    return [hf["num_hidden_layers"] * layer + h + n * h for n in rows]
+
+
+def _assert_tied_sync_plan(per_rank_blocks, hf: dict, first_stage: set[int]) -> None:
+    """The weight sync from a tied PP>1 layout: each vLLM rank gets exactly its elements, the embedding only
+    from first-stage ranks (the last stage's copy is not offered), no lm_head anywhere."""
+    from megarl.sync.plan import plan_transfers, vllm_rank_slices
+
+    holdings = {r: [block for block, _ in blocks] for r, blocks in enumerate(per_rank_blocks)}
+    for tp in (1, 2):
+        needs = {k: vllm_rank_slices(hf, tp, k) for k in range(tp)}
+        assert not any(b.name == "lm_head.weight" for blocks in needs.values() for b in blocks)
+        plan = plan_transfers(holdings, needs)
+        received = [sum(t.block.numel for t in plan if t.receiver == k) for k in range(tp)]
+        assert received == _tied_vllm_rank_elements(hf, tp)
+        assert {t.sender for t in plan if t.block.name == "model.embed_tokens.weight"} <= first_stage
+
+
 @pytest.mark.parametrize(("kind", "layout", "world"), [
     ("dense", TrainerLayout(tp=2), 2),
     ("dense-vocab31", TrainerLayout(tp=2), 2),  # padded to 32: TP rank 1's shard ends in a padding row
@@ -164,7 +195,11 @@ def _assert_blocks_match(per_rank_blocks, reference: dict[str, torch.Tensor], ex
     ("qwen2", TrainerLayout(tp=2), 2),  # Qwen2 / Qwen2.5: q/k/v biases split with their query groups, no q/k norms
     ("dense", TrainerLayout(tp=2, pp=2), 4),
     ("moe", TrainerLayout(ep=2, pp=2), 4),
-], ids=["dense-tp2", "dense-vocab31-tp2", "dense-pp2", "moe-ep2", "qwen2-tp2", "dense-tp2-pp2", "moe-ep2-pp2"])
+    # tied embeddings: embedding on the first stage, its copy as the output layer on the last stage
+    ("dense-tied", TrainerLayout(pp=2), 2),
+    ("dense-tied", TrainerLayout(tp=2, pp=2), 4),
+], ids=["dense-tp2", "dense-vocab31-tp2", "dense-pp2", "moe-ep2", "qwen2-tp2", "dense-tp2-pp2", "moe-ep2-pp2",
+        "tied-pp2", "tied-tp2-pp2"])
 def test_megatron_matches_transformers(checkpoints, kind, layout, world):
     hf_dir = checkpoints[kind]
     ref_lp, ref_ent, ref_norm, clip, ref_grads, initial, stepped = _hf_reference(hf_dir, clip_fraction=0.5)
@@ -174,11 +209,56 @@ def test_megatron_matches_transformers(checkpoints, kind, layout, world):
         torch.testing.assert_close(ent, ref_ent, atol=1e-4, rtol=1e-4)
     # exported blocks: together they cover every HF tensor, and each equals the checkpoint bit-exactly
     _assert_blocks_match([o[2] for o in outs], initial, exact=True)
-    # the same loss, microbatched and data-parallel: gradients summed over both, clipped by the global norm
-    for *_, metrics, version in outs:
+    if kind == "dense-tied":
+        _assert_tied_export(outs, initial, hf_dir, world)
+        _assert_tied_copies_equal(outs)
+    _assert_step_matches(outs, ref_norm, ref_grads, stepped)
+
+
+def test_tied_embeddings_with_the_distributed_optimizer(checkpoints):
+    """Tied PP=2 x DP=2 with ZeRO-1 (`distributed_optimizer`): each stage's copy is stepped by whichever DP rank
+    owns it and broadcast; every copy on the 4 ranks lands on transformers' step, the copies bit-identical."""
+    hf_dir = checkpoints["dense-tied"]
+    _, _, ref_norm, clip, ref_grads, _, stepped = _hf_reference(hf_dir, clip_fraction=0.5)
+    outs = run_distributed(_megatron_rank, 4, hf_dir, TrainerLayout(pp=2), clip, free_port(), True, init_dist=False)
+    _assert_tied_copies_equal(outs)
+    _assert_step_matches(outs, ref_norm, ref_grads, stepped)
+
+
+def _assert_tied_copies_equal(outs) -> None:
+    """After the step, every rank's copy of each block of the tied weight (first-stage embedding, last-stage output
+    layer, data-parallel replicas) is bit-identical."""
+    copies: dict[tuple, list[torch.Tensor]] = {}
+    for o in outs:
+        for block, data in o[7]:
+            if block.name == "model.embed_tokens.weight":
+                copies.setdefault(block.box, []).append(data)
+    assert copies and all(len(c) >= 2 for c in copies.values())  # held on both stages
+    for box, tensors in copies.items():
+        assert all(torch.equal(t, tensors[0]) for t in tensors), box
+
+
+def _assert_tied_export(outs, initial: dict[str, torch.Tensor], hf_dir: Path, world: int) -> None:
+    """The weight sync / export of a tied PP=2 layout offers the tied weight once, from the embedding's stage."""
+    from megarl.models.qwen_provider import read_hf_config
+
+    names = [block.name for o in outs for block, _ in o[2]]
+    assert "lm_head.weight" not in names
+    embed = [block for o in outs for block, _ in o[2] if block.name == "model.embed_tokens.weight"]
+    assert sum(block.numel for block in embed) == initial["model.embed_tokens.weight"].numel()
+    # the last stage's output layer is a second copy (read through the import layout), loaded from the embedding
+    assert any(block.name == "model.embed_tokens.weight" for block, _ in outs[-1][7])
+    _assert_tied_sync_plan([o[2] for o in outs], read_hf_config(hf_dir), first_stage=set(range(world // 2)))
+
+
+def _assert_step_matches(outs, ref_norm: float, ref_grads, stepped) -> None:
+    """The same loss, microbatched and data-parallel: gradients summed over both, clipped by the global norm."""
+    for *_, metrics, version, _ in outs:
         assert metrics["grad_norm"] == pytest.approx(ref_norm, rel=1e-4)
         assert metrics["tokens"] == float(_batch(32)[2].sum())  # summed over microbatches and DP ranks
         assert version == 1
     _assert_blocks_match([o[3] for o in outs], ref_grads, exact=False, atol=1e-5, rtol=1e-3)
     # one AdamW step (weight decay on matrices) lands on transformers' parameters after the same step
     _assert_blocks_match([o[4] for o in outs], stepped, exact=False, atol=2e-5, rtol=0)
+    # every copy on every rank (the tied output layer too) is the stepped parameter
+    _assert_blocks_match([o[7] for o in outs], stepped, exact=False, atol=2e-5, rtol=0)

@@ -123,8 +123,8 @@ def test_totals_and_vllm_ranks_match_real_tensors(tiny, kind):
 
 
 # (model, tp, pp, ep): every case runs on 4 trainer ranks
-CASES = [("dense", 2, 2, 1), ("dense31", 2, 1, 1), ("qwen2", 2, 1, 1), ("tied", 2, 1, 1), ("moe", 1, 2, 2),
-         ("moe", 1, 1, 4)]
+CASES = [("dense", 2, 2, 1), ("dense31", 2, 1, 1), ("qwen2", 2, 1, 1), ("tied", 2, 1, 1), ("tied", 2, 2, 1),
+         ("moe", 1, 2, 2), ("moe", 1, 1, 4)]
 WORLD = 4
 
 

@@ -113,11 +113,6 @@ def check_against_model(cfg: Config, hf: dict[str, Any], cuda: bool) -> None:
         )
     if r.tp > kv_heads and r.tp % kv_heads:
         problems.append(f"rollout.tp={r.tp} must be a divisor or a multiple of num_key_value_heads={kv_heads}")
-    if t.pp > 1 and hf.get("tie_word_embeddings", False):
-        problems.append(
-            f"trainer.pp={t.pp} with tie_word_embeddings=true: the tied embedding/output weight would live on the "
-            "first and the last stage; megarl does not synchronise it yet, set trainer.pp=1"
-        )
     if t.pp > hf["num_hidden_layers"]:
         problems.append(f"trainer.pp={t.pp} exceeds num_hidden_layers={hf['num_hidden_layers']}: lower trainer.pp")
     elif hf["num_hidden_layers"] % t.pp:

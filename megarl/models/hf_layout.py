@@ -11,6 +11,8 @@ Megatron layouts (local layer spec, TP rank r of T, expert-parallel rank e):
 - experts `mlp.experts.local_experts.{j}` hold global expert `e * local_count + j`;
 - layer indices are stage-local; `layer_number` (1-based) is global;
 - embeddings / output layer rows are vocab shards of the padded vocabulary (padding has no HF block);
+  with tied embeddings the checkpoint has no `lm_head.weight`: the last stage's `output_layer.weight` (a
+  copy of the embedding, PP>1 only) reads `model.embed_tokens.weight`;
 - Transformer Engine spec (GPU): input / pre-MLP norms live in `linear_qkv.layer_norm_weight` /
   `linear_fc1.layer_norm_weight` (dense layers), which map to the same HF norms.
 """
@@ -75,6 +77,7 @@ class HFLayout:
         self.heads = hf["num_attention_heads"]
         self.groups = hf.get("num_key_value_heads", self.heads)
         self.experts = num_experts(hf)
+        self.tied = bool(hf.get("tie_word_embeddings", False))
 
     def _vocab(self, hf_name: str, local_rows: int) -> list[tuple[Index, HFSlice]]:
         start = self.c.tp_rank * local_rows
@@ -115,8 +118,8 @@ class HFLayout:
         c, h = self.c, self.h
         if name == "embedding.word_embeddings.weight":
             return self._vocab("model.embed_tokens.weight", local_shape[0])
-        if name == "output_layer.weight":
-            return self._vocab("lm_head.weight", local_shape[0])
+        if name == "output_layer.weight":  # tied at PP>1: the last stage's copy of the embedding
+            return self._vocab("model.embed_tokens.weight" if self.tied else "lm_head.weight", local_shape[0])
         if name == "decoder.final_layernorm.weight":
             return _whole("model.norm.weight", (h,))
         m = re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)", name)

@@ -126,14 +126,13 @@ def layer_spec(hf: dict[str, Any], config):
 def build_gpt_model(hf: dict[str, Any], tp: int, pp: int, ep: int, params_dtype: torch.dtype = torch.float32,
                     recompute: str = "none"):
     """This rank's megatron `GPTModel` stage (parallel groups must already be initialised); weights are
-    uninitialised until `megarl.models.hf_import.load_hf_weights`."""
+    uninitialised until `megarl.models.hf_import.load_hf_weights`. Tied embeddings (`tie_word_embeddings`) are
+    megatron's `share_embeddings_and_output_weights`: at PP=1 the output layer uses the embedding weight itself;
+    at PP>1 the last stage holds a copy (`output_layer.weight`, marked `shared`), loaded from the same HF tensor
+    and kept equal by summing both copies' gradients over megatron's embedding group (`MegatronPolicy`)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
-    tied = bool(hf.get("tie_word_embeddings", False))
-    if tied and pp > 1:
-        raise ValueError("tie_word_embeddings=true with pipeline parallel > 1 is not supported (the output layer "
-                         "would be a second copy on the last stage): use trainer.pp=1 for this model")
     config = transformer_config_from_hf(hf, tp, pp, ep, params_dtype, recompute)
     model = GPTModel(
         config=config,
@@ -142,7 +141,7 @@ def build_gpt_model(hf: dict[str, Any], tp: int, pp: int, ep: int, params_dtype:
         max_sequence_length=hf.get("max_position_embeddings", 4096),
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
-        share_embeddings_and_output_weights=tied,
+        share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)),
         position_embedding_type="rope",
         rotary_base=int(rope_theta(hf)),
     )

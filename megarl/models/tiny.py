@@ -6,7 +6,9 @@ kernel refuses 16), KV heads divisible by the tensor-parallel sizes used in test
 divisible by the expert-parallel size (2). The same seed gives byte-identical files.
 Kinds: "moe" (Qwen3-MoE), "dense" (Qwen3: q/k norms, no biases), "qwen2" (Qwen2 / Qwen2.5: the same sizes
 as "dense", q/k/v biases and no q/k norms; its biases are drawn at random, since transformers initialises
-them to zero and a zero bias would not exercise its mapping).
+them to zero and a zero bias would not exercise its mapping), "dense-tied" ("dense" with
+`tie_word_embeddings=True`, as Qwen3-0.6B/1.7B/4B: one embedding matrix is also the output layer, the
+checkpoint has no `lm_head.weight`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Literal
 
 from megarl.data.tokenizer import BOS, EOS, PAD, save_tokenizer, token_id, vocabulary
 
-TinyKind = Literal["moe", "dense", "qwen2"]
+TinyKind = Literal["moe", "dense", "qwen2", "dense-tied"]
 
 # Shared by both tiny models; vocab is the tokenizer's 25 tokens padded up to 32.
 _COMMON = dict(
@@ -59,11 +61,14 @@ def make_tiny_checkpoint(out_dir: str | Path, kind: TinyKind = "moe", seed: int 
     elif kind == "dense":
         config = Qwen3Config(**_COMMON, **ids)
         model_cls = Qwen3ForCausalLM
+    elif kind == "dense-tied":
+        config = Qwen3Config(**{**_COMMON, "tie_word_embeddings": True}, **ids)
+        model_cls = Qwen3ForCausalLM
     elif kind == "qwen2":
         config = Qwen2Config(**_COMMON, **ids)
         model_cls = Qwen2ForCausalLM
     else:
-        raise ValueError(f"unknown tiny model kind {kind!r}: use 'moe', 'dense' or 'qwen2'")
+        raise ValueError(f"unknown tiny model kind {kind!r}: use 'moe', 'dense', 'qwen2' or 'dense-tied'")
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32)
     if kind == "qwen2":  # after the model's own initialisation, so the other kinds' bytes are unchanged

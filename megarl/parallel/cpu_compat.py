@@ -16,10 +16,14 @@ _APPLIED = False
 
 class _CudaDeviceToCpu(TorchFunctionMode):
     """Maps an explicit `device="cuda"` argument to the CPU: the pipeline schedules create
-    `total_num_tokens` and `get_default_causal_mask` builds its mask with a hard-coded cuda device."""
+    `total_num_tokens` and `get_default_causal_mask` builds its mask with a hard-coded cuda device.
+    `Tensor.cuda()` returns the tensor itself: with tied embeddings at PP>1,
+    `LanguageModule.setup_embeddings_and_output_layer` moves the shared weight to CUDA before all-reducing it."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
         device = kwargs.get("device")
         if device is not None and torch.device(device).type == "cuda":
             kwargs["device"] = "cpu"

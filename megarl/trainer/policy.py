@@ -40,6 +40,13 @@ def _is_tp_duplicate(param: torch.nn.Parameter, tp_rank: int) -> bool:
     return not getattr(param, "tensor_model_parallel", False) and tp_rank != 0
 
 
+def _is_tied_copy(param: torch.nn.Parameter) -> bool:
+    """The last stage's copy of a tied embedding (PP>1), which megatron marks `shared`
+    (`LanguageModule.setup_embeddings_and_output_layer`): its gradient equals the embedding's after
+    `_sum_tied_embedding_gradients`, so the grad norm counts it on the first stage only."""
+    return getattr(param, "shared", False)
+
+
 def _all_reduce_sum(grads: list[torch.Tensor], group: dist.ProcessGroup) -> None:
     """In-place SUM of `grads` over `group`, as one flat message."""
     if not grads or dist.get_world_size(group) == 1:
@@ -83,6 +90,9 @@ class MegatronPolicy:
         self.pp_group = ps.get_pipeline_model_parallel_group()
         self.pp_last_rank = ps.get_pipeline_model_parallel_last_rank()  # global rank of this pipeline's last stage
         self.is_last_stage = ps.is_pipeline_last_stage()
+        # tied embeddings at PP>1: the first stage's embedding and the last stage's output layer are one weight
+        tied_copies = self.model.share_embeddings_and_output_weights and ps.get_pipeline_model_parallel_world_size() > 1
+        self.embedding_group = ps.get_embedding_group() if tied_copies and ps.is_rank_in_embedding_group() else None
         self.model_parallel_group = ps.get_model_parallel_group()
         self.expert_model_parallel_group = ps.get_expert_tensor_model_pipeline_parallel_group()
         self.tp_rank = ps.get_tensor_model_parallel_rank()
@@ -237,14 +247,25 @@ class MegatronPolicy:
         _all_reduce_sum(tp_partial, self.tp_group)
         _all_reduce_sum([p.grad for _, p in params if not _is_expert(p) and p.grad is not None], self.dp_group)
         _all_reduce_sum([p.grad for _, p in params if _is_expert(p) and p.grad is not None], self.expert_dp_group)
+        self._sum_tied_embedding_gradients()
+
+    def _sum_tied_embedding_gradients(self) -> None:
+        """Tied embeddings at PP>1 (megatron-core's `_allreduce_word_embedding_grads`): the gradient of the one
+        HF weight `model.embed_tokens.weight` is the embedding's (first stage) plus the output layer's (last
+        stage); both copies get that sum over the embedding group (each TP rank with its vocab shard), so they
+        take the same optimizer step and stay equal."""
+        if self.embedding_group is None:
+            return
+        weight = self.model.shared_embedding_or_output_weight()
+        _all_reduce_sum([weight.grad], self.embedding_group)
 
     def _grad_norm(self) -> float:
-        """Global L2 norm of the gradients over all model shards (each element counted once): NaN or inf when any
-        gradient is, on every rank alike."""
+        """Global L2 norm of the gradients over all model shards (each element counted once, a tied embedding's
+        last-stage copy not at all): NaN or inf when any gradient is, on every rank alike."""
         dense_sq = torch.zeros((), device=self.device)
         expert_sq = torch.zeros((), device=self.device)
         for p in self.model.parameters():
-            if p.grad is None or _is_tp_duplicate(p, self.tp_rank):
+            if p.grad is None or _is_tp_duplicate(p, self.tp_rank) or _is_tied_copy(p):
                 continue
             if _is_expert(p):
                 expert_sq += p.grad.float().pow(2).sum()
