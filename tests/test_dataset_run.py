@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 
+import pyarrow.parquet as pq
 import pytest
 
 from megarl.checkpoint import latest_checkpoint, open_checkpoint, step_dir
@@ -49,8 +50,12 @@ def test_guru_sample_trains_evaluates_and_resumes_at_its_data_position(moe_fleet
             assert r["eval/prompts"] == 6 and 0 <= r["eval/mean@2"] <= r["eval/pass@2"] <= 1
         else:
             assert "eval/mean@2" not in r
-    # the exact text of the first prompts, as the engine got it (raw: the tiny tokenizer has no chat template)
-    assert "Compute $\\frac{8}{10} + \\frac{8}{9}$" in (a_dir / PROMPTS_FILE).read_text()
+    # the exact text of the first prompts, as the engine got it: raw (the tiny tokenizer has no chat template), so
+    # a row's message contents joined by a blank line -- read here from the file with pyarrow
+    rows = pq.read_table(f"{SAMPLES}/guru_math_sample.parquet").to_pylist()
+    raw = {"\n\n".join(m["content"] for m in row["prompt"]) for row in rows}
+    blocks = (a_dir / PROMPTS_FILE).read_text().split("--- prompt ")[1:]
+    assert len(blocks) == 2 and all(block.split("---\n", 1)[1].strip() in raw for block in blocks), blocks
 
     # B stops after step 3 (its last checkpoint: after step 2), then resumes to 5 and equals A from step 3 on
     train(prepare(None, _overrides(tiny_moe_dir, b_dir, 4)), fleet_urls=moe_fleet.urls)
