@@ -30,8 +30,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from megarl.sync.slices import Box, HFSlice
 
 RankReads = dict[int, list[HFSlice]]  # vLLM TP rank -> the HF blocks its loaders read
