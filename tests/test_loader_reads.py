@@ -3,11 +3,12 @@
 The reads are recorded by running vLLM 0.32's model classes and their `load_weights` in real processes under
 vLLM's parallel state (one gloo process per TP rank, models on the meta device, data-less probes):
 1. Qwen2, Qwen3 and Qwen3-MoE at TP 1, 2 and 4 equal the hand-written table `vllm_rank_slices`
-   (KV heads replicated at TP 4 > 2 KV heads, vocabulary rows padded to 64 and split).
+   (KV heads replicated at TP 4 > 2 KV heads, vocabulary rows padded to 64 and split), and so does the 30B
+   recipe's Qwen3-30B-A3B (`configs/models/qwen3-30b-a3b`, 18,867 tensors) at its vLLM TP 4.
 2. Llama, a family megarl has no trainer side for, at TP 1 and 2 equals the expectation derived below by hand
    from how tensor parallelism splits a Llama block.
 3. Qwen3-MoE at TP 2 with vLLM expert parallel: each rank reads only its own experts, whole.
-One process group per TP size records all models (a vLLM import per process dominates); the file cache is
+One process group per TP size records all models and layouts (a vLLM import per process dominates); the file cache is
 exercised by reading a layout back in a fresh memory cache.
 """
 
@@ -30,6 +31,7 @@ LLAMA = dict(vocab_size=100, hidden_size=256, intermediate_size=512, num_hidden_
 QWEN2 = dict(vocab_size=100, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False)
 FAMILIES = ("dense", "moe", "qwen2")
+RECIPE_30B = Path(__file__).parent.parent / "configs" / "models" / "qwen3-30b-a3b" / "config.json"
 
 
 def _save(cls_name: str, config_name: str, kwargs: dict, out: Path) -> Path:
@@ -49,7 +51,10 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[dict, lr
     dirs = {kind: make_tiny_checkpoint(root / kind, kind=kind) for kind in ("dense", "moe")}
     dirs["qwen2"] = _save("Qwen2ForCausalLM", "Qwen2Config", QWEN2, root / "qwen2")
     dirs["llama"] = _save("LlamaForCausalLM", "LlamaConfig", LLAMA, root / "llama")
-    return {k: (json.loads((d / "config.json").read_text()), lr.checkpoint_tensors(d)) for k, d in dirs.items()}
+    out = {k: (json.loads((d / "config.json").read_text()), lr.checkpoint_tensors(d)) for k, d in dirs.items()}
+    big = json.loads(RECIPE_30B.read_text())  # no checkpoint here: names and shapes from the table at TP 1
+    out["qwen3-30b-a3b"] = (big, {s.name: s.full_shape for s in vllm_rank_slices(big, 1, 0)})
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +62,13 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("loader_reads_cache")
 
 
-def _record(models, cache_dir: Path, tp: int, kinds, ep: bool = False) -> dict[str, lr.RankReads]:
-    return dict(zip(kinds, lr.record_layouts([models[k] for k in kinds], tp, ep, cache_dir), strict=True))
+def _record(models, cache_dir: Path, tp: int) -> dict[tuple[str, bool], lr.RankReads]:
+    """Every model of this test at TP `tp` (Llama up to TP 2, Qwen3-MoE with expert parallel at TP 2, the 30B
+    recipe's Qwen3-30B-A3B at its TP 4), recorded by one group of processes; (kind, ep) -> reads."""
+    kinds = FAMILIES + (("llama",) if tp <= 2 else ("qwen3-30b-a3b",))
+    wanted = [(k, False) for k in kinds] + ([("moe", True)] if tp == 2 else [])
+    reads = lr.record_layouts([(*models[k], ep) for k, ep in wanted], tp, cache_dir)
+    return dict(zip(wanted, reads, strict=True))
 
 
 def _boxes(slices: list[HFSlice]) -> dict[str, tuple]:
@@ -66,15 +76,14 @@ def _boxes(slices: list[HFSlice]) -> dict[str, tuple]:
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
-def test_recorded_reads_equal_the_table_for_qwen_families(models, cache_dir, tp):
-    kinds = FAMILIES + (("llama",) if tp <= 2 else ())  # llama recorded in the same processes (next test)
-    recorded = _record(models, cache_dir, tp, kinds)
-    for kind in FAMILIES:
+def test_recorded_reads_equal_the_table(models, cache_dir, tp):
+    recorded = _record(models, cache_dir, tp)
+    for kind in FAMILIES + (("qwen3-30b-a3b",) if tp == 4 else ()):
         hf, tensors = models[kind]
+        assert {s.name for r in range(tp) for s in recorded[kind, False][r]} == set(tensors)  # all read somewhere
         for rank in range(tp):
             want = _boxes(vllm_rank_slices(hf, tp, rank))
-            assert set(want) <= set(tensors)  # the table names real checkpoint tensors
-            assert _boxes(recorded[kind][rank]) == want, (kind, tp, rank)
+            assert _boxes(recorded[kind, False][rank]) == want, (kind, tp, rank)
 
 
 def _llama_expected(tp: int, rank: int) -> dict[str, tuple]:
@@ -101,14 +110,14 @@ def _llama_expected(tp: int, rank: int) -> dict[str, tuple]:
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_llama_reads_equal_a_hand_derived_layout(models, cache_dir, tp):
-    recorded = _record(models, cache_dir, tp, FAMILIES + ("llama",))["llama"]
+    recorded = _record(models, cache_dir, tp)["llama", False]
     assert set(_llama_expected(1, 0)) == set(models["llama"][1])  # every checkpoint tensor is accounted for
     for rank in range(tp):
         assert _boxes(recorded[rank]) == _llama_expected(tp, rank), (tp, rank)
 
 
 def test_file_cache_serves_a_recorded_layout(models, cache_dir, monkeypatch):
-    _record(models, cache_dir, 2, FAMILIES + ("llama",))
+    _record(models, cache_dir, 2)
     monkeypatch.setattr(lr, "_MEMORY", {})  # a fresh process: only the file cache is left
 
     def no_recording(*args, **kwargs):
@@ -130,7 +139,7 @@ def test_expert_parallel_ranks_read_only_their_experts_whole(models, cache_dir):
     linear placement rank r owns experts [4r, 4r + 4) of 8 and reads each of their tensors whole, no other
     expert; attention, norms, router and vocabulary keep the TP 2 layout of the table."""
     hf, tensors = models["moe"]
-    recorded = _record(models, cache_dir, 2, ("moe",), ep=True)["moe"]
+    recorded = _record(models, cache_dir, 2)["moe", True]
     for rank in range(2):
         got = _boxes(recorded[rank])
         experts = {_expert(n) for n in got} - {None}

@@ -123,8 +123,9 @@ def engine_config(hf: dict[str, Any], tp: int, ep: bool, workdir: Path) -> Any:
     return args.create_engine_config()
 
 
-def _rank_main(rank: int, tp: int, ep: bool, port: int, layouts: list[tuple[dict[str, Any], Tensors]]) -> list:
-    """Spawned TP rank: join vLLM's parallel state for (tp, ep) over gloo, record every layout's reads."""
+def _rank_main(rank: int, tp: int, port: int, layouts: list[tuple[dict[str, Any], Tensors, bool]]) -> list:
+    """Spawned TP rank: join vLLM's world group over gloo, then for each (config, tensors, ep) set up vLLM's model
+    parallel groups under that config and record its reads."""
     from vllm.config import set_current_vllm_config
     from vllm.distributed.parallel_state import (
         destroy_model_parallel,
@@ -135,7 +136,7 @@ def _rank_main(rank: int, tp: int, ep: bool, port: int, layouts: list[tuple[dict
     os.environ.setdefault("VLLM_DIST_IDENT", str(port))  # names the CPU shared-memory group, as vLLM's CPU worker does
     out = []
     with tempfile.TemporaryDirectory(prefix="megarl_loader_reads_") as tmp:
-        for i, (hf, tensors) in enumerate(layouts):
+        for i, (hf, tensors, ep) in enumerate(layouts):
             workdir = Path(tmp) / str(i)
             workdir.mkdir()
             cfg = engine_config(hf, tp, ep, workdir)
@@ -158,21 +159,20 @@ def _from_json(data: dict) -> RankReads:
             for r, ss in data.items()}
 
 
-def record_layouts(layouts: list[tuple[dict[str, Any], Tensors]], tp: int, ep: bool = False,
+def record_layouts(layouts: list[tuple[dict[str, Any], Tensors, bool]], tp: int,
                    cache_dir: Path | None = None) -> list[RankReads]:
-    """`loader_reads` for several models at one layout; the uncached ones are recorded by one group of `tp`
-    processes (one vLLM import per rank for all of them)."""
+    """`loader_reads` for several `(config, tensors, expert parallel)` at one TP size; the uncached ones are
+    recorded by one group of `tp` processes (one vLLM import per rank for all of them)."""
     from megarl.parallel.spawn import free_port, run_ranks
 
-    keys = [layout_key(hf, tensors, tp, ep) for hf, tensors in layouts]
+    keys = [layout_key(hf, tensors, tp, ep) for hf, tensors, ep in layouts]
     for key in keys:
         file = cache_dir / f"{key}.json" if cache_dir is not None else None
         if key not in _MEMORY and file is not None and file.exists():
             _MEMORY[key] = _from_json(json.loads(file.read_text()))
     todo = [i for i, key in enumerate(keys) if key not in _MEMORY]
     if todo:
-        per_rank = run_ranks(_rank_main, tp, tp, ep, free_port(), [layouts[i] for i in todo],
-                             role="vLLM loader probe")
+        per_rank = run_ranks(_rank_main, tp, tp, free_port(), [layouts[i] for i in todo], role="vLLM loader probe")
         for j, i in enumerate(todo):
             reads = {r: [HFSlice(n, tuple(s), tuple(tuple(b) for b in box)) for n, s, box in per_rank[r][j]]
                      for r in range(tp)}
@@ -189,4 +189,4 @@ def loader_reads(hf: dict[str, Any], tensors: Tensors, tp: int, ep: bool = False
                  cache_dir: Path | None = None) -> RankReads:
     """Per vLLM TP rank of `tp` (expert parallel if `ep`), the HF blocks its loaders read (see the module
     docstring); cached in memory and, when `cache_dir` is given, on disk."""
-    return record_layouts([(hf, tensors)], tp, ep, cache_dir)[0]
+    return record_layouts([(hf, tensors, ep)], tp, cache_dir)[0]
