@@ -52,3 +52,14 @@ def test_anything_but_cuts_and_exact_copies_raises(use):
     probe = LoaderProbe.full("w", (4, 4), torch.float32, ReadRecorder())
     with pytest.raises(LoaderProbeError, match="w"):
         use(probe)
+
+
+def test_pieces_that_tile_a_block_merge_and_others_raise():
+    from megarl.sync.loader_reads import merge_reads
+
+    rows = [("w", (8, 4), ((0, 2), (0, 4))), ("w", (8, 4), ((2, 4), (0, 4))), ("w", (8, 4), ((0, 2), (0, 4)))]
+    assert [(s.name, s.box) for s in merge_reads(rows)] == [("w", ((0, 4), (0, 4)))]  # row chunks, one repeated
+    with pytest.raises(ValueError, match="not one block"):
+        merge_reads([("w", (8, 4), ((0, 2), (0, 4))), ("w", (8, 4), ((4, 6), (0, 4)))])  # a gap
+    with pytest.raises(ValueError, match="not one block"):
+        merge_reads([("w", (8, 4), ((0, 3), (0, 4))), ("w", (8, 4), ((2, 4), (0, 4)))])  # an overlap
