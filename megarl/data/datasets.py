@@ -28,7 +28,9 @@ SUFFIXES = (".parquet", ".jsonl")
 def read_rows(path: Path) -> list[dict[str, Any]]:
     """The rows of a `.parquet` or `.jsonl` (one JSON object per line) file as dicts; errors name the file."""
     if not path.is_file():
-        raise FileNotFoundError(f"dataset file {path} does not exist (data.train_files / data.eval_files)")
+        raise FileNotFoundError(f"dataset file {path} does not exist (data.train_files / data.eval_files): download "
+                                "it (docs/data.md, 'Pointing a recipe at the real datasets') or point the field at "
+                                "your copy")
     try:
         if path.suffix == ".parquet":
             table = pyarrow.parquet.read_table(path)
