@@ -18,6 +18,7 @@ softmax over all experts gathered at them (norm_topk_prob false), zero elsewhere
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -149,9 +150,56 @@ def _replay_rank(rank, world, clean_dir, perturbed_dir, layout, port, routed_exp
         mbs = [{k: v[:1] for k, v in share.items()}, {k: v[1:] for k, v in share.items()}]
         policy.train_step(mbs, lambda lp, ent, mb: (lp.sum(), {}))
         out["train"] = rows, _take(calls)
+        # the run's step (`train_on_batch`): responses of different lengths, engine routes one token short
+        for packed in (False, True):
+            metrics = _train_on_rollout_batch(policy, hf_dir, layout, world, tokens, routed_experts, packed)
+            out["step", packed] = metrics["replay/index_bytes"], _take(calls)
         return out
     finally:
         destroy_trainer_groups()
+
+
+PROMPT_LEN, RESPONSE_LENS = 3, (4, 2, 3, 4)  # sequence lengths 7, 5, 6, 7
+
+
+def _rollout_batch(tokens: torch.Tensor, routed_experts: torch.Tensor):
+    """Sample i = prompt `tokens[i, :3]` + response of RESPONSE_LENS[i] tokens; the engine's routes cover every
+    token but the last sampled one (as vLLM returns them)."""
+    from megarl.batch import RolloutBatch
+
+    lengths = [PROMPT_LEN + n for n in RESPONSE_LENS]
+    return RolloutBatch(
+        index=0, prompt_ids=[tokens[i, :PROMPT_LEN].tolist() for i in range(B)],
+        response_ids=[tokens[i, PROMPT_LEN:n].tolist() for i, n in enumerate(lengths)],
+        engine_logprobs=[[-1.0] * n for n in RESPONSE_LENS], rewards=torch.tensor([[1.0, 0.0], [0.5, 0.0]]),
+        advantages=torch.tensor([[1.0, -1.0], [0.5, -0.5]]), policy_version=0,
+        routed_experts=[routed_experts[i, :n - 1] for i, n in enumerate(lengths)])
+
+
+def _train_on_rollout_batch(policy, hf_dir, layout, world, tokens, routed_experts, packed: bool):
+    from megarl.algorithms.registry import get_algorithm
+    from megarl.config.schema import AlgorithmConfig, Config, ModelConfig, TrainerConfig
+    from megarl.parallel.groups import dp_rank_and_size
+    from megarl.trainer.step import train_on_batch
+
+    dp_rank, dp = dp_rank_and_size()
+    cfg = Config(model=ModelConfig(hf_dir=hf_dir), algorithm=AlgorithmConfig(name="grpo"),
+                 trainer=TrainerConfig(world_size=world, pp=layout.pp, ep=layout.ep, micro_batch_size=1,
+                                       pack_sequences=packed, routing_replay=True))
+    return train_on_batch(policy, _rollout_batch(tokens, routed_experts), get_algorithm("grpo"), cfg, 0,
+                          dp_rank, dp, lag=0)
+
+
+def _expected_step_routes(given: torch.Tensor, lengths: list[int], layer: int) -> torch.Tensor:
+    """The routing map `[b, S, E]` of MoE layer `layer` the step's forwards must show for this rank's rows `given`
+    (sequence lengths `lengths`): the engine's routes, then experts 0..k-1 for the last token (never forwarded by
+    the engine) and the padding."""
+    rows = []
+    for g, n in zip(given, lengths, strict=True):
+        row = _as_map(torch.arange(TOPK)).expand(S, EXPERTS).clone()
+        row[:n - 1] = _as_map(g[:n - 1, layer - 1])
+        rows.append(row)
+    return torch.stack(rows)
 
 
 def _as_map(indices: torch.Tensor) -> torch.Tensor:
@@ -212,6 +260,19 @@ def test_routing_replay_matches_recorded_experts(checkpoints, layout, norm):
         # (a) in a training step: microbatches of this rank's rows, indices split with their tokens
         rows, train_routes = out["train"]
         _assert_routes(train_routes, recorded[rows])
+        lengths = [PROMPT_LEN + n for n in RESPONSE_LENS][rows]
+        for packed in (False, True):
+            index_bytes_metric, step_routes = out["step", packed]
+            assert index_bytes_metric == sum(PROMPT_LEN + n - 1 for n in RESPONSE_LENS) * LAYERS * TOPK  # uint8
+            for layer, rec in step_routes.items():
+                want = _expected_step_routes(recorded[rows], lengths, layer)
+                if packed:  # one sequence per microbatch: [its tokens, padding to the longest on this rank]
+                    assert rec["map"].shape[1] == max(lengths)
+                    for got, row, n in zip(rec["map"], want, lengths, strict=True):
+                        assert torch.equal(got[:n], row[:n]), f"packed, layer {layer}"
+                        assert torch.equal(got[n:], row[n:max(lengths)]), f"packed padding, layer {layer}"
+                else:
+                    assert torch.equal(rec["map"], want), f"layer {layer}"
     assert own_differs > 0  # without replay the perturbed router picks other experts for some tokens
 
 
@@ -227,3 +288,44 @@ def test_replay_index_dtype_and_bytes():
     assert index_bytes(small) == 4 and index_bytes(compact_indices(idx, 300)) == 8 and index_bytes(None) == 0
     with pytest.raises(ValueError, match=r"\[0, 8\)"):
         compact_indices(idx, 8)
+
+
+def test_routes_pad_and_pack_like_their_tokens():
+    """`pack_batch` aligns each sample's engine routes with its tokens (filler 0..k-1 on the last token and the
+    padding); `pack_microbatch` packs them exactly like the tokens; routes missing a prompt token are refused."""
+    from megarl.trainer.batching import pack_batch, pack_microbatch
+
+    tokens = torch.arange(B * S).reshape(B, S) % 29 + 3
+    routed = torch.randint(0, EXPERTS, (B, S, LAYERS, TOPK), generator=torch.Generator().manual_seed(0))
+    batch = _rollout_batch(tokens, compact_indices(routed, EXPERTS))
+    t = pack_batch(batch, pad_id=0)
+    lengths = [PROMPT_LEN + n for n in RESPONSE_LENS]
+    filler = torch.tensor([0, 1], dtype=torch.uint8)
+    assert t["routed_experts"].dtype == torch.uint8 and t["routed_experts"].shape == (B, S, LAYERS, TOPK)
+    for i, n in enumerate(lengths):
+        assert torch.equal(t["routed_experts"][i, :n - 1].long(), routed[i, :n - 1])
+        assert (t["routed_experts"][i, n - 1:] == filler).all()
+    packed = pack_microbatch(t, sum(lengths) + 2, pad_id=0)["packed_routed_experts"]
+    starts = [sum(lengths[:i]) for i in range(B)]
+    for i, (start, n) in enumerate(zip(starts, lengths, strict=True)):
+        assert torch.equal(packed[0, start:start + n], t["routed_experts"][i, :n])
+    assert (packed[0, sum(lengths):] == filler).all()
+    short = dataclasses.replace(batch, routed_experts=[r[1:] for r in batch.routed_experts])
+    with pytest.raises(ValueError, match="routed_experts_prompt_start=0"):
+        pack_batch(short, pad_id=0)
+
+
+def test_replay_config_and_model_checks(tmp_path):
+    """Layouts replay is not wired for are refused by the config; a dense model has no routers to replay."""
+    from megarl.config.schema import TrainerConfig
+    from megarl.models.qwen_provider import read_hf_config, transformer_config_from_hf
+
+    assert TrainerConfig().routing_replay is False
+    assert TrainerConfig(routing_replay=True, ep=2, recompute="selective").routing_replay
+    with pytest.raises(ValueError, match="recompute='full'"):
+        TrainerConfig(routing_replay=True, recompute="full")
+    with pytest.raises(ValueError, match="tp > 1"):
+        TrainerConfig(routing_replay=True, tp=2)
+    dense = read_hf_config(make_tiny_checkpoint(tmp_path / "dense", kind="dense"))
+    with pytest.raises(ValueError, match="needs an MoE model"):
+        transformer_config_from_hf(dense, 1, 1, 1, routing_replay=True)
