@@ -148,6 +148,10 @@ def _replay_rank(rank, world, clean_dir, perturbed_dir, layout, port, routed_exp
             out[name, "own"] = own, _take(calls)
             replay, _ = policy.compute_logprobs(tokens, targets, micro=3, routed_experts=routed_experts)
             out[name, "replay"] = replay, _take(calls)
+        try:  # routes of one layer only: refused on every rank (pipeline stages too) before the schedule starts
+            policy.compute_logprobs(tokens, targets, micro=3, routed_experts=routed_experts[:, :, :1])
+        except ValueError as e:
+            out["bad_shape"] = str(e)
         # a training step under replay, on this rank's data-parallel rows, in two microbatches
         dp_rank, dp = dp_rank_and_size()
         rows = slice(dp_rank * B // dp, (dp_rank + 1) * B // dp)
@@ -267,6 +271,7 @@ def test_routing_replay_matches_recorded_experts(checkpoints, layout, world, nor
         gap_replay = (replay_pert - hf_lp).abs().mean()
         assert gap_replay < gap_own, (float(gap_replay), float(gap_own))
         # (a) in a training step: microbatches of this rank's rows, indices split with their tokens
+        assert "expected (3, 7, 2, 2)" in out["bad_shape"]
         rows, train_routes = out["train"]
         _assert_routes(train_routes, recorded[rows])
         lengths = [PROMPT_LEN + n for n in RESPONSE_LENS][rows]

@@ -6,6 +6,8 @@ never gathered). Forward and backward run through megatron's `get_forward_backwa
 pipelining at PP=1, 1F1B at PP>1; the last stage's results are broadcast to the other stages).
 Gradients are *summed* over microbatches and data-parallel ranks, because each loss value is already
 a contribution to the global-batch loss; clipping uses the global norm over all TP/PP/EP shards.
+With routing replay, a microbatch's `routed_experts` route each of its tokens to the given experts in every MoE
+layer (`megarl.trainer.routing_replay`).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from megarl.models.qwen_provider import build_gpt_model, padded_vocab_size
 from megarl.parallel.vocab_logprobs import vocab_parallel_logprobs_entropy
 from megarl.sync.slices import HFSlice
 from megarl.trainer.optimizer import ShardedAdamW, adamw_param_groups, check_optimizer_state
-from megarl.trainer.routing_replay import clear_routes, set_microbatch_routes, stage_routers
+from megarl.trainer.routing_replay import check_routes, clear_routes, set_microbatch_routes, stage_routers
 
 LossFn = Callable[[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
@@ -151,16 +153,27 @@ class MegatronPolicy:
         output = model(tokens, positions, causal)  # hidden [s, b, h] on inner stages, logits on the last
         return output, partial(last_stage_fn, mb)
 
+    @staticmethod
+    def _routes_key(mb: dict[str, torch.Tensor]) -> tuple[str, str]:
+        """(routes, tokens) keys of a microbatch: the packed ones when it is packed."""
+        return ("packed_routed_experts", "packed_tokens") if "packed_tokens" in mb else ("routed_experts", "tokens")
+
+    def _check_routes(self, microbatches: list[dict[str, torch.Tensor]]) -> None:
+        """Refuse routes the policy cannot replay, on every rank before the schedule starts."""
+        for mb in microbatches:
+            routes, tokens = self._routes_key(mb)
+            if routes not in mb:
+                continue
+            if self.routers is None:
+                raise ValueError("the batch carries routed_experts but the policy was built without routing replay: "
+                                 "set trainer.routing_replay=true")
+            check_routes(mb[routes], mb[tokens], self.model.config.num_layers, self.model.config.moe_router_topk)
+
     def _set_routes(self, mb: dict[str, torch.Tensor]) -> None:
         """Routing replay: the microbatch's `routed_experts` (`packed_routed_experts` when packed) go to the routers;
         a microbatch without them is routed by the trainer's own router."""
-        key = "packed_routed_experts" if "packed_tokens" in mb else "routed_experts"
-        if self.routers is None:
-            if key in mb:
-                raise ValueError("the batch carries routed_experts but the policy was built without routing replay: "
-                                 "set trainer.routing_replay=true")
-            return
-        set_microbatch_routes(self.routers, mb.get(key), self.device)
+        if self.routers is not None:
+            set_microbatch_routes(self.routers, mb.get(self._routes_key(mb)[0]), self.device)
 
     def _logprobs(self, logits: torch.Tensor, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """`logits [b, s, V/tp]` -> `(logprobs, entropy) [b, s]` on the CPU, through the vocab-parallel shards.
@@ -182,6 +195,7 @@ class MegatronPolicy:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         b, s = microbatches[0]["packed_tokens" if "packed_tokens" in microbatches[0] else "tokens"].shape
+        self._check_routes(microbatches)
         try:
             return get_forward_backward_func()(
                 forward_step_func=partial(self._forward_step, last_stage_fn), data_iterator=iter(microbatches),

@@ -40,6 +40,15 @@ def index_bytes(indices: torch.Tensor | None) -> int:
     return 0 if indices is None else indices.numel() * indices.element_size()
 
 
+def check_routes(routed_experts: torch.Tensor, tokens: torch.Tensor, num_layers: int, topk: int) -> None:
+    """`routed_experts` must be `[b, s, num_layers, topk]` for `tokens [b, s]`: checked on every rank before the
+    schedule starts (an error inside it on one pipeline stage would leave the others waiting)."""
+    expected = (*tokens.shape, num_layers, topk)
+    if tuple(routed_experts.shape) != expected:
+        raise ValueError(f"routed_experts has shape {tuple(routed_experts.shape)}; expected {expected} (tokens "
+                         f"{tuple(tokens.shape)}, {num_layers} MoE layers, top-{topk})")
+
+
 def stage_routers(model: torch.nn.Module) -> list:
     """This stage's megatron `TopKRouter`s (one per MoE layer), in layer order; each must hold a `router_replay`
     (built with `moe_enable_routing_replay`)."""
@@ -65,10 +74,7 @@ def set_microbatch_routes(routers: list, routed_experts: torch.Tensor | None, de
         if routed_experts is None:
             replay.clear_router_replay_action()
             continue
-        b, s, layers, k = routed_experts.shape
-        if layers < router.layer_number or k != router.topk:
-            raise ValueError(f"routed_experts {tuple(routed_experts.shape)} (b, s, layers, top-k) does not fit MoE "
-                             f"layer {router.layer_number} with top-{router.topk}")
+        b, s, _, k = routed_experts.shape
         per_token = routed_experts[:, :, router.layer_number - 1].transpose(0, 1).reshape(s * b, k)
         replay.set_target_indices(per_token.to(device=device, dtype=torch.long))
         replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
