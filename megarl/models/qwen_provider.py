@@ -54,9 +54,11 @@ def recompute_fields(recompute: str) -> dict[str, Any]:
 
 
 def transformer_config_from_hf(hf: dict[str, Any], tp: int, pp: int, ep: int,
-                               params_dtype: torch.dtype = torch.float32, recompute: str = "none"):
+                               params_dtype: torch.dtype = torch.float32, recompute: str = "none",
+                               routing_replay: bool = False):
     """The megatron `TransformerConfig` equivalent to an HF Qwen config (dropout 0, as RL training uses),
-    with the activation recomputation of `recompute_fields(recompute)`."""
+    with the activation recomputation of `recompute_fields(recompute)`; `routing_replay` gives every MoE router
+    megatron's replay hook (`megarl.trainer.routing_replay`)."""
     from megatron.core.transformer import TransformerConfig
 
     qwen2 = hf.get("model_type", "").startswith("qwen2")
@@ -78,7 +80,10 @@ def transformer_config_from_hf(hf: dict[str, Any], tp: int, pp: int, ep: int,
             moe_token_dispatcher_type="allgather" if not torch.cuda.is_available() else "alltoall",
             moe_grouped_gemm=False,
             moe_router_dtype="fp32",
+            moe_enable_routing_replay=routing_replay,
         )
+    elif routing_replay:
+        raise ValueError("trainer.routing_replay needs an MoE model (the config has no experts)")
     return TransformerConfig(
         num_layers=hf["num_hidden_layers"],
         hidden_size=hf["hidden_size"],
@@ -124,7 +129,7 @@ def layer_spec(hf: dict[str, Any], config):
 
 
 def build_gpt_model(hf: dict[str, Any], tp: int, pp: int, ep: int, params_dtype: torch.dtype = torch.float32,
-                    recompute: str = "none"):
+                    recompute: str = "none", routing_replay: bool = False):
     """This rank's megatron `GPTModel` stage (parallel groups must already be initialised); weights are
     uninitialised until `megarl.models.hf_import.load_hf_weights`. Tied embeddings (`tie_word_embeddings`) are
     megatron's `share_embeddings_and_output_weights`: at PP=1 the output layer uses the embedding weight itself;
@@ -133,7 +138,7 @@ def build_gpt_model(hf: dict[str, Any], tp: int, pp: int, ep: int, params_dtype:
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
-    config = transformer_config_from_hf(hf, tp, pp, ep, params_dtype, recompute)
+    config = transformer_config_from_hf(hf, tp, pp, ep, params_dtype, recompute, routing_replay)
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(hf, config),

@@ -36,8 +36,32 @@ def pack_batch(batch: RolloutBatch, pad_id: int) -> dict[str, torch.Tensor]:
         mask[i, first:last] = 1.0
         old[i, first:last] = torch.tensor(lps, dtype=torch.float32)
     lengths = torch.tensor([len(q) for q in seqs], dtype=torch.long)
-    return {"tokens": tokens, "targets": targets, "mask": mask, "old_logprobs": old,
-            "advantages": batch.advantages.reshape(-1).float(), "lengths": lengths}
+    packed = {"tokens": tokens, "targets": targets, "mask": mask, "old_logprobs": old,
+              "advantages": batch.advantages.reshape(-1).float(), "lengths": lengths}
+    if batch.routed_experts is not None:
+        packed["routed_experts"] = pad_routed_experts(batch.routed_experts, lengths.tolist(), s)
+    return packed
+
+
+def _route_filler(rows: int, like: torch.Tensor) -> torch.Tensor:
+    """`[rows, layers, k]` of experts 0..k-1 in `like`'s dtype: valid, distinct experts for positions whose output
+    feeds no log-prob (row padding, and the last token, which predicts nothing)."""
+    layers, k = like.shape[-2:]
+    return torch.arange(k, dtype=like.dtype).expand(rows, layers, k).clone()
+
+
+def pad_routed_experts(routed: list[torch.Tensor], lengths: list[int], s: int) -> torch.Tensor:
+    """Per-sample engine routes `[T_i, layers, k]` -> `[N, S, layers, k]` (their compact dtype), aligned with
+    `tokens`: position t routes input token t. T_i must be the sequence length or one fewer (the engine never
+    forwards the last sampled token; that position predicts nothing); the rest is `_route_filler`."""
+    out = _route_filler(len(routed), routed[0])[:, None].repeat(1, s, 1, 1)
+    for i, (r, n) in enumerate(zip(routed, lengths, strict=True)):
+        if not n - 1 <= r.shape[0] <= n:
+            raise ValueError(f"sample {i}: routed experts for {r.shape[0]} tokens, expected {n - 1} or {n} (prompt "
+                             "+ response); the engine must return routes for every prompt token "
+                             "(routed_experts_prompt_start=0)")
+        out[i, :r.shape[0]] = r
+    return out
 
 
 def data_parallel_share(tensors: dict[str, torch.Tensor], dp_rank: int, dp_size: int) -> dict[str, torch.Tensor]:
@@ -83,5 +107,13 @@ def pack_microbatch(mb: dict[str, torch.Tensor], length: int, pad_id: int) -> di
         positions[0, row], segments[0, row] = torch.arange(n), i
         index[i, :n] = torch.arange(start, start + n)
         start += n
-    return {**mb, "packed_tokens": tokens, "packed_targets": targets, "packed_positions": positions,
-            "packed_segments": segments, "unpack_index": index}
+    packed = {**mb, "packed_tokens": tokens, "packed_targets": targets, "packed_positions": positions,
+              "packed_segments": segments, "unpack_index": index}
+    if "routed_experts" in mb:  # routing replay: the routes are packed exactly like their tokens
+        routes = _route_filler(length, mb["routed_experts"])
+        start = 0
+        for i, n in enumerate(lengths):
+            routes[start:start + n] = mb["routed_experts"][i, :n]
+            start += n
+        packed["packed_routed_experts"] = routes[None]
+    return packed

@@ -6,6 +6,8 @@ never gathered). Forward and backward run through megatron's `get_forward_backwa
 pipelining at PP=1, 1F1B at PP>1; the last stage's results are broadcast to the other stages).
 Gradients are *summed* over microbatches and data-parallel ranks, because each loss value is already
 a contribution to the global-batch loss; clipping uses the global norm over all TP/PP/EP shards.
+With routing replay, a microbatch's `routed_experts` route each of its tokens to the given experts in every MoE
+layer (`megarl.trainer.routing_replay`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from megarl.models.qwen_provider import build_gpt_model, padded_vocab_size
 from megarl.parallel.vocab_logprobs import vocab_parallel_logprobs_entropy
 from megarl.sync.slices import HFSlice
 from megarl.trainer.optimizer import ShardedAdamW, adamw_param_groups, check_optimizer_state
+from megarl.trainer.routing_replay import check_routes, clear_routes, set_microbatch_routes, stage_routers
 
 LossFn = Callable[[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
@@ -57,6 +60,17 @@ def _all_reduce_sum(grads: list[torch.Tensor], group: dist.ProcessGroup) -> None
         g.copy_(new)
 
 
+def _check_replay_layout(routing_replay: bool, recompute: str, tp: int) -> None:
+    """Layouts routing replay is not wired for yet: full recompute reruns the routers in backward (under 1F1B
+    after later microbatches replaced their indices), and MoE TP>1 routes sequence-parallel token slices."""
+    if routing_replay and recompute == "full":
+        raise ValueError("trainer.routing_replay with trainer.recompute='full' is not supported: use 'none' or "
+                         "'selective'")
+    if routing_replay and tp > 1:
+        raise ValueError("trainer.routing_replay with trainer.tp > 1 (sequence-parallel MoE) is not supported yet: "
+                         "use expert parallelism (trainer.ep) instead")
+
+
 def _configure_schedule(config, pp: int) -> None:
     """Adapter to megatron's schedules (tested with megatron-core 0.16.1): every loss value is already a
     contribution to the global loss, so the schedule must not divide by the microbatch count (the
@@ -72,15 +86,20 @@ class MegatronPolicy:
     data-parallel share of the batch, and results come back on every rank, pipeline stages included."""
 
     def __init__(self, hf_dir: str | Path, hf: dict[str, Any], optim: OptimizerConfig, logprob_chunk: int = 4096,
-                 distributed_optimizer: bool = False, recompute: str = "none"):
+                 distributed_optimizer: bool = False, recompute: str = "none", routing_replay: bool = False):
         """`distributed_optimizer`: shard the AdamW state over data-parallel replicas (`ShardedAdamW`);
-        `recompute`: activation recomputation, "none" / "full" / "selective" (`qwen_provider.recompute_fields`)."""
+        `recompute`: activation recomputation, "none" / "full" / "selective" (`qwen_provider.recompute_fields`);
+        `routing_replay`: microbatches that carry `routed_experts [b, s, L, k]` are routed to exactly those
+        experts (`megarl.trainer.routing_replay`)."""
         from megatron.core import parallel_state as ps
 
         self.hf, self.optim_cfg, self.chunk = hf, optim, logprob_chunk
+        _check_replay_layout(routing_replay, recompute, ps.get_tensor_model_parallel_world_size())
         self.model = build_gpt_model(hf, ps.get_tensor_model_parallel_world_size(),
                                      ps.get_pipeline_model_parallel_world_size(),
-                                     ps.get_expert_model_parallel_world_size(), recompute=recompute)
+                                     ps.get_expert_model_parallel_world_size(), recompute=recompute,
+                                     routing_replay=routing_replay)
+        self.routers = stage_routers(self.model) if routing_replay else None  # this stage's MoE routers
         _configure_schedule(self.model.config, ps.get_pipeline_model_parallel_world_size())
         load_hf_weights(self.model, hf_dir, hf)
         self.device = next(self.model.parameters()).device  # collectives run on it (NCCL takes no CPU tensors)
@@ -120,6 +139,7 @@ class MegatronPolicy:
         on the last stage `last_stage_fn(microbatch, logits [b, s, V/tp])` reduces it."""
         mb = next(data_iterator)
         device = self.device
+        self._set_routes(mb)
         packed = "packed_tokens" in mb
         tokens = (mb["packed_tokens"] if packed else mb["tokens"]).to(device)
         b, s = tokens.shape
@@ -132,6 +152,28 @@ class MegatronPolicy:
             positions = torch.arange(s, device=device)[None].expand(b, s)
         output = model(tokens, positions, causal)  # hidden [s, b, h] on inner stages, logits on the last
         return output, partial(last_stage_fn, mb)
+
+    @staticmethod
+    def _routes_key(mb: dict[str, torch.Tensor]) -> tuple[str, str]:
+        """(routes, tokens) keys of a microbatch: the packed ones when it is packed."""
+        return ("packed_routed_experts", "packed_tokens") if "packed_tokens" in mb else ("routed_experts", "tokens")
+
+    def _check_routes(self, microbatches: list[dict[str, torch.Tensor]]) -> None:
+        """Refuse routes the policy cannot replay, on every rank before the schedule starts."""
+        for mb in microbatches:
+            routes, tokens = self._routes_key(mb)
+            if routes not in mb:
+                continue
+            if self.routers is None:
+                raise ValueError("the batch carries routed_experts but the policy was built without routing replay: "
+                                 "set trainer.routing_replay=true")
+            check_routes(mb[routes], mb[tokens], self.model.config.num_layers, self.model.config.moe_router_topk)
+
+    def _set_routes(self, mb: dict[str, torch.Tensor]) -> None:
+        """Routing replay: the microbatch's `routed_experts` (`packed_routed_experts` when packed) go to the routers;
+        a microbatch without them is routed by the trainer's own router."""
+        if self.routers is not None:
+            set_microbatch_routes(self.routers, mb.get(self._routes_key(mb)[0]), self.device)
 
     def _logprobs(self, logits: torch.Tensor, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """`logits [b, s, V/tp]` -> `(logprobs, entropy) [b, s]` on the CPU, through the vocab-parallel shards.
@@ -153,18 +195,27 @@ class MegatronPolicy:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         b, s = microbatches[0]["packed_tokens" if "packed_tokens" in microbatches[0] else "tokens"].shape
-        return get_forward_backward_func()(
-            forward_step_func=partial(self._forward_step, last_stage_fn), data_iterator=iter(microbatches),
-            model=self.model, num_microbatches=len(microbatches), seq_length=s, micro_batch_size=b,
-            forward_only=forward_only,
-        )
+        self._check_routes(microbatches)
+        try:
+            return get_forward_backward_func()(
+                forward_step_func=partial(self._forward_step, last_stage_fn), data_iterator=iter(microbatches),
+                model=self.model, num_microbatches=len(microbatches), seq_length=s, micro_batch_size=b,
+                forward_only=forward_only,
+            )
+        finally:
+            if self.routers is not None:
+                clear_routes(self.routers)
 
     @torch.no_grad()
-    def compute_logprobs(self, tokens: torch.Tensor, targets: torch.Tensor,
-                         micro: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
-        """`tokens, targets [B, S]` (long) -> `(logprobs, entropy) [B, S]` fp32 on the CPU, on every rank."""
+    def compute_logprobs(self, tokens: torch.Tensor, targets: torch.Tensor, micro: int = 64,
+                         routed_experts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`tokens, targets [B, S]` (long) -> `(logprobs, entropy) [B, S]` fp32 on the CPU, on every rank.
+        `routed_experts [B, S, L, k]`: replay these experts (needs `routing_replay`)."""
         self.model.eval()
-        mbs = [{"tokens": tokens[i:i + micro], "targets": targets[i:i + micro]} for i in range(0, len(tokens), micro)]
+        rows = {"tokens": tokens, "targets": targets}
+        if routed_experts is not None:
+            rows["routed_experts"] = routed_experts
+        mbs = [{k: v[i:i + micro] for k, v in rows.items()} for i in range(0, len(tokens), micro)]
 
         def collect(mb, logits):
             lp, ent = self._logprobs(logits, mb)

@@ -17,6 +17,7 @@ from megarl.batch import RolloutBatch
 from megarl.config.schema import Config
 from megarl.metrics import mismatch
 from megarl.trainer.batching import data_parallel_share, microbatches, pack_batch, pack_microbatch, packed_length
+from megarl.trainer.routing_replay import index_bytes
 
 
 def train_on_batch(
@@ -30,7 +31,8 @@ def train_on_batch(
     share = data_parallel_share(tensors, dp_rank, dp_size)
     share["engine_logprobs"] = share["old_logprobs"]
     if cfg.algorithm.old_logprobs == "trainer":  # decoupled-PPO proximal policy: recompute before updating
-        share["old_logprobs"] = policy.compute_logprobs(share["tokens"], share["targets"])[0] * share["mask"]
+        share["old_logprobs"] = policy.compute_logprobs(share["tokens"], share["targets"],
+                                                        routed_experts=share.get("routed_experts"))[0] * share["mask"]
 
     def loss_fn(logprobs: torch.Tensor, entropy: torch.Tensor, mb: dict[str, torch.Tensor]):
         mask = mb["mask"]
@@ -55,6 +57,8 @@ def train_on_batch(
         mbs = [pack_microbatch(mb, length, pad_id) for mb in mbs]
     metrics = policy.train_step(mbs, loss_fn)
     metrics.setdefault("clip_frac", 0.0)  # algorithms without clipping clip nothing
+    if batch.routed_experts is not None:  # routing replay: bytes of the expert indices the batch carries
+        metrics["replay/index_bytes"] = sum(index_bytes(r) for r in batch.routed_experts)
     metrics = mismatch.finish(metrics)  # the summed log-ratio histogram -> ratio quantiles (scalars only)
     # lag 0: the trainer's current weights are the behaviour weights, so the mismatch is pure numerics
     metrics["mismatch/at_behaviour_weights"] = int(lag == 0)
