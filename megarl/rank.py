@@ -52,7 +52,8 @@ def run_rank(cfg: Config, place: ProcessPlace, sync_port: int, fleet_urls: Calla
     try:
         hf = read_hf_config(cfg.model.hf_dir)
         policy = MegatronPolicy(cfg.model.hf_dir, hf, cfg.optimizer, logprob_chunk=t.logprob_chunk_tokens,
-                                distributed_optimizer=t.distributed_optimizer, recompute=t.recompute)
+                                distributed_optimizer=t.distributed_optimizer, recompute=t.recompute,
+                                routing_replay=t.routing_replay)
         clients = [RolloutClient(url) for url in fleet_urls()] if rank == 0 else []
         weight_sync = PartitionedWeightSync(
             rank=rank, world_size=t.world_size, hf_config=hf, clients=clients, rollout_tp=cfg.rollout.tp,
