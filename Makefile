@@ -32,10 +32,11 @@ test-all: $(STAMP) slurm-deps launch-env
 test-gpu: $(STAMP)
 	$(PY) -m pytest -m gpu
 
-# The tests run a real SLURM cluster of emulated nodes (tests/slurm_cluster.py): Debian's slurm-wlm and munge.
-# Installed with apt when a daemon or client is missing (as root, as CI runs, or through passwordless sudo).
-SLURM_BINS := slurmctld slurmd sbatch munged
-SLURM_APT := slurmctld slurmd slurm-client munge
+# The tests run a real SLURM cluster of emulated nodes (tests/slurm_cluster.py): Debian's slurm-wlm and munge, and
+# lint the job scripts with shellcheck. Installed with apt when one is missing (as root, as CI runs, or through
+# passwordless sudo).
+SLURM_BINS := slurmctld slurmd sbatch munged shellcheck
+SLURM_APT := slurmctld slurmd slurm-client munge shellcheck
 SLURM_MISSING = missing=""; for b in $(SLURM_BINS); do \
 	  command -v $$b >/dev/null 2>&1 || test -x /usr/sbin/$$b || missing="$${missing:+$$missing }$$b"; done
 
