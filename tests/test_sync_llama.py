@@ -9,7 +9,8 @@ independent references:
 - the engine's log-probs after the push equal `transformers`' for the new checkpoint (1e-4; a stale or misplaced
   block moves them by > 1e-2), and generation reports the pushed version;
 - with `sync.needs=table` the same push is refused before any byte moves, naming tensors the table invents for a
-  Llama (q_norm: the table knows Qwen only).
+  Llama (q_norm: the table knows Qwen only);
+- a record labelled for another layout is refused by the workers, and the previous weights keep serving.
 """
 
 import hashlib
@@ -50,6 +51,14 @@ def _push(rank, world, hf_dir, url, sync_port, needs):
     from megarl.sync.slices import HFSlice
     from megarl.sync.weight_sync import PartitionedWeightSync, WeightSyncError
 
+    if needs == "stale":  # failure injection: the fleet's true record, labelled with another layout's key
+        import dataclasses
+
+        from megarl.sync.lifecycle import FleetLifecycle
+
+        record = FleetLifecycle.record_needs
+        FleetLifecycle.record_needs = lambda self: dataclasses.replace(record(self), key="0" * 32)
+        needs = "recorded"
     hf = json.loads((Path(hf_dir) / "config.json").read_text())
     tensors = load_file(Path(hf_dir) / "model.safetensors")
     local = [(HFSlice.whole(name, tuple(t.shape)), t) for name, t in tensors.items()]
@@ -111,3 +120,15 @@ def test_the_table_fallback_refuses_a_llama(llama_fleet, llama_dir):
     out = run_distributed(_push, 1, llama_dir, llama_fleet.urls[0], free_port(), "table")[0]
     assert out["needs"].source == "table"
     assert "no trainer rank holds" in out["error"] and "q_norm" in out["error"]
+
+
+def test_a_record_for_another_layout_is_refused_by_the_workers(llama_fleet, llama_dir):
+    """Each worker re-computes the layout key from its own checkpoint, TP, EP and vLLM version: a record labelled
+    for another layout is refused before the model is touched, on every TP rank, and the trainer raises."""
+    before = run_distributed(_push, 1, llama_dir, llama_fleet.urls[0], free_port(), "recorded")[0]
+    assert "error" not in before, before.get("error")
+    out = run_distributed(_push, 1, llama_dir, llama_fleet.urls[0], free_port(), "stale")[0]
+    assert "the loader-read record handed over is for layout 000" in out["error"]
+    assert "model left unchanged on every TP rank" in out["error"]
+    for now, then in zip(out["engine"], before["engine"], strict=True):  # still the weights of the previous push
+        torch.testing.assert_close(torch.tensor(now), torch.tensor(then), atol=1e-6, rtol=0)
