@@ -122,6 +122,7 @@ class PartitionedWeightTransferEngine(WeightTransferEngine[PartitionedInitInfo, 
         self.rank = init_info.rank_offset + pc.data_parallel_index * pc.world_size + pc.rank
         self.transport = TorchGroupTransport(init_info.host, init_info.port, self.rank, init_info.world_size,
                                              init_info.timeout_s)
+        self.needs, self.needs_error = None, None  # a new sync group brings its own record: nothing is kept
         try:  # after joining: a refusal is reported with each update, the group's rendezvous never waits on it
             self.needs = self._own_needs(init_info.needs)
         except Exception as err:  # noqa: BLE001 - reported by every update
