@@ -6,7 +6,8 @@ Registered as `megarl_partitioned` by `megarl.sync.vllm_plugin`; select it with
 One update, on each vLLM worker (tensor-parallel rank):
 1. `receive_weights` gets this worker's part of the plan: which trainer rank sends which HF block
    in which bucket. It receives exactly those buckets over the sync process group (gloo on CPU,
-   NCCL on GPU) and checks that the blocks tile the slices this worker needs.
+   NCCL on GPU) and checks that the blocks tile the slices this worker needs (its rank's part of the needs
+   record handed over at `/init_weight_transfer_engine`, used only if made for this worker's own layout).
 2. The replica's TP workers agree (all-gather over vLLM's own CPU TP group): if any of them failed
    to receive or rejected its part, all of them refuse the update, so no replica is left with some
    ranks updated and others not. A refusal is *reported*, not raised (see 4): vLLM 0.32's
