@@ -55,7 +55,8 @@ def _broadcast(obj: Any, rank: int) -> Any:
 
 
 REWARD_FLAGS = (UNPARSABLE, GOLD_UNPARSABLE)  # recorded every step (0 when the reward flags nothing)
-SYNC_PHASES = ("plan_s", "open_s", "send_s", "close_s", "fleet_paused_s", "worker_receive_s", "worker_load_s")
+SYNC_PHASES = ("needs_s", "plan_s", "open_s", "send_s", "close_s", "fleet_paused_s", "worker_receive_s",
+               "worker_load_s")
 
 
 def _sync_metrics(stats: list[SyncStats]) -> dict[str, float]:

@@ -2,6 +2,7 @@
 expert parallel 2) pushes new weights into a real vLLM server (tensor parallel 2).
 
 Checked against independent references:
+- the plan's needs, recorded by the fleet from vLLM's own loaders, equal the hand-written table;
 - what each vLLM rank received, and every block vLLM's own weight loaders read from it, equals bit
   for bit (sha256) the same block of the new checkpoint (what the trainer holds); its byte count
   equals the size of its slices computed by hand from the config below (ratio 1.00);
@@ -26,6 +27,7 @@ from safetensors.torch import load_file
 
 from megarl.config.schema import OptimizerConfig
 from megarl.models.qwen_provider import read_hf_config
+from megarl.sync.plan import vllm_rank_slices
 from tests.dist_utils import free_port, run_distributed
 from tests.fleet_fixture import perturbed_checkpoint
 
@@ -78,6 +80,7 @@ def _trainer(rank, world, hf_dir, url, port, sync_port, drop):
                 out["error"] = str(err)
         else:
             out["stats"] = sync.push(policy.iter_local_hf_slices(), version=5)
+        out["needs"] = sync.needs
         if rank == 0:
             out["paused"] = clients[0].is_paused()
         if rank == 0 and not out["paused"]:
@@ -120,6 +123,13 @@ def test_sync_moves_exactly_each_ranks_slices(moe_fleet, new_checkpoint):
           f"({stats.gbps:.4f} GB/s); per worker receive/load seconds "
           f"{[(r['receive_seconds'], r['load_seconds']) for r in stats.reports]}")
     assert sorted(reports) == [2, 3]  # the two vLLM TP workers, after the 2 trainer ranks
+
+    # the plan came from the fleet's recording of vLLM's own loaders, which equals the hand-written table here
+    needs = results[0]["needs"]
+    assert needs.source == "recorded" and results[1]["needs"] == needs
+    for tp_rank in range(2):
+        assert set(needs.reads[tp_rank]) == set(vllm_rank_slices(hf, 2, tp_rank))
+    assert stats.phases["needs_s"] == needs.seconds > 0  # obtained once, in the constructor, reported by push 1
 
     # bytes: each worker received exactly its own slices (ratio 1.00), all read by vLLM's loaders
     expected = _hand_bytes_per_rank(hf, tp=2)

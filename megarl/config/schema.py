@@ -121,6 +121,14 @@ class SyncConfig(_Strict):
     interval: int = Field(1, ge=1, description="sync_interval m: weights are pushed to the fleet every m batches.")
     offset: int = Field(0, ge=0, description="sync_offset n: the fleet generates n batches ahead of training.")
     bucket_mb: float = Field(64.0, gt=0, description="Size of the flat send buffers of the weight transfer (MiB).")
+    needs: Literal["recorded", "table"] = Field(
+        "recorded", description="Where the sync learns which HF blocks each vLLM TP rank loads. recorded (default): "
+        "from vLLM's own weight loaders, recorded once per run by the fleet (replica 0 runs them over data-less "
+        "probes in a fresh process, or reads its cache, ~/.cache/megarl/loader_reads or "
+        "MEGARL_LOADER_READS_CACHE); any model family vLLM serves, with or without expert parallel, and the "
+        "trainer needs no vLLM. table: megarl's hand-written vLLM 0.32 layouts (Qwen2, Qwen3, Qwen3-MoE, no expert "
+        "parallel), for a fleet that cannot record (e.g. it serves a hub id, not a local checkpoint directory).",
+    )
     push_initial: bool = Field(
         False, description="Push the trainer's weights once before the first batch, for a fleet that did not "
         "start from the trainer's checkpoint (a reused fleet, a resumed run). Counted in step 0's sync metrics.",

@@ -1,7 +1,8 @@
 """The fleet side of one weight update, driven over HTTP by trainer rank 0, apart from the byte moving
 (`megarl.sync.transport`):
 
-    join:   /init_weight_transfer_engine on every replica (its workers join the sync group)
+    needs:  /collective_rpc megarl_record_loader_reads on replica 0 (what each TP rank's loaders read), once
+    join:   /init_weight_transfer_engine on every replica (its workers join the sync group, get the needs)
     open:   /pause -> /start_weight_update on every replica (undone on failure)
     update: /update_weights with each TP worker's part of the plan, one thread per replica; it returns once the
             workers have received, checked and loaded their blocks, or refused them
@@ -16,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from megarl.rollout.client import RolloutClient, RolloutServerError
+from megarl.sync.needs import RolloutNeeds, recorded_by_fleet
 
 
 class UpdateRefused(RuntimeError):
@@ -67,16 +69,23 @@ class FleetLifecycle:
     def __init__(self, clients: list[RolloutClient], tp: int) -> None:
         self.clients, self.tp = clients, tp
 
+    def record_needs(self) -> RolloutNeeds:
+        """What each vLLM TP rank's loaders read, recorded by replica 0 in its own environment (see
+        `megarl.sync.needs`); the other replicas check at `join` that the record is for their layout."""
+        client = self.clients[0]
+        return recorded_by_fleet(client.collective_rpc("megarl_record_loader_reads"), self.tp, client.url)
+
     def join(self, host: str, port: int, world_size: int, first_worker_rank: int,
-             timeout_s: float) -> list[ResultThread]:
+             timeout_s: float, needs: RolloutNeeds) -> list[ResultThread]:
         """Ask every replica's workers to join the sync group (store at `host:port`); replica i's TP rank r is
-        rank `first_worker_rank + i * tp + r`. Returns the threads to join once this rank has joined too."""
+        rank `first_worker_rank + i * tp + r`; each worker is handed `needs` (it keeps its own rank's blocks).
+        Returns the threads to join once this rank has joined too."""
         for client in self.clients:  # a dead or unguarded-key server fails here, not in the group's rendezvous
             client.weight_version()
         threads = []
         for i, client in enumerate(self.clients):
             info = {"host": host, "port": port, "world_size": world_size,
-                    "rank_offset": first_worker_rank + i * self.tp, "timeout_s": timeout_s}
+                    "rank_offset": first_worker_rank + i * self.tp, "timeout_s": timeout_s, "needs": needs.to_json()}
             threads.append(ResultThread(lambda c=client, info=info: c.init_weight_transfer(info)))
             threads[-1].start()
         return threads

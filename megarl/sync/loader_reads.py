@@ -28,6 +28,7 @@ import importlib.metadata
 import json
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -134,7 +135,9 @@ def _rank_main(rank: int, tp: int, port: int, layouts: list[tuple[dict[str, Any]
         initialize_model_parallel,
     )
 
-    os.environ.setdefault("VLLM_DIST_IDENT", str(port))  # names the CPU shared-memory group, as vLLM's CPU worker does
+    # names the CPU shared-memory group, as vLLM's CPU worker does; set, never inherited (a recorder started from a
+    # live vLLM worker must not share that worker's group)
+    os.environ["VLLM_DIST_IDENT"] = f"megarl_probe_{port}"
     out = []
     with tempfile.TemporaryDirectory(prefix="megarl_loader_reads_") as tmp:
         for i, (hf, tensors, ep) in enumerate(layouts):
@@ -151,11 +154,11 @@ def _rank_main(rank: int, tp: int, port: int, layouts: list[tuple[dict[str, Any]
 
 
 # ---- the cached API ------------------------------------------------------------------------------------------------
-def _to_json(reads: RankReads) -> dict:
+def reads_to_json(reads: RankReads) -> dict:
     return {str(r): [[s.name, list(s.full_shape), [list(b) for b in s.box]] for s in ss] for r, ss in reads.items()}
 
 
-def _from_json(data: dict) -> RankReads:
+def reads_from_json(data: dict) -> RankReads:
     return {int(r): [HFSlice(n, tuple(shape), tuple(tuple(b) for b in box)) for n, shape, box in ss]
             for r, ss in data.items()}
 
@@ -170,7 +173,7 @@ def record_layouts(layouts: list[tuple[dict[str, Any], Tensors, bool]], tp: int,
     for key in keys:
         file = cache_dir / f"{key}.json" if cache_dir is not None else None
         if key not in _MEMORY and file is not None and file.exists():
-            _MEMORY[key] = _from_json(json.loads(file.read_text()))
+            _MEMORY[key] = reads_from_json(json.loads(file.read_text()))
     todo = [i for i, key in enumerate(keys) if key not in _MEMORY]
     if todo:
         per_rank = run_ranks(_rank_main, tp, tp, free_port(), [layouts[i] for i in todo], role="vLLM loader probe")
@@ -181,7 +184,7 @@ def record_layouts(layouts: list[tuple[dict[str, Any], Tensors, bool]], tp: int,
             if cache_dir is not None:
                 cache_dir.mkdir(parents=True, exist_ok=True)
                 tmp = cache_dir / f"{keys[i]}.json.tmp{os.getpid()}"
-                tmp.write_text(json.dumps(_to_json(reads)))
+                tmp.write_text(json.dumps(reads_to_json(reads)))
                 tmp.replace(cache_dir / f"{keys[i]}.json")
     return [_MEMORY[key] for key in keys]
 
@@ -191,3 +194,38 @@ def loader_reads(hf: dict[str, Any], tensors: Tensors, tp: int, ep: bool = False
     """Per vLLM TP rank of `tp` (expert parallel if `ep`), the HF blocks its loaders read (see the module
     docstring); cached in memory and, when `cache_dir` is given, on disk."""
     return record_layouts([(hf, tensors, ep)], tp, cache_dir)[0]
+
+
+def read_model(model_dir: str | Path) -> tuple[dict[str, Any], Tensors]:
+    """A checkpoint directory's `config.json` as written (the dict the layout key hashes) and its tensor shapes."""
+    return json.loads((Path(model_dir) / "config.json").read_text()), checkpoint_tensors(model_dir)
+
+
+def record_model(model_dir: str | Path, tp: int, ep: bool, cache_dir: Path | None) -> dict[str, Any]:
+    """`loader_reads` of the checkpoint in `model_dir`, JSON-able: {"key", "reads", "seconds"} (seconds: 0.0-ish
+    when the file cache had it)."""
+    start = time.perf_counter()
+    hf, tensors = read_model(model_dir)
+    reads = loader_reads(hf, tensors, tp, ep, cache_dir)
+    seconds = time.perf_counter() - start
+    return {"key": layout_key(hf, tensors, tp, ep), "reads": reads_to_json(reads), "seconds": seconds}
+
+
+def _main() -> None:
+    """`python -m megarl.sync.loader_reads MODEL_DIR --tp N [--ep] --out FILE`: record (or read from the file cache,
+    `default_cache_dir()`) and write `record_model`'s JSON to FILE. Run by a vLLM worker in a fresh process
+    (`MegarlWorkerExtension.megarl_record_loader_reads`): the live worker cannot build a second model."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=_main.__doc__)
+    parser.add_argument("model_dir")
+    parser.add_argument("--tp", type=int, required=True)
+    parser.add_argument("--ep", action="store_true")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    record = record_model(args.model_dir, args.tp, args.ep, default_cache_dir())
+    Path(args.out).write_text(json.dumps(record))
+
+
+if __name__ == "__main__":
+    _main()

@@ -1,9 +1,11 @@
 """The reshard plan: which trainer rank sends which HF block to which vLLM worker.
 
-`vllm_rank_slices` lists the blocks one vLLM tensor-parallel rank's weight loaders read (vLLM
-0.32 layouts for Qwen3 / Qwen3-MoE / Qwen2); `plan_transfers` intersects them with what each
-trainer rank holds (`megarl.models.hf_layout`) so every needed block is sent exactly once, split
-across holders when no single holder has all of it, spreading replicated blocks over holders.
+`plan_transfers` intersects the blocks each vLLM rank needs (`megarl.sync.needs`: recorded from vLLM's own
+loaders) with what each trainer rank holds (`megarl.models.hf_layout`) so every needed block is sent exactly
+once, split across holders when no single holder has all of it, spreading replicated blocks over holders.
+`vllm_rank_slices` is the hand-written table of those needs (vLLM 0.32 layouts for Qwen3 / Qwen3-MoE / Qwen2,
+no expert parallel): the fallback `sync.needs=table`, the tests' independent reference, and the count behind
+`megarl plan` and `megarl bench sync`, which run without a fleet.
 """
 
 from __future__ import annotations

@@ -75,7 +75,7 @@ class ReceivedBlock(torch.Tensor):
         if not self._block.contains(want):
             raise LoaderReadError(
                 f"vLLM's loader for {self._block.name} reads {want.box} but this worker received {self._block.box}: "
-                "the reshard plan (megarl.sync.plan.vllm_rank_slices) does not match this vLLM version's layout"
+                "the needs the plan was made from (megarl.sync.needs) do not match this vLLM version's loaders"
             )
         served = self._data[want.index_within(self._block)]
         self._reads.record(want.name, want.box, served)

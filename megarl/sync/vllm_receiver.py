@@ -6,7 +6,8 @@ Registered as `megarl_partitioned` by `megarl.sync.vllm_plugin`; select it with
 One update, on each vLLM worker (tensor-parallel rank):
 1. `receive_weights` gets this worker's part of the plan: which trainer rank sends which HF block
    in which bucket. It receives exactly those buckets over the sync process group (gloo on CPU,
-   NCCL on GPU) and checks that the blocks tile the slices this worker needs.
+   NCCL on GPU) and checks that the blocks tile the slices this worker needs (its rank's part of the needs
+   record handed over at `/init_weight_transfer_engine`, used only if made for this worker's own layout).
 2. The replica's TP workers agree (all-gather over vLLM's own CPU TP group): if any of them failed
    to receive or rejected its part, all of them refuse the update, so no replica is left with some
    ranks updated and others not. A refusal is *reported*, not raised (see 4): vLLM 0.32's
@@ -29,9 +30,15 @@ One update, on each vLLM worker (tensor-parallel rank):
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import subprocess
+import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -59,6 +66,7 @@ class PartitionedInitInfo(WeightTransferInitInfo):
     world_size: int  # trainer ranks + every vLLM worker of the fleet
     rank_offset: int  # sync-group rank of this engine's tensor-parallel rank 0
     timeout_s: float = 600.0
+    needs: dict[str, Any] | None = None  # megarl.sync.needs.RolloutNeeds.to_json(): every TP rank's blocks
 
 
 @dataclass
@@ -106,6 +114,8 @@ class PartitionedWeightTransferEngine(WeightTransferEngine[PartitionedInitInfo, 
         self.transport: Transport | None = None
         self.rank = -1
         self.report: dict[str, Any] = {}
+        self.needs: list[HFSlice] | None = None  # this rank's blocks, from the trainer's record (checked)
+        self.needs_error: str | None = None  # why the record handed over cannot be used: every update is refused
 
     def init_transfer_engine(self, init_info: PartitionedInitInfo) -> None:
         """Join the sync group at rank `rank_offset + dp_index * world + tp_rank` (blocks until all joined)."""
@@ -113,6 +123,33 @@ class PartitionedWeightTransferEngine(WeightTransferEngine[PartitionedInitInfo, 
         self.rank = init_info.rank_offset + pc.data_parallel_index * pc.world_size + pc.rank
         self.transport = TorchGroupTransport(init_info.host, init_info.port, self.rank, init_info.world_size,
                                              init_info.timeout_s)
+        self.needs, self.needs_error = None, None  # a new sync group brings its own record: nothing is kept
+        try:  # after joining: a refusal is reported with each update, the group's rendezvous never waits on it
+            self.needs = self._own_needs(init_info.needs)
+        except Exception as err:  # noqa: BLE001 - reported by every update
+            self.needs_error = f"{type(err).__name__}: {err}"
+
+    def _own_needs(self, data: dict[str, Any] | None) -> list[HFSlice]:
+        """This rank's blocks from the needs the trainer handed over: a record is used only if its layout key is
+        this worker's own (its checkpoint's config and tensor shapes, TP, expert parallel, vLLM version); the
+        table is re-derived here from this worker's config."""
+        from megarl.sync.loader_reads import layout_key, read_model
+        from megarl.sync.needs import RolloutNeeds
+        from megarl.sync.plan import vllm_rank_slices
+
+        pc = self.parallel_config
+        tp = pc.tensor_parallel_size
+        if data is None:
+            raise ValueError("no needs in the init info: the trainer's megarl is older than this worker's")
+        needs = RolloutNeeds.from_json(data)
+        if needs.source == "table":
+            return vllm_rank_slices(self.model_config.hf_config.to_dict(), tp, pc.rank % tp)
+        hf, tensors = read_model(_model_dir(self.model_config.model))
+        own = layout_key(hf, tensors, tp, pc.enable_expert_parallel)
+        if needs.key != own:
+            raise ValueError(f"the loader-read record handed over is for layout {needs.key}, this worker's is {own} "
+                             "(another model, TP, expert parallel or vLLM version): replicas must serve one layout")
+        return needs.reads[pc.rank % tp]
 
     def start_weight_update(self) -> None:
         """Nothing to prepare: the model is touched only after every byte of the update has arrived."""
@@ -181,11 +218,9 @@ class PartitionedWeightTransferEngine(WeightTransferEngine[PartitionedInitInfo, 
 
     def _check_complete(self, blocks: dict[str, tuple[HFSlice, torch.Tensor]]) -> None:
         """Refuse (before touching the model) an update that is not exactly the slices this rank holds."""
-        from megarl.sync.plan import vllm_rank_slices
-
-        pc = self.parallel_config
-        tp = pc.tensor_parallel_size
-        need = {b.name: b for b in vllm_rank_slices(self.model_config.hf_config.to_dict(), tp, pc.rank % tp)}
+        if self.needs is None:
+            raise RuntimeError(f"this worker does not know its slices: {self.needs_error}")
+        need = {b.name: b for b in self.needs}
         got = {n: b for n, (b, _) in blocks.items()}
         missing = sorted(set(need) - set(got))
         extra = sorted(set(got) - set(need))
@@ -219,9 +254,41 @@ class PartitionedWeightTransferEngine(WeightTransferEngine[PartitionedInitInfo, 
             self.transport = None
 
 
+def _model_dir(model: str) -> Path:
+    path = Path(model)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"vLLM serves {model!r}, not a local checkpoint directory: megarl records the "
+                                "loaders' reads from a local HF checkpoint (serve one, or set sync.needs=table)")
+    return path
+
+
 class MegarlWorkerExtension:
     """Mixed into vLLM's worker (`--worker-extension-cls`): RPCs the trainer and the tests call over
     `/collective_rpc` (server dev mode)."""
+
+    def megarl_record_loader_reads(self) -> dict[str, Any] | None:
+        """On TP rank 0 (the others return None): what every TP rank of this replica's layout reads of each HF
+        tensor (`megarl.sync.loader_reads.record_model`, JSON), recorded by vLLM's own loaders in a fresh process
+        (this worker cannot build a second model: its attention layers would register twice), or read from that
+        process's file cache. Errors are returned as {"error": ...}, never raised (see the module docstring)."""
+        pc = self.vllm_config.parallel_config
+        if pc.rank % pc.tensor_parallel_size != 0:
+            return None
+        try:
+            model_dir = _model_dir(self.vllm_config.model_config.model)
+            with tempfile.TemporaryDirectory(prefix="megarl_record_") as tmp:
+                out = Path(tmp) / "record.json"
+                cmd = [sys.executable, "-m", "megarl.sync.loader_reads", str(model_dir),
+                       "--tp", str(pc.tensor_parallel_size), "--out", str(out)]
+                cmd += ["--ep"] if pc.enable_expert_parallel else []
+                env = {k: v for k, v in os.environ.items() if k != "VLLM_DIST_IDENT"}  # the live group's name
+                done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=540)
+                if done.returncode != 0:
+                    raise RuntimeError(f"{' '.join(cmd)} exited with {done.returncode}: {done.stderr[-3000:]}")
+                return json.loads(out.read_text())
+        except Exception as err:  # noqa: BLE001 - returned: a raising worker would desynchronise vLLM's replies
+            logger.error("megarl loader-read recording failed: %s", err)
+            return {"error": f"{type(err).__name__}: {err}"}
 
     def megarl_sync_report(self) -> dict[str, Any]:
         engine = getattr(self, "weight_transfer_engine", None)

@@ -13,11 +13,14 @@ together (a collective over the trainer ranks). Rank 0 also drives the fleet ove
     all:     all-gather bytes sent; rank 0 broadcasts the outcome, a failure is raised on every rank
 
 The plan is built once (shapes never change): trainer ranks all-gather *metadata* of the blocks
-they hold, `plan_transfers` assigns each block a vLLM worker needs to one sender.
+they hold, `plan_transfers` assigns each block a vLLM worker needs to one sender. What each vLLM worker
+needs is obtained once, in the constructor (`megarl.sync.needs`): by default recorded by the fleet from vLLM's
+own loaders.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import Iterable
@@ -29,10 +32,13 @@ import torch.distributed as dist
 
 from megarl.rollout.client import RolloutClient
 from megarl.sync.lifecycle import FleetLifecycle
-from megarl.sync.plan import plan_transfers, vllm_rank_slices
+from megarl.sync.needs import NeedsSource, RolloutNeeds, table_needs
+from megarl.sync.plan import plan_transfers
 from megarl.sync.slices import HFSlice
 from megarl.sync.transport import TorchGroupTransport, Transport
 from megarl.sync.wire import WireEntry, layout_buckets
+
+logger = logging.getLogger(__name__)
 
 
 class WeightSyncError(RuntimeError):
@@ -53,7 +59,9 @@ class SyncStats:
     bytes_read_by_loaders: dict[int, int] = field(default_factory=dict)  # vLLM worker -> bytes its loaders read
     bytes_needed: dict[int, int] = field(default_factory=dict)  # vLLM worker -> bytes of the slices it holds
     reports: list[dict[str, Any]] = field(default_factory=list)  # the workers' own reports
-    # where the push's seconds went (rank 0's clock unless said): plan_s (first push only), open_s (pause and open
+    # where the push's seconds went (rank 0's clock unless said): needs_s (first push only: obtaining the vLLM
+    # ranks' needs, i.e. the fleet's loader-read recording, done once per run in the constructor), plan_s (first
+    # push only), open_s (pause and open
     # every replica), send_s (the slowest trainer rank's sends), close_s (wait for the workers to receive and
     # load, read their reports, label, resume), fleet_paused_s (first /pause to last /resume), worker_receive_s
     # and worker_load_s (the slowest vLLM worker's receive and vLLM reload, from its report)
@@ -80,7 +88,7 @@ class PartitionedWeightSync:
 
     def __init__(self, rank: int, world_size: int, hf_config: dict[str, Any], clients: list[RolloutClient],
                  rollout_tp: int, rollout_replicas: int, store_host: str, store_port: int, bucket_bytes: int,
-                 timeout_s: float = 600.0, digests: bool = False) -> None:
+                 timeout_s: float = 600.0, digests: bool = False, needs: NeedsSource = "recorded") -> None:
         self.rank, self.trainers, self.hf = rank, world_size, hf_config
         self.clients, self.tp, self.replicas = clients, rollout_tp, rollout_replicas
         self.bucket_bytes, self.digests = bucket_bytes, digests
@@ -89,14 +97,33 @@ class PartitionedWeightSync:
         self.entries: list[WireEntry] | None = None
         self.bytes_needed: dict[int, int] = {}
         self.fleet = FleetLifecycle(clients, rollout_tp) if rank == 0 else None
+        if self.fleet is not None and len(clients) != rollout_replicas:
+            raise ValueError(f"{len(clients)} rollout clients for {rollout_replicas} replicas")
+        self.needs = self._obtain_needs(needs)
+        self._needs_reported = False  # the first push reports what obtaining the needs cost (`needs_s`)
         joins = []
         if self.fleet is not None:
-            if len(clients) != rollout_replicas:
-                raise ValueError(f"{len(clients)} rollout clients for {rollout_replicas} replicas")
-            joins = self.fleet.join(store_host, store_port, self.sync_world, world_size, timeout_s)
+            joins = self.fleet.join(store_host, store_port, self.sync_world, world_size, timeout_s, self.needs)
         self.transport: Transport = TorchGroupTransport(store_host, store_port, rank, self.sync_world, timeout_s)
         for t in joins:
             t.join_or_raise()
+
+    def _obtain_needs(self, source: NeedsSource) -> RolloutNeeds:
+        """Rank 0 records (or takes from the table) what every vLLM TP rank needs and hands it to every trainer rank;
+        a failure is raised on every rank."""
+        box: list[Any] = [None]
+        if self.rank == 0:
+            try:
+                box[0] = table_needs(self.hf, self.tp) if source == "table" else self.fleet.record_needs()
+            except Exception as err:  # noqa: BLE001 - raised on every trainer rank below
+                box[0] = f"{type(err).__name__}: {err}"
+        dist.broadcast_object_list(box, src=0)
+        if isinstance(box[0], str):
+            raise WeightSyncError(f"cannot plan the weight sync: {box[0]}")
+        if self.rank == 0:
+            logger.info("vLLM ranks' needs (%s, layout %s) obtained in %.2f s", box[0].source, box[0].key,
+                        box[0].seconds)
+        return box[0]
 
     def replica_of(self, worker: int) -> int:
         """The replica of the vLLM worker at sync-group rank `worker`."""
@@ -113,8 +140,7 @@ class PartitionedWeightSync:
         dist.all_gather_object(gathered, meta)
         holdings = {r: blocks for r, (blocks, _) in enumerate(gathered)}
         dtypes = {k: v for _, d in gathered for k, v in d.items()}
-        needs = {self.worker_rank(rep, r): vllm_rank_slices(self.hf, self.tp, r)
-                 for rep in range(self.replicas) for r in range(self.tp)}
+        needs = {self.worker_rank(rep, r): self.needs.reads[r] for rep in range(self.replicas) for r in range(self.tp)}
         missing = sorted({b.name for blocks in needs.values() for b in blocks} - set(dtypes))
         if missing:
             raise WeightSyncError(f"no trainer rank holds {missing[:5]} ({len(missing)} HF tensors): the trainer's "
@@ -137,6 +163,9 @@ class PartitionedWeightSync:
         if self.entries is None:
             self.entries = self._plan(local)
         phases = {"plan_s": lap()}
+        if not self._needs_reported:  # recorded once per run, before the first push (in the constructor)
+            phases["needs_s"] = self.needs.seconds
+            self._needs_reported = True
         self._raise_everywhere(self.fleet.open() if self.fleet else None, version)
         phases["open_s"] = lap()
         update_id = uuid.uuid4().hex

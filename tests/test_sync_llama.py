@@ -1,0 +1,134 @@
+"""A push into a model family megarl's hand-written table does not know: a tiny Llama served by vLLM at TP 2.
+
+megarl has no trainer side for Llama, so the sender here is one trainer rank holding every tensor of the new
+checkpoint whole (read from its safetensors); the plan, the wire and the vLLM workers are the real ones. The vLLM
+ranks' needs come from the fleet's recording of vLLM's own loaders (`sync.needs=recorded`). Checked against
+independent references:
+- each worker received exactly the Llama TP layout derived by hand in `tests/test_loader_reads.py` (bytes, blocks,
+  ratio 1.00), and every block vLLM's loaders read equals, bit for bit (sha256), the new checkpoint's block;
+- the engine's log-probs after the push equal `transformers`' for the new checkpoint (1e-4; a stale or misplaced
+  block moves them by > 1e-2), and generation reports the pushed version;
+- with `sync.needs=table` the same push is refused before any byte moves, naming tensors the table invents for a
+  Llama (q_norm: the table knows Qwen only);
+- a record labelled for another layout is refused by the workers, and the previous weights keep serving.
+"""
+
+import hashlib
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from megarl.data.tokenizer import save_tokenizer
+from megarl.rollout.fleet import FleetSpec, launch
+from tests.dist_utils import free_port, run_distributed
+from tests.fleet_fixture import _secret_in_env, _session_secret, perturbed_checkpoint
+from tests.test_loader_reads import LLAMA, _llama_expected, _save
+
+SEQS = [[6, 23, 7, 24, 13, 2], [5, 23, 5, 24, 11], [12, 23, 3, 24, 17, 2, 9]]
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory) -> Path:
+    out = _save("LlamaForCausalLM", "LlamaConfig", LLAMA, tmp_path_factory.mktemp("llama") / "llama")
+    save_tokenizer(out, model_max_length=LLAMA["max_position_embeddings"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def llama_fleet(llama_dir, tmp_path_factory):
+    secret = _session_secret(tmp_path_factory)
+    with launch(FleetSpec(model_dir=llama_dir, tp=2, log_dir=tmp_path_factory.mktemp("llama_fleet_logs"),
+                          secret_file=secret)) as fleet, _secret_in_env(secret):
+        yield fleet
+
+
+def _push(rank, world, hf_dir, url, sync_port, needs):
+    import json
+
+    from megarl.rollout.client import RolloutClient
+    from megarl.sync.slices import HFSlice
+    from megarl.sync.weight_sync import PartitionedWeightSync, WeightSyncError
+
+    if needs == "stale":  # failure injection: the fleet's true record, labelled with another layout's key
+        import dataclasses
+
+        from megarl.sync.lifecycle import FleetLifecycle
+
+        record = FleetLifecycle.record_needs
+        FleetLifecycle.record_needs = lambda self: dataclasses.replace(record(self), key="0" * 32)
+        needs = "recorded"
+    hf = json.loads((Path(hf_dir) / "config.json").read_text())
+    tensors = load_file(Path(hf_dir) / "model.safetensors")
+    local = [(HFSlice.whole(name, tuple(t.shape)), t) for name, t in tensors.items()]
+    client = RolloutClient(url)
+    sync = PartitionedWeightSync(rank, world, hf, [client], rollout_tp=2, rollout_replicas=1, store_host="127.0.0.1",
+                                 store_port=sync_port, bucket_bytes=256 << 10, timeout_s=90, digests=True,
+                                 needs=needs)
+    out = {"needs": sync.needs}
+    try:
+        out["stats"] = sync.push(local, version=3)
+    except WeightSyncError as err:
+        out["error"] = str(err)
+    out["engine"] = [client.prompt_logprobs(s) for s in SEQS]
+    out["samples"] = client.generate([SEQS[0][:4]], n=2, max_tokens=2, seed=0)[0]
+    sync.close()
+    return out
+
+
+def _sha256(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def _transformers_logprobs(hf_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    out = []
+    for s in SEQS:
+        logsm = torch.log_softmax(model(torch.tensor([s])).logits[0].float(), -1)
+        out.append(logsm[:-1].gather(-1, torch.tensor(s[1:])[:, None]).squeeze(-1))
+    return out
+
+
+def test_push_into_a_llama_is_planned_from_vllms_loaders(llama_fleet, llama_dir, tmp_path):
+    new_dir = perturbed_checkpoint(llama_dir, tmp_path, seed=11)
+    new = load_file(new_dir / "model.safetensors")
+    out = run_distributed(_push, 1, new_dir, llama_fleet.urls[0], free_port(), "recorded")[0]
+    assert "error" not in out, out.get("error")
+    stats = out["stats"]
+    assert out["needs"].source == "recorded" and stats.phases["needs_s"] > 0
+    print(f"needs recorded by the fleet (or its file cache) in {stats.phases['needs_s']:.2f} s")
+
+    for tp_rank, worker in enumerate((1, 2)):  # sync-group ranks: one trainer rank, then the two TP workers
+        expected = _llama_expected(2, tp_rank)
+        want_bytes = 4 * sum(torch.Size([b - a for a, b in box]).numel() for box in expected.values())
+        assert stats.bytes_needed[worker] == stats.bytes_received[worker] == want_bytes
+        assert stats.bytes_read_by_loaders[worker] == want_bytes and stats.receive_ratio[worker] == 1.0
+        report = next(r for r in stats.reports if r["rank"] == worker)
+        assert {n: tuple(tuple(b) for b in box) for n, box in report["blocks"].items()} == expected
+        for name, box, digest in report["loader_reads"]:
+            assert digest == _sha256(new[name][tuple(slice(a, b) for a, b in box)]), f"{name} {box} differs"
+
+    for engine, ref in zip(out["engine"], _transformers_logprobs(new_dir), strict=True):
+        torch.testing.assert_close(torch.tensor(engine), ref, atol=1e-4, rtol=0)
+    assert {s.policy_version for s in out["samples"]} == {3}
+
+
+def test_the_table_fallback_refuses_a_llama(llama_fleet, llama_dir):
+    out = run_distributed(_push, 1, llama_dir, llama_fleet.urls[0], free_port(), "table")[0]
+    assert out["needs"].source == "table"
+    assert "no trainer rank holds" in out["error"] and "q_norm" in out["error"]
+
+
+def test_a_record_for_another_layout_is_refused_by_the_workers(llama_fleet, llama_dir):
+    """Each worker re-computes the layout key from its own checkpoint, TP, EP and vLLM version: a record labelled
+    for another layout is refused before the model is touched, on every TP rank, and the trainer raises."""
+    before = run_distributed(_push, 1, llama_dir, llama_fleet.urls[0], free_port(), "recorded")[0]
+    assert "error" not in before, before.get("error")
+    out = run_distributed(_push, 1, llama_dir, llama_fleet.urls[0], free_port(), "stale")[0]
+    assert "the loader-read record handed over is for layout 000" in out["error"]
+    assert "model left unchanged on every TP rank" in out["error"]
+    for now, then in zip(out["engine"], before["engine"], strict=True):  # still the weights of the previous push
+        torch.testing.assert_close(torch.tensor(now), torch.tensor(then), atol=1e-6, rtol=0)
