@@ -42,3 +42,14 @@ class RolloutBatch:
 def with_advantages(batch: RolloutBatch, algorithm: Algorithm, algo_cfg: AlgorithmConfig) -> RolloutBatch:
     """The batch with the algorithm's advantages of its rewards (call once per batch, in consumption order)."""
     return dataclasses.replace(batch, advantages=algorithm.advantages(batch.rewards, algo_cfg))
+
+
+def batch_metrics(batch: RolloutBatch, flags: tuple[str, ...] = ()) -> dict[str, float]:
+    """The step record's view of a batch: mean reward, reward timeouts, samples the reward function flagged per flag
+    (`flags` are recorded as 0 when absent, e.g. `reward/unparsable`), response lengths in tokens."""
+    lengths = [len(r) for r in batch.response_ids]
+    return {"reward/mean": float(batch.rewards.mean()), "reward/timeouts": batch.reward_timeouts,
+            **{f"reward/{flag}": 0 for flag in flags},
+            **{f"reward/{flag}": n for flag, n in batch.reward_flags.items()},
+            "response/length_mean": sum(lengths) / len(lengths),
+            "response/length_min": min(lengths), "response/length_max": max(lengths)}

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from megarl.algorithms.registry import Algorithm, get_algorithm
-from megarl.batch import with_advantages
+from megarl.batch import batch_metrics, with_advantages
 from megarl.checkpoint import (
     Checkpoint,
     CheckpointError,
@@ -178,14 +178,8 @@ def run_loop(cfg: Config, rank: int, policy, weight_sync,
                     batch = with_advantages(batch, algorithm, cfg.algorithm)
                 batch = _broadcast(batch, rank)
                 lag = policy.version - batch.policy_version
-                lengths = [len(r) for r in batch.response_ids]
                 record.update({"batch/generation_version": batch.policy_version, "batch_lag": lag,
-                               "reward/mean": float(batch.rewards.mean()), "reward/timeouts": batch.reward_timeouts,
-                               "response/length_mean": sum(lengths) / len(lengths),
-                               "response/length_min": min(lengths), "response/length_max": max(lengths),
-                               # samples the reward function flagged, e.g. reward/unparsable (no answer found)
-                               **{f"reward/{flag}": 0 for flag in REWARD_FLAGS},
-                               **{f"reward/{flag}": n for flag, n in batch.reward_flags.items()}})
+                               **batch_metrics(batch, REWARD_FLAGS)})
                 record.update(train_on_batch(policy, batch, algorithm, cfg, pad_id, *dp, lag=lag))
             record.update(_sync_metrics(syncs))
             record["sync/versions"] = [s.version for s in syncs]

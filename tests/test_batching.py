@@ -76,3 +76,14 @@ def test_scored_batch_and_advantages_by_hand():
     mixed = [[Sample([1], [10], [-0.5], "length", v) for v in (3, 4)]]
     with pytest.raises(RuntimeError, match="mixes samples from policy versions"):
         scored_batch(0, mixed, [[1.0, 1.0]])
+
+
+def test_batch_metrics_by_hand():
+    from megarl.batch import batch_metrics
+
+    batch = RolloutBatch(index=0, prompt_ids=[[1]] * 3, response_ids=[[5], [5, 6, 2], [7, 2]],
+                         engine_logprobs=[[-0.1], [-0.1] * 3, [-0.1] * 2], rewards=torch.tensor([[1.0, 0.0, 0.5]]),
+                         advantages=None, policy_version=0, reward_timeouts=1, reward_flags={"unparsable": 2})
+    assert batch_metrics(batch, ("unparsable", "gold_unparsable")) == {
+        "reward/mean": 0.5, "reward/timeouts": 1, "reward/unparsable": 2, "reward/gold_unparsable": 0,
+        "response/length_mean": 2.0, "response/length_min": 1, "response/length_max": 3}
