@@ -13,7 +13,6 @@ independent references:
 - a record labelled for another layout is refused by the workers, and the previous weights keep serving.
 """
 
-import hashlib
 from pathlib import Path
 
 import pytest
@@ -25,8 +24,7 @@ from megarl.rollout.fleet import FleetSpec, launch
 from tests.dist_utils import free_port, run_distributed
 from tests.fleet_fixture import _secret_in_env, _session_secret, perturbed_checkpoint
 from tests.test_loader_reads import LLAMA, _llama_expected, _save
-
-SEQS = [[6, 23, 7, 24, 13, 2], [5, 23, 5, 24, 11], [12, 23, 3, 24, 17, 2, 9]]
+from tests.test_weight_sync import SEQS, _sha256, _transformers_logprobs
 
 
 @pytest.fixture(scope="module")
@@ -74,21 +72,6 @@ def _push(rank, world, hf_dir, url, sync_port, needs):
     out["engine"] = [client.prompt_logprobs(s) for s in SEQS]
     out["samples"] = client.generate([SEQS[0][:4]], n=2, max_tokens=2, seed=0)[0]
     sync.close()
-    return out
-
-
-def _sha256(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
-
-
-def _transformers_logprobs(hf_dir):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
-    out = []
-    for s in SEQS:
-        logsm = torch.log_softmax(model(torch.tensor([s])).logits[0].float(), -1)
-        out.append(logsm[:-1].gather(-1, torch.tensor(s[1:])[:, None]).squeeze(-1))
     return out
 
 

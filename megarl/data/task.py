@@ -44,7 +44,7 @@ def _check(saved: dict[str, Any], current: dict[str, Any], keys: tuple[str, ...]
     if differ:
         raise DataPositionError(
             "the checkpoint was written for other data than this run's (" + "; ".join(differ) + "): resume with "
-            "the data.* settings and files it was written with, or start a new run (new run.out_dir)"
+            "the data.* settings and files it was written with, or start a new run (a new run.dir)"
         )
 
 

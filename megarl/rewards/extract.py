@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import re
+
+UNPARSABLE = "unparsable"  # reward flag: no answer could be extracted from the response
+GOLD_UNPARSABLE = "gold_unparsable"  # reward flag: the gold answer itself could not be parsed (a data problem)
+GSM8K_ANSWER = re.compile(r"####\s*\$?\s*(-?[\d,]*\.?\d+)")  # GSM8K's final-answer line `#### N`
+
 
 def last_boxed(text: str) -> str | None:
     """The content of the last `\\boxed{...}` (or `\\fbox{...}`) in `text`, nested braces included; None if there

@@ -9,9 +9,9 @@ from __future__ import annotations
 import re
 from decimal import Decimal, InvalidOperation
 
-_STRICT = re.compile(r"####\s*\$?\s*(-?[\d,]*\.?\d+)")
+from megarl.rewards.extract import GSM8K_ANSWER, UNPARSABLE
+
 _NUMBER = re.compile(r"-?\$?\s*\d[\d,]*(?:\.\d+)?|-?\.\d+")
-UNPARSABLE = "unparsable"  # same string as megarl.rewards.registry.UNPARSABLE (kept import-free for the workers)
 
 
 def _number(text: str) -> Decimal | None:
@@ -31,7 +31,7 @@ def _compare(found: str | None, answer: str) -> float | tuple[float, str]:
 
 def gsm8k_strict(response_text: str, answer: str) -> float | tuple[float, str]:
     """1.0 when the last `#### N` of the response equals the gold number; no `#### N`: 0 flagged unparsable."""
-    found = _STRICT.findall(response_text)
+    found = GSM8K_ANSWER.findall(response_text)
     return _compare(found[-1] if found else None, answer)
 
 

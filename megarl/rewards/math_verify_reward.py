@@ -17,17 +17,13 @@ comparison never ends). Returns 1.0 / 0.0, or `(0.0, "unparsable")` when no answ
 from __future__ import annotations
 
 import logging
-import re
 
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
-from megarl.rewards.extract import final_answer_text, last_boxed
+from megarl.rewards.extract import GOLD_UNPARSABLE, GSM8K_ANSWER, UNPARSABLE, final_answer_text, last_boxed
 
 logging.getLogger("math_verify").setLevel(logging.ERROR)  # its "timeout is disabled" warning: the pool enforces one
 
-UNPARSABLE = "unparsable"  # same strings as megarl.rewards.registry (kept import-free for the workers)
-GOLD_UNPARSABLE = "gold_unparsable"
-_GSM8K = re.compile(r"####\s*\$?\s*(-?[\d,]*\.?\d+)")
 _LATEX = [LatexExtractionConfig(), ExprExtractionConfig()]
 
 
@@ -35,7 +31,7 @@ def _parse_pred(text: str, boxed_only: bool) -> list:
     boxed = last_boxed(text)
     if boxed is not None:
         return parse(f"\\boxed{{{boxed}}}", extraction_config=_LATEX, parsing_timeout=None)
-    gsm8k = _GSM8K.findall(text)
+    gsm8k = GSM8K_ANSWER.findall(text)
     if gsm8k:
         return parse(gsm8k[-1].replace(",", ""), extraction_config=[ExprExtractionConfig()], parsing_timeout=None)
     if boxed_only or not text.strip():

@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import re
 
+from megarl.rewards.extract import GOLD_UNPARSABLE, UNPARSABLE  # noqa: F401 - the flags, re-exported here
 from megarl.rewards.pool import _load
-
-UNPARSABLE = "unparsable"  # flag: no answer could be extracted from the response
-GOLD_UNPARSABLE = "gold_unparsable"  # flag: the gold answer itself could not be parsed (a data problem)
 
 REWARD_FUNCTIONS = {  # reward.name -> 'module:callable'
     "exact_match": "megarl.rewards.exact_match:exact_match",
