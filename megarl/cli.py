@@ -14,6 +14,7 @@
     megarl bench sync [--size-mb 400]         one weight sync's bytes, seconds, memory: partitioned vs baselines
     megarl bench savings [--intervals 1 2 4]  the same job per sync.interval: bytes, seconds in sync, fleet pause
     megarl compare RUN_DIR ... [--out F.md]   sync pushes, bytes, time and rewards of finished runs side by side
+    megarl repro rec-f1|rec-red|oapl-lag|offpolicy-grpo|list [--seeds 3] [--smoke]   a paper's claim, re-run
 
 `megarl COMMAND --help` describes each command's options.
 """
@@ -34,12 +35,16 @@ _DELEGATED = {
     "export": ("megarl.models.hf_export", "write a run checkpoint as a Hugging Face checkpoint"),
     "bench": ("megarl.bench", "benchmarks: `megarl bench logprob|pipeline|sync|savings`"),
     "compare": ("megarl.metrics.compare", "compare finished runs' sync traffic, time and rewards"),
+    "repro": ("megarl.repro", "re-run a source paper's central claim: `megarl repro rec-f1|rec-red|oapl-lag|"
+                              "offpolicy-grpo|list`"),
 }
 
 
 def _run_delegated(argv: list[str]) -> int:
     command, rest = argv[0], argv[1:]
     module = importlib.import_module(_DELEGATED[command][0])
+    if command == "repro":  # a study name, then overrides that may follow the options
+        return module.run(module.parser().parse_intermixed_args(rest))
     if command == "bench":  # `megarl bench logprob ...`: the benchmarks are sub-commands of `bench`
         parser = argparse.ArgumentParser(prog="megarl bench")
     else:
