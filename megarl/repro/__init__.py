@@ -7,7 +7,7 @@ A study (`megarl.repro.studies`) is a grid of settings x seeds, each a real trai
 vLLM fleet, the lag schedule) of `configs/repro.yaml` plus the study's overrides. It writes, in `--out`
 (default `runs/repro/<study>`): `<study>.json` (every run's per-step metrics, the provenance), `<study>.png`
 (mean and spread over seeds) and `<study>.md` (the claim, the settings, what was measured and each comparison's
-verdict). `--smoke` runs the short version the test suite uses (2 seeds, 3 steps, two settings). Complete runs
+verdict). `--smoke` runs the short version the test suite uses (2 seeds, 3 steps, one or two settings). Complete runs
 already in `--out` with the same config are reused: an interrupted study continues (`--fresh` reruns all).
 """
 
@@ -27,9 +27,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("study", help=f"the study to run ({', '.join(STUDIES)}) or `list`")
     p.add_argument("--seeds", type=int, help="seeds per setting (run.seed 0..N-1; default: the study's, 3)")
     p.add_argument("--steps", type=int, help="steps per run (default: the study's)")
-    p.add_argument("--smoke", action="store_true", help="the short version: 2 seeds, 3 steps, two settings")
+    p.add_argument("--smoke", action="store_true", help="the short version: 2 seeds, 3 steps, the study's smoke "
+                   "settings")
     p.add_argument("--settings", metavar="KEY,KEY", help="run only these settings, comma-separated (`megarl repro "
-                   "list` names them; default: all, or the smoke pair with --smoke)")
+                   "list` names them; default: all, or the smoke settings with --smoke)")
     p.add_argument("--out", type=Path, help="output directory (default: runs/repro/<study>)")
     p.add_argument("--config", default="configs/repro.yaml", help="the base job every run starts from")
     p.add_argument("--fleet-url", action="append", default=None,

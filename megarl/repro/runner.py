@@ -56,7 +56,7 @@ class Plan:
 
 def plan_for(study: Study, smoke: bool = False, seeds: int | None = None, steps: int | None = None,
              config: str = BASE_CONFIG, overrides: tuple[str, ...] = (), settings: list[str] | None = None) -> Plan:
-    """The runs of `study`: the full grid, or with `smoke` its two smoke settings, 2 seeds and 3 steps;
+    """The runs of `study`: the full grid, or with `smoke` its smoke settings, 2 seeds and 3 steps;
     `settings` picks settings by key."""
     n_seeds = seeds if seeds is not None else (2 if smoke else len(study.seeds))
     if n_seeds < 1 or (steps is not None and steps < 1):
