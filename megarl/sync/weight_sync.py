@@ -102,7 +102,7 @@ class PartitionedWeightSync:
         self.clients, self.tp, self.replicas = clients, rollout_tp, rollout_replicas
         self.bucket_bytes, self.digests = bucket_bytes, digests
         self.store_host, self.store_port = store_host, store_port
-        self.transport_closed = False  # set when this rank left the sync group after a failed send
+        self.broken: str | None = None  # why this sync group is unusable (a trainer rank failed while sending)
         self.fail_loading_after: int | None = None  # failure injection (tests): the workers' loaders raise after N
         self.sync_world = world_size + rollout_replicas * rollout_tp
         self.entries: list[WireEntry] | None = None
@@ -170,6 +170,9 @@ class PartitionedWeightSync:
             clock.append(time.perf_counter())
             return clock[-1] - clock[-2]
 
+        if self.broken is not None:  # known on every trainer rank, so every rank raises here
+            raise WeightSyncError(f"this sync group is unusable since an earlier push failed ({self.broken}): a later "
+                                  "push needs a new PartitionedWeightSync (a new sync group)")
         local = list(local_slices)
         if self.entries is None:
             self.entries = self._plan(local)
@@ -177,9 +180,6 @@ class PartitionedWeightSync:
         if not self._needs_reported:  # recorded once per run, before the first push (in the constructor)
             phases["needs_s"] = self.needs.seconds
             self._needs_reported = True
-        if self.transport_closed:
-            raise WeightSyncError(f"trainer rank {self.rank} left the sync group after a failed send: a later push "
-                                  "needs a new PartitionedWeightSync (a new sync group)")
         with self._trainer_ranks_answer(version):
             self._raise_everywhere(self.fleet.open() if self.fleet else None, version)
         phases["open_s"] = lap()
@@ -193,7 +193,7 @@ class PartitionedWeightSync:
             logger.error("trainer rank %d failed while sending the weight sync to version %d: %s", self.rank,
                          version, send_error)
         if send_error is not None:  # outside the handler, whose traceback still held the group
-            self._leave_sync_group()
+            self._leave_sync_group(f"trainer rank {self.rank} failed while sending")
         phases["send_s"] = lap()
         reports, failure = self.fleet.close(updates, version, update_id) if self.fleet else ([], None)
         phases["close_s"] = lap()
@@ -205,6 +205,8 @@ class PartitionedWeightSync:
                    "waiting for its buckets refused the update)" for r, g in enumerate(gathered) if g[4]]
         unreachable = [f"trainer rank {r} could not send to vLLM worker {w} (replica {self.replica_of(w)}): {why}"
                        for r, g in enumerate(gathered) for w, why in sorted(g[3].items())]
+        if senders and self.broken is None:  # its connections to the workers are gone: the group is unusable
+            self._leave_sync_group(senders[0])
         if senders or unreachable:  # a sender failed, or a worker (or its server) died mid-update
             failure = "; ".join([*senders, *([failure] if failure else []), *unreachable])
         with self._trainer_ranks_answer(version):
@@ -223,11 +225,13 @@ class PartitionedWeightSync:
             bytes_needed=dict(self.bytes_needed), reports=reports, phases=phases,
         )
 
-    def _leave_sync_group(self) -> None:
-        """Close this rank's connections in the sync group now (it failed while sending): the vLLM workers waiting
-        for its buckets fail at once instead of at the group's timeout. The group goes with its last reference."""
+    def _leave_sync_group(self, why: str) -> None:
+        """Close this rank's connections in the sync group now: on the rank that failed while sending, the vLLM
+        workers waiting for its buckets fail at once instead of at the group's timeout (the group goes with its last
+        reference: gloo's abort() and shutdown() leave the sockets open); on the others, since the group lost
+        that rank's connections for good. A later push raises `why`."""
         self.transport.close()
-        self.transport_closed = True
+        self.broken = why
         gc.collect()
 
     @contextmanager
