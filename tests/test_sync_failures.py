@@ -188,9 +188,10 @@ def _inject(sync, what):
         sync.transport.group = _AtSecondBucket(sync.transport.group, _kill_once_received(pid))
 
 
-def _push(rank, world, hf_dir, urls, tp, port, sync_port, version, inject=None):
+def _push(rank, world, hf_dir, urls, tp, port, sync_port, version, inject=None, again=False):
     """Every trainer rank: join, plan, push `hf_dir`'s weights as `version` (rank `inject[0]` injects `inject[1]`);
-    returns the stats or the WeightSyncError's message, and the push's seconds."""
+    returns the stats or the WeightSyncError's message, and the push's seconds; `again`: after a failed push, push
+    once more with the same objects (its error and seconds: "again_error", "again_seconds")."""
     from megarl.parallel.groups import TrainerLayout, destroy_trainer_groups, init_trainer_groups
     from megarl.rollout.client import RolloutClient
     from megarl.sync.weight_sync import PartitionedWeightSync, WeightSyncError
@@ -213,6 +214,13 @@ def _push(rank, world, hf_dir, urls, tp, port, sync_port, version, inject=None):
         except WeightSyncError as err:
             out["error"] = str(err)
         out["seconds"] = time.monotonic() - t0
+        if again and "error" in out:
+            t0 = time.monotonic()
+            try:
+                sync.push(policy.iter_local_hf_slices(), version=version)
+            except WeightSyncError as err:
+                out["again_error"] = str(err)
+            out["again_seconds"] = time.monotonic() - t0
         return out
     finally:
         destroy_trainer_groups()
@@ -246,17 +254,21 @@ def test_trainer_rank_raising_mid_send(moe_fleet, pushed_checkpoint):
     """Trainer rank 1 raises while packing its second bucket (its first is on the wire). It closes its sync-group
     connections, so the vLLM workers waiting for its buckets fail at once, still take trainer rank 0's buckets, and
     refuse the update before touching the model. Checked from outside: both trainer ranks raise naming trainer
-    rank 1 and why, well within the group's timeout; the replica is not paused and serves exactly what it served
-    before (label, log-probs); a push from fresh trainer processes then succeeds and serves the new weights."""
+    rank 1 and why, well within the group's timeout, and a later push on the same objects is refused on both at once;
+    the replica is not paused and serves exactly what it served before (label, log-probs); a push from fresh
+    trainer processes then succeeds and serves the new weights."""
     client = RolloutClient(moe_fleet.urls[0], timeout_s=120)
     before = _served(client)
     assert before["paused"] is False
     results = run_distributed(_push, 2, pushed_checkpoint, moe_fleet.urls, 2, free_port(), free_port(), 31,
-                              (1, "raise"), init_dist=False)
+                              (1, "raise"), True, init_dist=False)
     for r in results:
         assert "trainer rank 1 failed while sending: RuntimeError: injected failure while packing" in r["error"]
         assert "rejected, model left unchanged on every TP rank" in r["error"], r["error"]
         assert r["seconds"] < BOUND_S, r["seconds"]
+        # the group lost rank 1's connections: a later push on the same objects is refused on every rank at once
+        assert "unusable since an earlier push failed (trainer rank 1 failed while sending" in r["again_error"]
+        assert r["again_seconds"] < 5, r["again_seconds"]
     print(f"trainer rank raised mid-send: reported in {[round(r['seconds'], 1) for r in results]} s")
     assert _served(client) == before  # unchanged: same label, same log-probs, generation works
     again = run_distributed(_push, 2, pushed_checkpoint, moe_fleet.urls, 2, free_port(), free_port(), 32,
