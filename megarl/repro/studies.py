@@ -6,10 +6,12 @@ seed, all against one fleet), and its claim is a list of `Comparison`s between s
 per-seed means of a metric over the last `window` steps (`megarl.repro.report.judge`). Nothing here runs
 anything; `megarl.repro.runner` does.
 
-How the studies are sized (docs/repro.md has the measurements behind these numbers): the task is the demo's
-single-token addition on the tiny Qwen3-MoE, where an on-policy run climbs from ~0.1 to ~0.6 mean reward in
-about 40 steps, so lag effects of 4-16 steps show inside a 48-step run; the reward is read over the last 12
-steps (a quarter of the run), and 3 seeds give a spread to compare differences against.
+Sizing (docs/repro.md, "Results", has the pilot runs behind it, and says what is still open): the task is the
+demo's single-token addition on the tiny Qwen3-MoE; 48 steps (64 for `oapl-lag`, so its interval-50 runs sync
+once) leave 32 steps at full lag even for lag 16, whose first 16 batches all come from the initial weights; the
+reward is read over the last 12 steps (a quarter of the run), and 3 seeds give a spread to compare differences
+against. The base job's batch and learning rate are provisional: in the pilot, on-policy REINFORCE collapsed to a
+near-deterministic policy by step 12.
 """
 
 from __future__ import annotations
