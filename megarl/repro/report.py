@@ -122,7 +122,11 @@ def markdown(results: dict[str, Any], study: Study, png_name: str) -> str:
         cells = []
         for m in metrics:
             vals = per_metric[m][key]
-            cells.append(f"{_mean_sd(vals)[0]:.3f} ± {_mean_sd(vals)[1]:.3f}" if vals else "-")
+            if vals:
+                mean, sd = _mean_sd(vals)
+                cells.append(f"{mean:.3f} ± {sd:.3f}")
+            else:
+                cells.append("-")
         lines.append(f"| {s['panel']}: {s['line']} | " + " | ".join(cells) + f" | `{' '.join(s['overrides'])}` |")
     lines += ["", f"![{study.name}]({png_name})", "", "## What megarl measured against the claim", "",
               "| the paper says | measured (a - b) | verdict |", "|---|---|---|"]

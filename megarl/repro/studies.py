@@ -123,11 +123,10 @@ def _rec_f1() -> Study:
 def _rec_red() -> Study:
     panel, sched = _schedule(1, 8)
     methods = {
-        "reinforce": ("REINFORCE", ("algorithm.name=reinforce",)),
+        "reinforce": _F1_METHODS["reinforce"],
         "red_drop": ("RED-Drop", ("algorithm.name=red_drop",)),
         "red_weight": ("RED-Weight (T = 1)", ("algorithm.name=red_weight", "algorithm.temperature=1.0")),
-        "nois": ("REC-OneSide-NOIS (0.6, 2.0)",
-                 ("algorithm.name=rec_onesided_nois", "algorithm.eps_low=0.6", "algorithm.eps_high=2.0")),
+        "nois": _F1_METHODS["nois"],
     }
     settings = tuple(Setting(f"{k}_lag8", line, panel, (*algo, *sched)) for k, (line, algo) in methods.items())
     return Study(
