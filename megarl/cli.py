@@ -91,7 +91,14 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    try:
+        return _main(sys.argv[1:] if argv is None else argv)
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM once a fleet is up (megarl.rollout.fleet): servers stopped
+        print("megarl: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str]) -> int:
     if argv and argv[0] in _DELEGATED:
         return _run_delegated(argv)
     args = _parser().parse_args(argv)

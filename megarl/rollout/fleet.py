@@ -123,6 +123,21 @@ def _stop_live_fleets() -> None:
         handle.stop(grace_s=10.0)
 
 
+def _interrupt_on_sigterm(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum} (SIGTERM)")
+
+
+def _stop_fleets_on_sigterm() -> None:
+    """A SIGTERM (`kill`, `scancel`, a CI timeout) ends Python without running atexit, leaving the servers
+    running. Make it an interrupt, as Ctrl-C is (pytest then stops its session and tears its fixtures down; the
+    CLI unwinds), so `with` blocks and `_stop_live_fleets` stop them. Not where the program handles SIGTERM
+    itself or off the main thread (where signal handlers cannot be set)."""
+    import threading
+
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _interrupt_on_sigterm)
+
+
 def _cpu_env(tp: int, kv_cache_gib: int) -> dict[str, str]:
     """vLLM's CPU backend: one OpenMP thread set per TP rank (`"0|1"` for TP 2 on 2 cores; vLLM refuses
     TP > 1 on one NUMA node without it) and a small KV cache. Nothing when a GPU is present."""
@@ -199,6 +214,7 @@ def launch(spec: FleetSpec) -> FleetHandle:
     secret_file = Path(spec.secret_file).resolve() if own_dir is None else new_fleet_secret(own_dir)
     fleet = FleetHandle([], [], [], secret_file, own_dir)
     _LIVE.append(fleet)
+    _stop_fleets_on_sigterm()
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "TOKENIZERS_PARALLELISM": "false",
            SECRET_ENV: str(secret_file), **_cpu_env(spec.tp, spec.kv_cache_gib)}
     try:
