@@ -15,7 +15,7 @@ import pytest
 
 from megarl.config.load import load_config
 from megarl.repro.report import judge
-from megarl.repro.runner import KEPT, REQUIRED
+from megarl.repro.runner import KEPT, REQUIRED, find_reusable
 from megarl.repro.studies import STUDIES, Comparison
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,6 +71,35 @@ def test_judge_by_hand(expect, a, b, verdict):
     assert math.isclose(v["diff"], sum(a) / 3 - sum(b) / 3)
 
 
+def _fake_run(run_dir: Path, overrides: list[str], steps: int) -> None:
+    """A run directory as `megarl train` leaves it: its config (run.dir = where it is), one metrics line per step,
+    a summary."""
+    import yaml
+
+    run_dir.mkdir(parents=True)
+    cfg = load_config(str(ROOT / "configs/repro.yaml"), [*overrides, f"run.dir={run_dir}"]).model_dump(mode="json")
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg))
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": k, "reward/mean": 0.5}) + "\n"
+                                                   for k in range(steps)))
+    (run_dir / "summary.json").write_text("{}")
+
+
+def test_a_run_of_the_same_job_is_reused_across_studies(tmp_path):
+    """rec-red's REINFORCE at lag 8 is rec-f1's run: found in the sibling study's directory (its run.dir differs,
+    nothing else); a different seed, setting or step count, or an incomplete run, is not reused."""
+    job = ["algorithm.name=reinforce", "sync.interval=1", "sync.offset=8", "run.seed=0", "run.steps=3"]
+    _fake_run(tmp_path / "rec-f1" / "runs" / "reinforce_lag8_seed0", job, 3)
+    _fake_run(tmp_path / "rec-f1" / "runs" / "short_seed0", [*job[:-1], "run.steps=4"], 2)  # stopped part-way
+    mine = tmp_path / "rec-red" / "runs" / "reinforce_lag8_seed0"
+    found = find_reusable(mine, [*job, f"run.dir={mine}"], str(ROOT / "configs/repro.yaml"), 3)
+    assert found is not None and found[0] == tmp_path / "rec-f1" / "runs" / "reinforce_lag8_seed0"
+    assert [r["step"] for r in found[1]] == [0, 1, 2]
+    config = str(ROOT / "configs/repro.yaml")
+    assert find_reusable(mine, [*job[:3], "run.seed=1", "run.steps=3", f"run.dir={mine}"], config, 3) is None
+    assert find_reusable(mine, ["algorithm.name=grpo", *job[1:], f"run.dir={mine}"], config, 3) is None
+    assert find_reusable(mine, [*job[:-1], "run.steps=4", f"run.dir={mine}"], config, 4) is None
+
+
 def test_judge_without_runs():
     assert judge(Comparison("a", "b", "greater", "x"), {"a": [0.5], "b": []})["verdict"] == "not run"
 
@@ -121,7 +150,8 @@ def test_repro_smoke(name, moe_fleet, tiny_moe_dir, tmp_path):
     assert any("not run" not in row for row in rows) == (len(study.smoke) == 2)
     if name == "rec-f1":  # the same seed gives the same curve: rerun one setting's seed 0 from scratch
         again = tmp_path / "again"
-        proc = _smoke(name, moe_fleet.base_url, tiny_moe_dir, again, "--seeds", "1", "--settings", study.smoke[0])
+        proc = _smoke(name, moe_fleet.base_url, tiny_moe_dir, again, "--seeds", "1", "--settings", study.smoke[0],
+                      "--fresh")
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         first = {r["setting"]: r["records"] for r in results["runs"] if r["seed"] == 0}
         rerun = json.loads((again / f"{name}.json").read_text())["runs"]

@@ -146,7 +146,9 @@ def markdown(results: dict[str, Any], study: Study, png_name: str) -> str:
               f"- commit `{prov['commit']}`" + (" (with uncommitted changes)" if prov["dirty"] else ""),
               f"- machine: {prov['machine']}",
               "- packages: " + ", ".join(f"{k} {v}" for k, v in prov["packages"].items()),
-              f"- run on {prov['date']}, {results.get('wall_s', 0) / 60:.1f} min wall for the whole study",
+              f"- run on {prov['date']}, {results.get('wall_s', 0) / 60:.1f} min wall for the whole study "
+              f"({results.get('trained_runs', len(results['runs']))} of {len(results['runs'])} runs trained by this "
+              "invocation, the others reused)",
               f"- the config of every run is `runs/<setting>_seed<seed>/config.yaml`; this study's per-step "
               f"metrics are in `{study.name}.json`", ""]
     return "\n".join(lines)

@@ -4,7 +4,8 @@ Each run is `megarl train`'s job (megatron-core trainer ranks, the vLLM fleet, t
 overrides, `run.seed` = the seed and `sync.push_initial=true`, so every run starts from the same initial weights
 whatever the fleet served before. Runs go to `<out>/runs/<setting>_seed<s>/` (a normal run directory); a run
 directory that already holds a complete run of the same config is reused, so an interrupted study continues
-where it stopped (`--fresh` reruns everything). The per-step metrics the report needs are collected into
+where it stopped, and so is the same job run by a sibling study in `<out>/..` (`--fresh` reruns everything). The
+fleet starts with the first run that must train. The per-step metrics the report needs are collected into
 `<out>/<study>.json` after every run, so a study stopped part-way keeps what it measured.
 """
 
@@ -16,7 +17,7 @@ import os
 import platform
 import subprocess
 import time
-from contextlib import nullcontext
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -115,15 +116,38 @@ def check_complete(records: list[dict[str, Any]], steps: int, where: str) -> Non
                 raise ReproError(f"{where}: step {r['step']} has {key}={value!r} (missing or not finite)")
 
 
-def _same_config(run_dir: Path, overrides: list[str], config: str) -> bool:
-    """Whether `run_dir`'s recorded config is the one these overrides give (so its run can be reused)."""
+def _job_config(overrides: list[str], config: str) -> dict[str, Any]:
+    """The run config these overrides give, without `run.dir` (where a run is does not change what it computes)."""
     from megarl.config.load import load_config
 
+    cfg = load_config(config, overrides).model_dump(mode="json")
+    cfg["run"].pop("dir", None)
+    return cfg
+
+
+def _saved_config(run_dir: Path) -> dict[str, Any] | None:
     saved = run_dir / "config.yaml"
     if not saved.is_file():
-        return False
-    want = load_config(config, overrides).model_dump(mode="json")
-    return yaml.safe_load(saved.read_text()) == want
+        return None
+    cfg = yaml.safe_load(saved.read_text())
+    cfg.get("run", {}).pop("dir", None)
+    return cfg
+
+
+def find_reusable(run_dir: Path, overrides: list[str], config: str, steps: int
+                  ) -> tuple[Path, list[dict[str, Any]]] | None:
+    """A complete run of exactly this job: in `run_dir` itself, or in another study's directory next to this one
+    (`<out>/../<study>/runs/<setting>_seed<s>`; rec-red's REINFORCE and REC-OneSide-NOIS at lag 8 are rec-f1's
+    runs, for example). Returns its directory and kept metrics, or None."""
+    want = _job_config(overrides, config)
+    candidates = [run_dir, *sorted(p for p in run_dir.parent.parent.parent.glob("*/runs/*")
+                                   if p.is_dir() and p.resolve() != run_dir.resolve())]
+    for candidate in candidates:
+        if _saved_config(candidate) == want:
+            records = _load_run(candidate, steps)
+            if records is not None:
+                return candidate, records
+    return None
 
 
 def run_study(plan: Plan, out_dir: Path, fleet_urls: list[str] | None = None, fresh: bool = False) -> dict[str, Any]:
@@ -144,34 +168,36 @@ def run_study(plan: Plan, out_dir: Path, fleet_urls: list[str] | None = None, fr
     }
     todo = [(k, s) for k in plan.settings for s in plan.seeds]
     base = prepare(plan.config, [*study.overrides, *plan.overrides], create_run_dir=False)
-    started = time.monotonic()
-    fleet_cm = start_fleet(base, log_dir=out_dir) if fleet_urls is None else nullcontext()
-    with fleet_cm as fleet:
-        urls = fleet_urls or fleet.urls
+    started, trained = time.monotonic(), 0
+    with ExitStack() as stack:
+        urls = fleet_urls
         for i, (key, seed) in enumerate(todo):
             run_dir = out_dir / "runs" / f"{key}_seed{seed}"
             overrides = plan.run_overrides(key, seed, run_dir)
-            records = None if fresh or not _same_config(run_dir, overrides, plan.config) else \
-                _load_run(run_dir, plan.steps)
+            found = None if fresh else find_reusable(run_dir, overrides, plan.config, plan.steps)
             t0 = time.monotonic()
-            if records is None:
+            if found is None:
+                if urls is None:  # started for the first run that must train (a study whose runs all exist: none)
+                    urls = stack.enter_context(start_fleet(base, log_dir=out_dir)).urls
                 run_job(plan.config, overrides, urls)
                 records = _load_run(run_dir, plan.steps)
                 if records is None:
                     raise ReproError(f"run {run_dir} ended without every step in its metrics.jsonl")
-                how = f"{time.monotonic() - t0:.0f} s"
+                how, trained = f"{time.monotonic() - t0:.0f} s", trained + 1
             else:
-                how = "reused"
+                run_dir, records = found
+                how = "reused" if run_dir == out_dir / "runs" / f"{key}_seed{seed}" else f"reused from {run_dir}"
             check_complete(records, plan.steps, str(run_dir))
             results["runs"].append({"setting": key, "seed": seed, "dir": str(run_dir), "records": records})
             _write_json(out_dir / f"{study.name}.json", results)
             elapsed = time.monotonic() - started
             tail = records[-results["window"]:]
             reward = sum(r["reward/mean"] for r in tail) / len(tail)
-            eta = elapsed / (i + 1) * (len(todo) - i - 1)
+            left = len(todo) - i - 1
+            eta = f", ~{elapsed / trained * left / 60:.0f} min to go at most" if trained and left else ""
             print(f"[{i + 1}/{len(todo)}] {key} seed {seed}: reward over the last {len(tail)} steps {reward:.3f} "
-                  f"({how}; {elapsed / 60:.1f} min so far, ~{eta / 60:.0f} min to go)", flush=True)
-    results["wall_s"] = time.monotonic() - started
+                  f"({how}; {elapsed / 60:.1f} min so far{eta})", flush=True)
+    results["wall_s"], results["trained_runs"] = time.monotonic() - started, trained
     _write_json(out_dir / f"{study.name}.json", results)
     return results
 
