@@ -1,7 +1,7 @@
 """`megarl repro NAME`: a source paper's central claim, re-run on the real stack at CPU scale.
 
     megarl repro list                          the studies, their settings and run counts
-    megarl repro rec-f1 [--seeds 3] [--steps 48] [--out DIR] [--smoke] [--fleet-url URL] [overrides ...]
+    megarl repro rec-f1 [--seeds 3] [--steps 96] [--out DIR] [--smoke] [--fleet-url URL] [overrides ...]
 
 A study (`megarl.repro.studies`) is a grid of settings x seeds, each a real training run (megatron-core trainer,
 vLLM fleet, the lag schedule) of `configs/repro.yaml` plus the study's overrides. It writes, in `--out`

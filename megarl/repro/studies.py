@@ -6,12 +6,11 @@ seed, all against one fleet), and its claim is a list of `Comparison`s between s
 per-seed means of a metric over the last `window` steps (`megarl.repro.report.judge`). Nothing here runs
 anything; `megarl.repro.runner` does.
 
-Sizing (docs/repro.md, "Results", has the pilot runs behind it, and says what is still open): the task is the
-demo's single-token addition on the tiny Qwen3-MoE; 48 steps (64 for `oapl-lag`, so its interval-50 runs sync
-once) leave 32 steps at full lag even for lag 16, whose first 16 batches all come from the initial weights; the
-reward is read over the last 12 steps (a quarter of the run), and 3 seeds give a spread to compare differences
-against. The base job's batch and learning rate are provisional: in the pilot, on-policy REINFORCE collapsed to a
-near-deterministic policy by step 12.
+Sizing (docs/repro.md, "How the size was chosen", has the sweep behind it): the task is the demo's single-token
+addition on the tiny Qwen3-MoE, 32 prompts x 8 samples per step at lr 0.002; 96 steps leave 80 steps at full lag
+even for lag 16 (whose first 16 batches all come from the initial weights) and let `oapl-lag`'s interval-50 runs
+sync once inside the run; the reward is read over the last 16 steps, and 3 seeds give a spread to compare
+differences against. At 48 steps and 16 prompts the lagged runs were still near their start (0.12-0.17).
 """
 
 from __future__ import annotations
@@ -54,9 +53,9 @@ class Study:
     settings: tuple[Setting, ...]
     comparisons: tuple[Comparison, ...]
     smoke: tuple[str, ...]  # the settings of the short version run by the test suite (2 seeds, 3 steps)
-    steps: int = 48
+    steps: int = 96
     seeds: tuple[int, ...] = (0, 1, 2)
-    window: int = 12  # steps at the end of each run over which a metric is averaged
+    window: int = 16  # steps at the end of each run over which a metric is averaged
     plot_metrics: tuple[str, ...] = ("reward/mean",)
     overrides: tuple[str, ...] = field(default=())  # applied to every run of the study, before each setting's
 
@@ -153,8 +152,11 @@ def _oapl_lag() -> Study:
         panel = f"sync.interval {m}"
         sched = (f"sync.interval={m}", "sync.offset=0")
         settings += [
-            Setting(f"oapl_every{m}", "OAPL (engine log-probs as reference)", panel, ("algorithm.name=oapl", *sched)),
-            Setting(f"grpo_every{m}", "GRPO (0.2, 0.2)", panel, ("algorithm.name=grpo", *sched)),
+            # OAPL's beta2 for one-token responses (the schema's default 1e-3 is for long ones; docs/algorithms.md)
+            Setting(f"oapl_every{m}", "OAPL (engine log-probs as reference)", panel,
+                    ("algorithm.name=oapl", "algorithm.oapl_beta2=0.5", *sched)),
+            Setting(f"grpo_every{m}", "GRPO (0.2, 0.2)", panel,
+                    ("algorithm.name=grpo", "algorithm.eps_low=0.2", "algorithm.eps_high=0.2", *sched)),
         ]
     return Study(
         name="oapl-lag", title="OAPL: stable learning when the fleet is synced rarely",
@@ -172,10 +174,7 @@ def _oapl_lag() -> Study:
                        "interval 50: OAPL keeps more entropy than GRPO (no entropy collapse)", metric="entropy"),
         ),
         smoke=("oapl_every8",),
-        steps=64,  # one sync of the interval-50 runs happens inside the run (at batch 50)
-        plot_metrics=("reward/mean", "entropy"),
-        # OAPL's beta2 for one-token responses (the schema's default 1e-3 is for long responses; docs/algorithms.md)
-        overrides=("algorithm.oapl_beta2=0.5",))
+        plot_metrics=("reward/mean", "entropy"))
 
 
 def _offpolicy_grpo() -> Study:
