@@ -38,6 +38,7 @@ def run_rank(cfg: Config, place: ProcessPlace, sync_port: int, fleet_urls: Calla
     quiet_cpu_warnings()
     from megarl.config.load import read_hf_config
     from megarl.loop import run_loop
+    from megarl.parallel.cpu_threads import apply_trainer_cpu_threads
     from megarl.parallel.groups import TrainerLayout, destroy_trainer_groups, dp_rank_and_size, init_trainer_groups
     from megarl.rollout.client import RolloutClient
     from megarl.rollout.task import start_rollout_worker
@@ -46,6 +47,7 @@ def run_rank(cfg: Config, place: ProcessPlace, sync_port: int, fleet_urls: Calla
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     t, rank = cfg.trainer, place.rank
+    apply_trainer_cpu_threads(t.cpu_threads, t.world_size, cfg.rollout.tp * cfg.rollout.replicas)
     init_trainer_groups(TrainerLayout(t.tp, t.pp, t.ep), rank, t.world_size, place.master_addr, place.master_port,
                         timeout_s=t.collective_timeout_s, local_rank=place.local_rank,
                         launcher_store=place.launcher_store)

@@ -52,6 +52,13 @@ class TrainerConfig(_Strict):
     logprob_chunk_tokens: int = Field(
         4096, ge=1, description="Tokens per chunk in the vocab-parallel log-prob/entropy (bounds peak memory)."
     )
+    cpu_threads: int = Field(
+        0, ge=0, description="torch intra-op threads per trainer rank on a machine without a GPU; 0 = the cores "
+        "left to each of the processes that compute on this machine: cores // (world_size + rollout.tp x "
+        "rollout.replicas), at least 1. An OpenMP thread that shares its core with another busy process stalls "
+        "every parallel op at its barrier (a tiny model's step was 3.4x slower with 2 threads and one core taken; "
+        "docs/pipeline.md, 'CPU threads'). Ignored on GPUs.",
+    )
     pack_sequences: bool = Field(
         False, description="Feed each microbatch to the model as ONE row: its sequences cut to their real length "
         "and concatenated, with a block-diagonal causal mask (no projection/MLP compute on padding; attention is a "

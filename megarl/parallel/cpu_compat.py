@@ -8,26 +8,63 @@ but about a missing Transformer Engine (CPU machines, or GPU machines without TE
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
-from torch.overrides import TorchFunctionMode
 
 _APPLIED = False
 
 
-class _CudaDeviceToCpu(TorchFunctionMode):
-    """Maps an explicit `device="cuda"` argument to the CPU: the pipeline schedules create
-    `total_num_tokens` and `get_default_causal_mask` builds its mask with a hard-coded cuda device.
-    `Tensor.cuda()` returns the tensor itself: with tied embeddings at PP>1,
-    `LanguageModule.setup_embeddings_and_output_layer` moves the shared weight to CUDA before all-reducing it."""
+class _TorchOnCpu:
+    """Stands in for `torch` inside the few megatron modules that create tensors with a hard-coded
+    `device="cuda"`: every attribute is torch's own, except the factories, which map a cuda device to the CPU.
+    Scoped to those modules on purpose: a global `TorchFunctionMode` did the same but put a Python call in
+    front of every torch op of the whole training step (measured: ~20% of a tiny model's step)."""
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.Tensor.cuda:
-            return args[0]
+    _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "empty_like", "zeros_like")
+
+    def __getattr__(self, name: str) -> object:  # first access only: the result is cached on the instance
+        value = getattr(torch, name)
+        if name in self._FACTORIES:
+            value = _on_cpu(value)
+        setattr(self, name, value)
+        return value
+
+
+def _on_cpu(factory: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    def call(*args: object, **kwargs: object) -> torch.Tensor:
         device = kwargs.get("device")
         if device is not None and torch.device(device).type == "cuda":
             kwargs["device"] = "cpu"
-        return func(*args, **kwargs)
+        return factory(*args, **kwargs)
+
+    return call
+
+
+# megatron-core 0.16.1 modules that megarl's training path imports and that create tensors with `device="cuda"`:
+# the pipeline schedules' `total_num_tokens`, the causal masks, the MoE aux-loss tracker, `broadcast_data`'s
+# sizes, a norm helper in `core.utils`, the rerun state machine's validation. (megarl uses neither megatron's
+# optimizer nor its distributed checkpointing, which have more.) A module missing here fails loudly on the CPU
+# ("Torch not compiled with CUDA enabled"), never silently.
+_CUDA_FACTORY_MODULES = (
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.transformer.utils",
+    "megatron.core.transformer.moe.moe_utils",
+    "megatron.core.tensor_parallel.data",
+    "megatron.core.utils",
+    "megatron.core.rerun_state_machine",
+)
+
+
+def patch_cuda_factories() -> None:
+    """Point each module of `_CUDA_FACTORY_MODULES` at `_TorchOnCpu`, and make `Tensor.cuda()` return the tensor
+    itself (with tied embeddings at PP>1, `LanguageModule.setup_embeddings_and_output_layer` moves the shared
+    weight to CUDA before all-reducing it)."""
+    import importlib
+
+    for name in _CUDA_FACTORY_MODULES:
+        importlib.import_module(name).torch = _TorchOnCpu()
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
 
 
 def patch_router_without_te() -> None:
@@ -61,8 +98,8 @@ def apply_cpu_compat() -> None:
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
     # Timers and schedules synchronise the device; nothing to wait for on the CPU.
     torch.cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
-    # Hard-coded `device="cuda"` tensor creation (pipeline schedules, default causal mask).
-    _CudaDeviceToCpu().__enter__()
+    # Hard-coded `device="cuda"` tensor creation (pipeline schedules, causal masks) and `Tensor.cuda()`.
+    patch_cuda_factories()
     # Activation recomputation saves and restores a CUDA RNG state.
     patch_recompute_rng_on_cpu()
     _APPLIED = True

@@ -1,0 +1,63 @@
+"""A `megarl train` that is sent SIGTERM (`kill`, a scheduler's time limit, a CI timeout) while it trains stops
+what it started: its vLLM server's whole process group and its trainer ranks are gone, and it says so in one line
+(exit 130), instead of dying at once and leaving the server computing (Python runs no cleanup on SIGTERM)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _children(pid: int) -> list[tuple[int, str]]:
+    out = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [(int(line.split(None, 1)[0]), line.split(None, 1)[1]) for line in out.strip().splitlines()]
+
+
+def _alive_group(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_sigterm_stops_the_fleet_and_the_trainer(tiny_moe_dir: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k != "MEGARL_FLEET_SECRET_FILE"}  # it starts its own fleet
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "megarl.cli", "train", "--config", "configs/repro.yaml", f"model.hf_dir={tiny_moe_dir}",
+         f"run.dir={run_dir}", "run.steps=1000", "trainer.world_size=1", "rollout.tp=1"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        metrics = run_dir / "metrics.jsonl"
+        deadline = time.monotonic() + 300
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the run did not train 2 steps in 300 s"
+            time.sleep(0.5)
+        children = _children(proc.pid)
+        servers = [pid for pid, args in children if "vllm.entrypoints" in args]
+        ranks = [pid for pid, args in children if "multiprocessing.spawn" in args]
+        assert len(servers) == 1 and ranks, children
+        server_group = os.getpgid(servers[0])  # the server leads its own session: workers are in its group
+        assert server_group == servers[0]
+
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=90)
+        assert proc.returncode == 130, err[-3000:]
+        assert "megarl: interrupted" in err, err[-3000:]
+        deadline = time.monotonic() + 10
+        while _alive_group(server_group) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _alive_group(server_group), "the vLLM server (or one of its workers) outlived the run"
+        assert not [pid for pid in ranks if Path(f"/proc/{pid}").exists()], "a trainer rank outlived the run"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
