@@ -175,10 +175,10 @@ def run_study(plan: Plan, out_dir: Path, fleet_urls: list[str] | None = None, fr
             run_dir = out_dir / "runs" / f"{key}_seed{seed}"
             overrides = plan.run_overrides(key, seed, run_dir)
             found = None if fresh else find_reusable(run_dir, overrides, plan.config, plan.steps)
-            t0 = time.monotonic()
             if found is None:
                 if urls is None:  # started for the first run that must train (a study whose runs all exist: none)
                     urls = stack.enter_context(start_fleet(base, log_dir=out_dir)).urls
+                t0 = time.monotonic()
                 run_job(plan.config, overrides, urls)
                 records = _load_run(run_dir, plan.steps)
                 if records is None:
