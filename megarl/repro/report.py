@@ -68,7 +68,8 @@ def plot(results: dict[str, Any], study: Study, out_png: Path, smooth: int = 3) 
     lines = list(dict.fromkeys(s["line"] for s in settings.values()))
     colours = {line: plt.get_cmap("tab10")(i) for i, line in enumerate(lines)}
     metrics = study.plot_metrics
-    fig, axes = plt.subplots(len(metrics), len(panels), figsize=(3.6 * len(panels), 3.0 * len(metrics)),
+    # at least 9 inches wide: the title and a four-entry legend must fit under a single panel too
+    fig, axes = plt.subplots(len(metrics), len(panels), figsize=(max(9.0, 3.6 * len(panels)), 3.0 * len(metrics)),
                              squeeze=False, sharey="row")
     for key, s in settings.items():
         col = panels.index(s["panel"])
