@@ -208,7 +208,10 @@ case $role in
         while :; do sleep 0.2; done ;;
     rank)
         echo "rank procid=$SLURM_PROCID ntasks=$SLURM_NTASKS node=$SLURMD_NODENAME config=$2" >> "$LOG"
-        for _ in $(seq 150); do  # like rank 0: wait for every replica
+        # Only rank 0 waits for the replicas and ends with $RANK_EXIT; the others end at once with 0. (If two ranks
+        # failed together, srun --kill-on-bad-exit would SIGTERM the slower one and report 143, not 1, at random.)
+        (( SLURM_PROCID == 0 )) || exit 0
+        for _ in $(seq 150); do
             (( $(grep -c '^serve' "$LOG") >= __REPLICAS__ )) && exit "${RANK_EXIT:-0}"
             sleep 0.2
         done
