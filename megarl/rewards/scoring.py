@@ -26,6 +26,10 @@ def scored_batch(index: int, samples: list[list[Sample]], rewards: list[list[flo
     if len(versions) != 1:
         raise RuntimeError(f"batch {index} mixes samples from policy versions {sorted(versions)}")
     flat = [s for group in samples for s in group]
+    with_routes = sum(s.routed_experts is not None for s in flat)
+    if with_routes not in (0, len(flat)):
+        raise RuntimeError(f"batch {index}: {with_routes} of {len(flat)} samples carry routed experts (a replica "
+                           "started without rollout.return_routed_experts?)")
     return RolloutBatch(
         index=index,
         prompt_ids=[list(s.prompt_ids) for s in flat],
@@ -36,6 +40,7 @@ def scored_batch(index: int, samples: list[list[Sample]], rewards: list[list[flo
         policy_version=versions.pop(),
         reward_timeouts=reward_timeouts,
         reward_flags=dict(reward_flags or {}),
+        routed_experts=[torch.from_numpy(s.routed_experts) for s in flat] if with_routes else None,
     )
 
 

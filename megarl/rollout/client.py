@@ -4,15 +4,21 @@ the job's fleet secret (`megarl.rollout.fleet_auth`) when one is given or named 
 
 from __future__ import annotations
 
+import base64
+import binascii
+import io
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import requests
 
 from megarl.rollout.fleet_auth import SECRET_ENV, bearer_header, read_secret
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 class RolloutServerError(RuntimeError):
@@ -28,6 +34,9 @@ class Sample:
     response_logprobs: list[float]  # the engine's log-prob of each sampled token
     finish_reason: str | None
     policy_version: int  # weight version the engine reports for every token of the response
+    # [prompt + response - 1, moe_layers, top_k] experts the engine routed each forwarded token to (uint8, or int16
+    # beyond 256 experts); None unless the server returns routed experts (rollout.return_routed_experts)
+    routed_experts: np.ndarray | None = None
 
 
 def _version_number(label: str | None) -> int:
@@ -39,6 +48,27 @@ def _version_number(label: str | None) -> int:
         return int(label)
     except ValueError:
         raise RolloutServerError(f"weight version {label!r} was not set by megarl (expected an integer)") from None
+
+
+def decode_routed_experts(encoded: str, forwarded_tokens: int) -> np.ndarray:
+    """vLLM's `routed_experts` reply field (base64 of a `.npy` array `[forwarded tokens, moe_layers, top_k]`) as a
+    compact integer array: uint8 stays, wider types become int16 (expert ids below 32768). `forwarded_tokens` =
+    prompt + response - 1 (the engine never forwards the last sampled token); another length is an error."""
+    import numpy as np
+
+    try:
+        routes = np.load(io.BytesIO(base64.b64decode(encoded, validate=True)), allow_pickle=False)
+    except (ValueError, binascii.Error, OSError) as err:
+        raise RolloutServerError(f"routed_experts is not a base64 .npy array: {err}") from None
+    if routes.ndim != 3 or routes.shape[0] != forwarded_tokens or routes.dtype.kind not in "iu":
+        raise RolloutServerError(f"routed_experts has shape {routes.shape} and dtype {routes.dtype}; expected "
+                                 f"[{forwarded_tokens} (prompt + response - 1), moe_layers, top_k] integers")
+    if routes.dtype == np.uint8:
+        return routes
+    if routes.size and (int(routes.min()) < 0 or int(routes.max()) >= 2**15):
+        raise RolloutServerError(f"routed_experts holds expert ids outside [0, 32768): [{int(routes.min())}, "
+                                 f"{int(routes.max())}]")
+    return routes.astype(np.int16)
 
 
 class RolloutClient:
@@ -119,8 +149,14 @@ class RolloutClient:
         if len(versions) > 1:
             raise RolloutServerError(f"{self.url}: one response spans weight versions {sorted(versions)}")
         version = _version_number(versions.pop() if versions else self.weight_version())
+        routes = choice.get("routed_experts")
+        if routes is not None:
+            try:
+                routes = decode_routed_experts(routes, len(prompt) + len(ids) - 1)
+            except RolloutServerError as err:
+                raise RolloutServerError(f"{self.url}: {err}") from None
         return Sample(prompt, list(ids), [float(c["logprob"]) for c in content], choice.get("finish_reason"),
-                      version)
+                      version, routes)
 
     # ---- weights ---------------------------------------------------------------------------------------------
     def weight_version(self) -> str | None:

@@ -59,6 +59,8 @@ class FleetSpec:
     log_dir: Path = Path(".")  # where vllm_replica<i>.log go
     max_model_len: int | None = None  # vLLM --max-model-len; None: the model's max_position_embeddings
     extra_args: list[str] = field(default_factory=list)  # appended to the server command line
+    # return every token's routed experts (MoE, GPU: vLLM's V2 model runner with prefix caching)
+    return_routed_experts: bool = False
     # file holding the job's secret (mode 0600, e.g. from `fleet_auth.new_fleet_secret`); None: launch() makes
     # one in a private temporary directory, deleted when the fleet stops
     secret_file: Path | None = None
@@ -151,15 +153,27 @@ def _cpu_env(tp: int, kv_cache_gib: int) -> dict[str, str]:
     return {"VLLM_CPU_OMP_THREADS_BIND": binds, "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}
 
 
+def server_env(spec: FleetSpec, secret_file: Path) -> dict[str, str]:
+    """The environment of every replica's server: ours, plus vLLM's dev routes (weight updates), the secret's file,
+    the CPU backend's settings, and the V2 model runner when routed experts are returned (vLLM 0.32 captures them
+    there only)."""
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "TOKENIZERS_PARALLELISM": "false",
+           SECRET_ENV: str(secret_file), **_cpu_env(spec.tp, spec.kv_cache_gib)}
+    if spec.return_routed_experts:
+        env["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+    return env
+
+
 def server_command(spec: FleetSpec, port: int) -> list[str]:
     """The command line of one replica: vLLM's OpenAI-compatible server with the token-in/token-out
     routes (`--enable-scale-out`), megarl's weight-transfer backend and its worker extension."""
     length = ["--max-model-len", str(spec.max_model_len)] if spec.max_model_len else []
+    routes = ["--enable-return-routed-experts", "--enable-prefix-caching"] if spec.return_routed_experts else []
     return [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(spec.model_dir), "--port", str(port), "--host", spec.host,
         "--tensor-parallel-size", str(spec.tp), "--dtype", spec.dtype, "--enforce-eager",
-        "--enable-scale-out", "--seed", "0", *length,
+        "--enable-scale-out", "--seed", "0", *length, *routes,
         "--weight-transfer-config", json.dumps({"backend": BACKEND_NAME}),
         "--worker-extension-cls", "megarl.sync.vllm_receiver.MegarlWorkerExtension",
         "--middleware", f"{FleetAuthMiddleware.__module__}.{FleetAuthMiddleware.__name__}",
@@ -215,8 +229,7 @@ def launch(spec: FleetSpec) -> FleetHandle:
     fleet = FleetHandle([], [], [], secret_file, own_dir)
     _LIVE.append(fleet)
     _stop_fleets_on_sigterm()
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "TOKENIZERS_PARALLELISM": "false",
-           SECRET_ENV: str(secret_file), **_cpu_env(spec.tp, spec.kv_cache_gib)}
+    env = server_env(spec, secret_file)
     try:
         secret = read_secret(secret_file)  # fail here, not in every server, if the file is unusable
         for i in range(spec.first_replica, spec.first_replica + spec.replicas):
@@ -248,7 +261,7 @@ def start_fleet(cfg: Config, log_dir: Path) -> Iterator[FleetHandle]:
     r = cfg.rollout
     fleet = launch(FleetSpec(model_dir=Path(cfg.model.hf_dir), tp=r.tp, replicas=r.replicas, port=r.port,
                              kv_cache_gib=r.kv_cache_gib, startup_timeout_s=r.startup_timeout_s,
-                             log_dir=Path(log_dir)))
+                             log_dir=Path(log_dir), return_routed_experts=r.return_routed_experts))
     previous = os.environ.get(SECRET_ENV)
     os.environ[SECRET_ENV] = str(fleet.secret_file)
     try:
