@@ -1,4 +1,4 @@
 """Shared, expensive fixtures: the tiny checkpoints and ONE vLLM fleet for the whole test session."""
 
-from tests.fleet_fixture import moe_fleet, moe_fleet_2x1, tiny_moe_dir  # noqa: F401 - session fixtures used across test files
+from tests.fleet_fixture import fleet_secret, moe_fleet, moe_fleet_2x1, tiny_moe_dir  # noqa: F401 - session fixtures used across test files
 from tests.slurm_cluster import slurm_cluster  # noqa: F401 - session fixture: a real 3-node SLURM cluster

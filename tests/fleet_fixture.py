@@ -2,8 +2,10 @@
 shared by every test of the session, and a two-replica fleet (tensor parallel 1 each) for the pipeline tests,
 each killed (whole process group) at the end.
 
-Both fleets are guarded by one session secret (`_session_secret`), and while they run
-`MEGARL_FLEET_SECRET_FILE` names it, so `RolloutClient`s and spawned trainer ranks send it.
+Every fleet of the session (these and the module fleets of other test files) is guarded by one session secret,
+the `fleet_secret` fixture, and `MEGARL_FLEET_SECRET_FILE` names it for the whole session, so `RolloutClient`s and
+spawned trainer ranks send it. (Set once for the session, not per fleet: a module fleet that set and restored it
+could unset it under a session fleet made after it.)
 
 Imported by `tests/conftest.py`; tests that change the server's weights must say so, and tests
 that need particular weights push them first (`PartitionedWeightSync.push`).
@@ -13,14 +15,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
 from megarl.models.tiny import make_tiny_checkpoint
 from megarl.rollout.fleet import FleetHandle, FleetSpec, launch
-from megarl.rollout.fleet_auth import SECRET_ENV, SECRET_FILENAME, new_fleet_secret
+from megarl.rollout.fleet_auth import SECRET_ENV, new_fleet_secret
 
 
 def perturbed_checkpoint(src: Path, out: Path, seed: int) -> Path:
@@ -45,38 +46,32 @@ def tiny_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def moe_fleet(tiny_moe_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetHandle]:
+def moe_fleet(tiny_moe_dir: Path, fleet_secret: Path,
+              tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetHandle]:
     """A real vLLM OpenAI-compatible server, TP 2, serving the tiny MoE with megarl's weight-transfer backend."""
-    secret = _session_secret(tmp_path_factory)
     with launch(FleetSpec(model_dir=tiny_moe_dir, tp=2, log_dir=tmp_path_factory.mktemp("fleet_logs"),
-                          secret_file=secret)) as fleet, _secret_in_env(secret):
+                          secret_file=fleet_secret)) as fleet:
         yield fleet
     _assert_gone(fleet)
 
 
 @pytest.fixture(scope="session")
-def moe_fleet_2x1(tiny_moe_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetHandle]:
+def moe_fleet_2x1(tiny_moe_dir: Path, fleet_secret: Path,
+                  tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetHandle]:
     """Two replicas of the tiny MoE, tensor parallel 1 each: several replicas generate at the same time."""
-    secret = _session_secret(tmp_path_factory)
     with launch(FleetSpec(model_dir=tiny_moe_dir, tp=1, replicas=2, log_dir=tmp_path_factory.mktemp("fleet2_logs"),
-                          secret_file=secret)) as fleet, _secret_in_env(secret):
+                          secret_file=fleet_secret)) as fleet:
         yield fleet
     _assert_gone(fleet)
 
 
-def _session_secret(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The session's one fleet secret (mode 0600), made by whichever fleet starts first. A helper, not a fixture:
-    `conftest.py` imports the fixtures by name, and a fixture only this module knew would not be found."""
-    path = tmp_path_factory.getbasetemp() / SECRET_FILENAME
-    return path if path.exists() else new_fleet_secret(tmp_path_factory.getbasetemp())
-
-
-@contextmanager
-def _secret_in_env(secret: Path) -> Iterator[None]:
-    """`MEGARL_FLEET_SECRET_FILE` names `secret` inside the block (restored after)."""
+@pytest.fixture(scope="session")
+def fleet_secret(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The session's one fleet secret (mode 0600), named by `MEGARL_FLEET_SECRET_FILE` until the session ends."""
+    secret = new_fleet_secret(tmp_path_factory.getbasetemp())
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(SECRET_ENV, str(secret))
-        yield
+        yield secret
 
 
 def _assert_gone(fleet: FleetHandle) -> None:

@@ -196,7 +196,8 @@ def _train_on_rollout_batch(policy, hf_dir, layout, world, tokens, routed_expert
 
     dp_rank, dp = dp_rank_and_size()
     cfg = Config(model=ModelConfig(hf_dir=hf_dir), algorithm=AlgorithmConfig(name="grpo"),
-                 rollout=RolloutConfig(return_routed_experts=True), trainer=TrainerConfig(world_size=world, pp=layout.pp, ep=layout.ep, micro_batch_size=1,
+                 rollout=RolloutConfig(return_routed_experts=True),
+                 trainer=TrainerConfig(world_size=world, pp=layout.pp, ep=layout.ep, micro_batch_size=1,
                                        pack_sequences=packed, routing_replay=True))
     return train_on_batch(policy, _rollout_batch(tokens, routed_experts), get_algorithm("grpo"), cfg, 0,
                           dp_rank, dp, lag=0)

@@ -18,16 +18,14 @@ from megarl.config.schema import OptimizerConfig
 from megarl.models.qwen_provider import read_hf_config
 from megarl.rollout.fleet import FleetSpec, launch
 from tests.dist_utils import free_port, run_distributed
-from tests.fleet_fixture import _secret_in_env, _session_secret
 
 BOUND_S = 120  # a failed update must be reported well within the sync group's timeout (600 s here)
 
 
 @pytest.fixture(scope="module")
-def doomed_fleet(tiny_moe_dir, tmp_path_factory):
-    secret = _session_secret(tmp_path_factory)
+def doomed_fleet(tiny_moe_dir, fleet_secret, tmp_path_factory):
     with launch(FleetSpec(model_dir=tiny_moe_dir, tp=1, replicas=2, log_dir=tmp_path_factory.mktemp("doomed_logs"),
-                          secret_file=secret)) as fleet, _secret_in_env(secret):
+                          secret_file=fleet_secret)) as fleet:
         yield fleet
 
 

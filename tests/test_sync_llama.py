@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from megarl.data.tokenizer import save_tokenizer
 from megarl.rollout.fleet import FleetSpec, launch
 from tests.dist_utils import free_port, run_distributed
-from tests.fleet_fixture import _secret_in_env, _session_secret, perturbed_checkpoint
+from tests.fleet_fixture import perturbed_checkpoint
 from tests.test_loader_reads import LLAMA, _llama_expected, _save
 from tests.test_weight_sync import SEQS, _sha256, _transformers_logprobs
 
@@ -35,10 +35,9 @@ def llama_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def llama_fleet(llama_dir, tmp_path_factory):
-    secret = _session_secret(tmp_path_factory)
+def llama_fleet(llama_dir, fleet_secret, tmp_path_factory):
     with launch(FleetSpec(model_dir=llama_dir, tp=2, log_dir=tmp_path_factory.mktemp("llama_fleet_logs"),
-                          secret_file=secret)) as fleet, _secret_in_env(secret):
+                          secret_file=fleet_secret)) as fleet:
         yield fleet
 
 

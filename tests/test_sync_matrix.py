@@ -23,7 +23,7 @@ from megarl.models.qwen_provider import read_hf_config
 from megarl.models.tiny import make_tiny_checkpoint
 from megarl.rollout.fleet import FleetSpec, launch
 from tests.dist_utils import free_port, run_distributed
-from tests.fleet_fixture import _secret_in_env, _session_secret, perturbed_checkpoint
+from tests.fleet_fixture import perturbed_checkpoint
 from tests.test_weight_sync import _sha256
 
 
@@ -39,11 +39,10 @@ def dense_dirs(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def dense_fleet(dense_dirs, tmp_path_factory):
+def dense_fleet(dense_dirs, fleet_secret, tmp_path_factory):
     """A vLLM TP-2 server of the tiny dense Qwen3, guarded by the session's fleet secret."""
-    secret = _session_secret(tmp_path_factory)
     with launch(FleetSpec(model_dir=dense_dirs[0], tp=2, log_dir=tmp_path_factory.mktemp("dense_fleet_logs"),
-                          secret_file=secret)) as fleet, _secret_in_env(secret):
+                          secret_file=fleet_secret)) as fleet:
         yield fleet
 
 
