@@ -3,7 +3,8 @@
 
     needs:  /collective_rpc megarl_record_loader_reads on replica 0 (what each TP rank's loaders read), once
     join:   /init_weight_transfer_engine on every replica (its workers join the sync group, get the needs)
-    open:   /pause -> /start_weight_update on every replica (undone on failure)
+    open:   /pause -> close a session a dead trainer left open -> /start_weight_update on every replica (undone on
+            failure)
     update: /update_weights with each TP worker's part of the plan, one thread per replica; it returns once the
             workers have received, checked and loaded their blocks, or refused them
     close:  /collective_rpc megarl_sync_report -> /finish_weight_update(version), or (None) to close a refused
@@ -63,6 +64,18 @@ def _best_effort(fn: Callable[[], object]) -> None:
         pass
 
 
+def _still_serving(client: RolloutClient) -> bool:
+    """Whether a replica whose update call failed still serves: `/health` answers and so does every worker (vLLM
+    shuts the whole engine down when a worker dies, but `/health` may still answer for a moment)."""
+    if not client.healthy():
+        return False
+    try:
+        client.collective_rpc("megarl_sync_report")
+    except RolloutServerError:
+        return False
+    return client.healthy()
+
+
 class FleetLifecycle:
     """Trainer rank 0's handle on the replicas of one fleet (`clients`, one per replica, `tp` workers each)."""
 
@@ -98,6 +111,7 @@ class FleetLifecycle:
             for client in self.clients:
                 client.pause()
                 paused.append(client)
+                client.collective_rpc("megarl_end_stale_update")  # left open by a trainer that died mid-update
                 client.start_weight_update()
                 opened.append(client)
         except Exception as err:  # noqa: BLE001 - returned, then raised on every trainer rank
@@ -139,9 +153,14 @@ class FleetLifecycle:
                     raise UpdateRefused(errors)
                 reports += replica_reports
             except Exception as err:  # noqa: BLE001 - reported on every trainer rank
-                after = ("it may hold a mix of old and new weights, so it is left paused and serves nothing until a "
-                         "later push loads completely or it is restarted" if mixed
-                         else "it keeps serving its previous weights")
+                if mixed:
+                    after = ("it may hold a mix of old and new weights, so it is left paused and serves nothing until "
+                             "a later push loads completely or it is restarted")
+                elif not isinstance(err, UpdateRefused) and not _still_serving(client):
+                    after = ("its server, engine or a worker died (vLLM shuts the whole engine down when a worker "
+                             "dies): it serves nothing until it is restarted")
+                else:
+                    after = "it keeps serving its previous weights"
                 failures.append(f"replica {rep} ({client.url}): {type(err).__name__}: {err} ({after})")
             finally:
                 if not mixed:
