@@ -3,8 +3,8 @@
 
     needs:  /collective_rpc megarl_record_loader_reads on replica 0 (what each TP rank's loaders read), once
     join:   /init_weight_transfer_engine on every replica (its workers join the sync group, get the needs)
-    open:   /pause -> close a session a dead trainer left open -> /start_weight_update on every replica (undone on
-            failure)
+    open:   /pause -> close a session a dead trainer left open (first open only) -> /start_weight_update on every
+            replica (undone on failure)
     update: /update_weights with each TP worker's part of the plan, one thread per replica; it returns once the
             workers have received, checked and loaded their blocks, or refused them
     close:  /collective_rpc megarl_sync_report -> /finish_weight_update(version), or (None) to close a refused
@@ -81,6 +81,7 @@ class FleetLifecycle:
 
     def __init__(self, clients: list[RolloutClient], tp: int) -> None:
         self.clients, self.tp = clients, tp
+        self._stale_closed = False  # sessions a dead trainer left open are closed at this lifecycle's first open
 
     def record_needs(self) -> RolloutNeeds:
         """What each vLLM TP rank's loaders read, recorded by replica 0 in its own environment (see
@@ -111,7 +112,8 @@ class FleetLifecycle:
             for client in self.clients:
                 client.pause()
                 paused.append(client)
-                client.collective_rpc("megarl_end_stale_update")  # left open by a trainer that died mid-update
+                if not self._stale_closed:  # only an earlier trainer (one that died mid-update) can leave one open
+                    client.collective_rpc("megarl_end_stale_update")
                 client.start_weight_update()
                 opened.append(client)
         except Exception as err:  # noqa: BLE001 - returned, then raised on every trainer rank
@@ -120,6 +122,7 @@ class FleetLifecycle:
             for client in paused:
                 _best_effort(client.resume)
             return f"could not start the update: {type(err).__name__}: {err}"
+        self._stale_closed = True
         return None
 
     def start_updates(self, infos: list[list[dict[str, Any]]]) -> list[ResultThread]:

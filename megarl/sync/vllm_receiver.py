@@ -279,6 +279,9 @@ class MegarlWorkerExtension:
         pc = self.vllm_config.parallel_config
         if pc.rank % pc.tensor_parallel_size != 0:
             return None
+        kept = getattr(self, "_megarl_loader_reads", None)
+        if kept is not None:  # this worker's layout never changes: every later run against this fleet reuses it
+            return kept
         try:
             model_dir = _model_dir(self.vllm_config.model_config.model)
             with tempfile.TemporaryDirectory(prefix="megarl_record_") as tmp:
@@ -290,7 +293,8 @@ class MegarlWorkerExtension:
                 done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=540)
                 if done.returncode != 0:
                     raise RuntimeError(f"{' '.join(cmd)} exited with {done.returncode}: {done.stderr[-3000:]}")
-                return json.loads(out.read_text())
+                self._megarl_loader_reads = json.loads(out.read_text())
+                return self._megarl_loader_reads
         except Exception as err:  # noqa: BLE001 - returned: a raising worker would desynchronise vLLM's replies
             logger.error("megarl loader-read recording failed: %s", err)
             return {"error": f"{type(err).__name__}: {err}"}
