@@ -323,12 +323,21 @@ def test_store_host_killed_mid_send(moe_fleet, other_checkpoint, tmp_path):
     refuse the update (their reports name trainer rank 0), the replica keeps its label and, with nobody left to
     resume it, stays paused; a push from fresh trainer processes then closes the update session rank 0 left open,
     loads, resumes the replica and serves the new version."""
+    client = RolloutClient(moe_fleet.urls[0], timeout_s=120)
+    before = _served(client)
+    try:
+        _kill_the_store_host_mid_send(client, before, moe_fleet, other_checkpoint, tmp_path)
+    finally:  # the fleet is shared by the session: never leave it paused, or inside an update, for the next tests
+        client.collective_rpc("megarl_end_stale_update")
+        if client.is_paused():
+            client.resume()
+
+
+def _kill_the_store_host_mid_send(client, before, moe_fleet, other_checkpoint, tmp_path):
     import multiprocessing
 
     import torch
 
-    client = RolloutClient(moe_fleet.urls[0], timeout_s=120)
-    before = _served(client)
     ctx = multiprocessing.get_context("spawn")
     args = (other_checkpoint, moe_fleet.urls, 2, free_port(), free_port(), 51, (0, "die"))
     procs = [ctx.Process(target=_push_to_file, args=(tmp_path / f"rank{r}.pt", r, 2, *args)) for r in range(2)]
