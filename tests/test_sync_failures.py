@@ -1,9 +1,13 @@
-"""A replica's server killed in the middle of a weight update (real processes: 2 trainer ranks, expert parallel 2;
-two vLLM replicas, TP 1 each, on a fleet of their own since one of them dies).
+"""Failures in the middle of a weight update, on real processes (2 trainer ranks, expert parallel 2; vLLM servers):
 
-Checked: every trainer rank raises `WeightSyncError` naming the dead replica, within a bounded time (no wait on
-the 600 s group timeout); the surviving replica was sent all its bytes, is resumed and serves under a
-consistent label (its workers loaded the whole update, so it serves the new version, and generation works).
+- a replica's whole server killed (two replicas, TP 1 each, on a fleet of their own since one of them dies);
+- a trainer rank that raises while sending (the session's TP 2 server);
+- one vLLM worker of a TP 2 replica killed (a TP 2 fleet of its own: vLLM then shuts the whole server down);
+- the sync store's host, trainer rank 0, killed (the session's TP 2 server).
+
+Every case checks that each surviving trainer rank raises `WeightSyncError` naming what failed and why within a
+bounded time (`BOUND_S`, against the group's 600 s timeout), and what the replicas serve afterwards, seen from
+outside: paused or not, label, log-probs, sample versions, a next push from fresh trainer processes.
 """
 
 from __future__ import annotations
@@ -11,13 +15,16 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
 from megarl.config.schema import OptimizerConfig
 from megarl.models.qwen_provider import read_hf_config
+from megarl.rollout.client import RolloutClient
 from megarl.rollout.fleet import FleetSpec, launch
 from tests.dist_utils import free_port, run_distributed
+from tests.fleet_fixture import perturbed_checkpoint
 
 BOUND_S = 120  # a failed update must be reported well within the sync group's timeout (600 s here)
 
@@ -82,3 +89,275 @@ def test_replica_killed_during_the_update(doomed_fleet, tiny_moe_dir):
     assert survivor["label"] == "7"
     assert [s.policy_version for s in survivor["samples"]] == [7, 7]
     assert doomed_fleet.procs[1].poll() is not None  # the killed server is gone
+
+
+# ---- the other failures: a trainer rank that raises, a vLLM worker killed, the sync store's host killed --------------
+PROMPT = [6, 23, 7, 24, 13, 2]
+
+
+@pytest.fixture(scope="module")
+def pushed_checkpoint(tiny_moe_dir, tmp_path_factory):
+    """Weights the fleet does not serve yet (the tiny MoE perturbed with a seed no other test uses)."""
+    return perturbed_checkpoint(tiny_moe_dir, tmp_path_factory.mktemp("pushed"), seed=13)
+
+
+@pytest.fixture(scope="module")
+def other_checkpoint(tiny_moe_dir, tmp_path_factory):
+    """Other weights again (another seed): a test after one that pushed `pushed_checkpoint` still sees a change."""
+    return perturbed_checkpoint(tiny_moe_dir, tmp_path_factory.mktemp("other"), seed=17)
+
+
+@pytest.fixture(scope="module")
+def doomed_tp2_fleet(tiny_moe_dir, fleet_secret, tmp_path_factory):
+    """One replica at TP 2 whose worker TP 1 gets killed: a fleet of its own."""
+    with launch(FleetSpec(model_dir=tiny_moe_dir, tp=2, log_dir=tmp_path_factory.mktemp("doomed_tp2_logs"),
+                          secret_file=fleet_secret)) as fleet:
+        yield fleet
+
+
+class _AtSecondBucket:
+    """Wraps a rank's sync group: `action(first)` runs when the rank is about to send its second bucket, with the
+    first bucket's send `first`; `after_first()` runs once the first send is posted."""
+
+    def __init__(self, group, action, after_first=lambda: None):
+        self.group, self.action, self.after_first, self.first, self.sent = group, action, after_first, None, 0
+
+    def send(self, tensors, dst, tag):
+        if self.sent == 1:
+            self.action(self.first)
+        self.sent += 1
+        work = self.group.send(tensors, dst, tag)
+        if self.sent == 1:
+            work = self.first = _WaitOnce(work)
+            self.after_first()
+        return work
+
+
+class _WaitOnce:
+    """A send's Work that may be waited on twice (by the injection, then by the sender): gloo's wait on a send
+    consumes one completion, so a second plain wait would block until the group's timeout."""
+
+    def __init__(self, work):
+        self.work, self.error, self.done = work, None, False
+
+    def wait(self):
+        if not self.done:
+            self.done = True
+            try:
+                self.work.wait()
+            except Exception as err:  # noqa: BLE001 - raised again on every wait, as a Work does
+                self.error = err
+        if self.error is not None:
+            raise self.error
+        return True
+
+
+def _kill_once_received(pid):
+    """An `_AtSecondBucket` action: wait until the first bucket was received (so the vLLM workers are inside the
+    update, receiving), then SIGKILL `pid`."""
+
+    def action(first):
+        first.wait()
+        os.kill(pid, signal.SIGKILL)
+
+    return action
+
+
+def _inject(sync, what):
+    """Failure injection inside this trainer rank's process (tests only), all after the rank's first bucket:
+    "raise": packing its second bucket raises (as a failing copy or allocation would); "die": once its first bucket
+    was received, the rank is SIGKILLed; ("kill", pid): then, process `pid` (a vLLM worker) is SIGKILLed."""
+    from megarl.sync import stream
+
+    if what == "raise":  # the flag, not the wrapper, is shared: nothing but the transport may hold the group
+        first_sent: list[bool] = []
+        real = stream.to_bytes
+
+        def to_bytes(t):
+            if first_sent:
+                raise RuntimeError("injected failure while packing the second bucket")
+            return real(t)
+
+        stream.to_bytes = to_bytes
+        sync.transport.group = _AtSecondBucket(sync.transport.group, lambda first: None,
+                                               lambda: first_sent.append(True))
+    else:
+        pid = os.getpid() if what == "die" else what[1]
+        sync.transport.group = _AtSecondBucket(sync.transport.group, _kill_once_received(pid))
+
+
+def _push(rank, world, hf_dir, urls, tp, port, sync_port, version, inject=None, again=False):
+    """Every trainer rank: join, plan, push `hf_dir`'s weights as `version` (rank `inject[0]` injects `inject[1]`);
+    returns the stats or the WeightSyncError's message, and the push's seconds; `again`: after a failed push, push
+    once more with the same objects (its error and seconds: "again_error", "again_seconds")."""
+    from megarl.parallel.groups import TrainerLayout, destroy_trainer_groups, init_trainer_groups
+    from megarl.rollout.client import RolloutClient
+    from megarl.sync.weight_sync import PartitionedWeightSync, WeightSyncError
+    from megarl.trainer.policy import MegatronPolicy
+
+    init_trainer_groups(TrainerLayout(1, 1, 2), rank, world, "127.0.0.1", port)
+    try:
+        hf = read_hf_config(hf_dir)
+        policy = MegatronPolicy(hf_dir, hf, OptimizerConfig())
+        clients = [RolloutClient(u, timeout_s=120) for u in urls] if rank == 0 else []
+        sync = PartitionedWeightSync(rank, world, hf, clients, rollout_tp=tp, rollout_replicas=len(urls),
+                                     store_host="127.0.0.1", store_port=sync_port, bucket_bytes=64 << 10,
+                                     timeout_s=600)
+        if inject is not None and inject[0] == rank:
+            _inject(sync, inject[1])
+        out = {}
+        t0 = time.monotonic()
+        try:
+            out["stats"] = sync.push(policy.iter_local_hf_slices(), version=version)
+        except WeightSyncError as err:
+            out["error"] = str(err)
+        out["seconds"] = time.monotonic() - t0
+        if again and "error" in out:
+            t0 = time.monotonic()
+            try:
+                sync.push(policy.iter_local_hf_slices(), version=version)
+            except WeightSyncError as err:
+                out["again_error"] = str(err)
+            out["again_seconds"] = time.monotonic() - t0
+        return out
+    finally:
+        destroy_trainer_groups()
+
+
+def _push_to_file(out_path, rank, world, *args):
+    """`_push` in a process of its own, its result saved to `out_path` (the test's own launcher: run_distributed
+    would stop the other ranks as soon as one dies)."""
+    import torch
+
+    torch.save(_push(rank, world, *args), out_path)
+
+
+def _served(client):
+    """What a replica serves, seen from outside: paused?, label, and (if not paused) log-probs and sample versions."""
+    out = {"paused": client.is_paused(), "label": client.weight_version()}
+    if not out["paused"]:
+        out["logprobs"] = client.prompt_logprobs(PROMPT)
+        out["versions"] = [s.policy_version for s in client.generate([PROMPT[:4]], n=2, max_tokens=2, seed=0)[0]]
+    return out
+
+
+def _assert_serves_new(client, before, version):
+    served = _served(client)
+    assert served["paused"] is False and served["label"] == str(version)
+    assert served["versions"] == [version, version]
+    assert max(abs(a - b) for a, b in zip(served["logprobs"], before["logprobs"], strict=True)) > 1e-3
+
+
+def test_trainer_rank_raising_mid_send(moe_fleet, pushed_checkpoint):
+    """Trainer rank 1 raises while packing its second bucket (its first is on the wire). It closes its sync-group
+    connections, so the vLLM workers waiting for its buckets fail at once, still take trainer rank 0's buckets, and
+    refuse the update before touching the model. Checked from outside: both trainer ranks raise naming trainer
+    rank 1 and why, well within the group's timeout, and a later push on the same objects is refused on both at once;
+    the replica is not paused and serves exactly what it served before (label, log-probs); a push from fresh
+    trainer processes then succeeds and serves the new weights."""
+    client = RolloutClient(moe_fleet.urls[0], timeout_s=120)
+    before = _served(client)
+    assert before["paused"] is False
+    results = run_distributed(_push, 2, pushed_checkpoint, moe_fleet.urls, 2, free_port(), free_port(), 31,
+                              (1, "raise"), True, init_dist=False)
+    for r in results:
+        assert "trainer rank 1 failed while sending: RuntimeError: injected failure while packing" in r["error"]
+        assert "rejected, model left unchanged on every TP rank" in r["error"], r["error"]
+        assert r["seconds"] < BOUND_S, r["seconds"]
+        # the group lost rank 1's connections: a later push on the same objects is refused on every rank at once
+        assert "unusable since an earlier push failed (trainer rank 1 failed while sending" in r["again_error"]
+        assert r["again_seconds"] < 5, r["again_seconds"]
+    print(f"trainer rank raised mid-send: reported in {[round(r['seconds'], 1) for r in results]} s")
+    assert _served(client) == before  # unchanged: same label, same log-probs, generation works
+    again = run_distributed(_push, 2, pushed_checkpoint, moe_fleet.urls, 2, free_port(), free_port(), 32,
+                            init_dist=False)
+    assert again[0]["stats"].receive_ratio == {2: 1.0, 3: 1.0}
+    _assert_serves_new(client, before, 32)
+
+
+def _worker_pid(fleet, tp_rank):
+    """The pid of vLLM worker `tp_rank` of the fleet's first server (its process title: VLLM::Worker_TP<r>)."""
+    group = fleet.procs[0].pid  # the server leads its own process group
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            pgid = int(stat.read_text().rsplit(")", 1)[1].split()[2])
+            title = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, IndexError):
+            continue
+        if pgid == group and f"Worker_TP{tp_rank}" in title:
+            return int(stat.parent.name)
+    raise AssertionError(f"no Worker_TP{tp_rank} process in the server's process group {group}")
+
+
+def test_vllm_worker_killed_mid_receive(doomed_tp2_fleet, pushed_checkpoint):
+    """One vLLM worker (TP rank 1) of a TP 2 replica is SIGKILLed while the trainer ranks send (trainer rank 0 kills
+    it once its first bucket was received); the API server and the other worker are left alone. Checked:
+    both trainer ranks raise naming the replica, its URL and that a worker died, within the bound; the replica is not
+    labelled with the pushed version, and it no longer serves (vLLM shuts the whole engine down when a worker
+    dies: the server exits, so it never serves under the pushed label)."""
+    fleet = doomed_tp2_fleet
+    client = RolloutClient(fleet.urls[0], timeout_s=60)
+    label = client.weight_version()
+    victim = _worker_pid(fleet, 1)
+    results = run_distributed(_push, 2, pushed_checkpoint, fleet.urls, 2, free_port(), free_port(), 41,
+                              (0, ("kill", victim)), init_dist=False)
+    for r in results:
+        assert f"replica 0 ({fleet.urls[0]})" in r["error"], r["error"]
+        assert "a worker died" in r["error"] and "serves nothing until it is restarted" in r["error"], r["error"]
+        assert "keeps serving its previous weights" not in r["error"], r["error"]
+        assert r["seconds"] < BOUND_S, r["seconds"]
+    print(f"vLLM worker killed: reported in {[round(r['seconds'], 1) for r in results]} s: {results[0]['error']}")
+    deadline = time.monotonic() + 60
+    while fleet.procs[0].poll() is None and time.monotonic() < deadline:
+        time.sleep(1)
+    print(f"server gone {time.monotonic() - deadline + 60:.1f} s after the push returned; label before: {label}")
+    assert fleet.procs[0].poll() is not None  # vLLM shut the engine and its server down: nothing serves
+
+
+def test_store_host_killed_mid_send(moe_fleet, other_checkpoint, tmp_path):
+    """The sync group's TCPStore lives inside trainer rank 0 (it hosts the store at store_port, and the trainer's
+    own rendezvous store), so the store disappearing is its host dying: trainer rank 0 is SIGKILLed once its first
+    bucket was received (the workers are inside the update), after it paused the replica and started its update. The
+    ranks run in processes of the test's own (run_distributed would stop rank 1 as soon as rank 0 dies). Checked:
+    trainer rank 1 raises within the bound, saying the store no longer answers and rank 0 is gone; the vLLM workers
+    refuse the update (their reports name trainer rank 0), the replica keeps its label and, with nobody left to
+    resume it, stays paused; a push from fresh trainer processes then closes the update session rank 0 left open,
+    loads, resumes the replica and serves the new version."""
+    client = RolloutClient(moe_fleet.urls[0], timeout_s=120)
+    before = _served(client)
+    try:
+        _kill_the_store_host_mid_send(client, before, moe_fleet, other_checkpoint, tmp_path)
+    finally:  # the fleet is shared by the session: never leave it paused, or inside an update, for the next tests
+        client.collective_rpc("megarl_end_stale_update")
+        if client.is_paused():
+            client.resume()
+
+
+def _kill_the_store_host_mid_send(client, before, moe_fleet, other_checkpoint, tmp_path):
+    import multiprocessing
+
+    import torch
+
+    ctx = multiprocessing.get_context("spawn")
+    args = (other_checkpoint, moe_fleet.urls, 2, free_port(), free_port(), 51, (0, "die"))
+    procs = [ctx.Process(target=_push_to_file, args=(tmp_path / f"rank{r}.pt", r, 2, *args)) for r in range(2)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(BOUND_S + 180)  # start-up (megatron model, plan) is not bounded by the push's BOUND_S
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+    assert [proc.exitcode for proc in procs] == [-signal.SIGKILL, 0]
+    survivor = torch.load(tmp_path / "rank1.pt", weights_only=False)
+    print(f"store host killed: trainer rank 1 reported in {survivor['seconds']:.1f} s: {survivor['error']}")
+    assert survivor["seconds"] < BOUND_S
+    assert "no longer answers: trainer rank 0" in survivor["error"], survivor["error"]
+    reports = client.collective_rpc("megarl_sync_report")
+    assert all("trainer rank 0 failed to send" in r["error"] and r["model_state"] == "unchanged"
+               for r in reports), reports
+    assert client.is_paused() is True and client.weight_version() == before["label"]
+    again = run_distributed(_push, 2, other_checkpoint, moe_fleet.urls, 2, free_port(), free_port(), 52,
+                            init_dist=False)
+    assert again[0]["stats"].receive_ratio == {2: 1.0, 3: 1.0}
+    _assert_serves_new(client, before, 52)

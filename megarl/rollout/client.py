@@ -158,6 +158,14 @@ class RolloutClient:
         return Sample(prompt, list(ids), [float(c["logprob"]) for c in content], choice.get("finish_reason"),
                       version, routes)
 
+    def healthy(self, timeout_s: float = 10.0) -> bool:
+        """Whether the server answers `/health` with 200 within `timeout_s` (its engine and workers are alive);
+        cheap, and not queued behind a busy engine."""
+        try:
+            return requests.get(f"{self.url}/health", timeout=timeout_s, headers=self._headers).status_code == 200
+        except requests.RequestException:
+            return False
+
     # ---- weights ---------------------------------------------------------------------------------------------
     def weight_version(self) -> str | None:
         """The label of the weights the server is serving now (`"default"` until the first update)."""

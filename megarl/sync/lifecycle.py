@@ -3,7 +3,8 @@
 
     needs:  /collective_rpc megarl_record_loader_reads on replica 0 (what each TP rank's loaders read), once
     join:   /init_weight_transfer_engine on every replica (its workers join the sync group, get the needs)
-    open:   /pause -> /start_weight_update on every replica (undone on failure)
+    open:   /pause -> close a session a dead trainer left open (first open only) -> /start_weight_update on every
+            replica (undone on failure)
     update: /update_weights with each TP worker's part of the plan, one thread per replica; it returns once the
             workers have received, checked and loaded their blocks, or refused them
     close:  /collective_rpc megarl_sync_report -> /finish_weight_update(version), or (None) to close a refused
@@ -63,11 +64,24 @@ def _best_effort(fn: Callable[[], object]) -> None:
         pass
 
 
+def _still_serving(client: RolloutClient) -> bool:
+    """Whether a replica whose update call failed still serves: `/health` answers and so does every worker (vLLM
+    shuts the whole engine down when a worker dies, but `/health` may still answer for a moment)."""
+    if not client.healthy():
+        return False
+    try:
+        client.collective_rpc("megarl_sync_report")
+    except RolloutServerError:
+        return False
+    return client.healthy()
+
+
 class FleetLifecycle:
     """Trainer rank 0's handle on the replicas of one fleet (`clients`, one per replica, `tp` workers each)."""
 
     def __init__(self, clients: list[RolloutClient], tp: int) -> None:
         self.clients, self.tp = clients, tp
+        self._stale_closed = False  # sessions a dead trainer left open are closed at this lifecycle's first open
 
     def record_needs(self) -> RolloutNeeds:
         """What each vLLM TP rank's loaders read, recorded by replica 0 in its own environment (see
@@ -98,6 +112,8 @@ class FleetLifecycle:
             for client in self.clients:
                 client.pause()
                 paused.append(client)
+                if not self._stale_closed:  # only an earlier trainer (one that died mid-update) can leave one open
+                    client.collective_rpc("megarl_end_stale_update")
                 client.start_weight_update()
                 opened.append(client)
         except Exception as err:  # noqa: BLE001 - returned, then raised on every trainer rank
@@ -106,6 +122,7 @@ class FleetLifecycle:
             for client in paused:
                 _best_effort(client.resume)
             return f"could not start the update: {type(err).__name__}: {err}"
+        self._stale_closed = True
         return None
 
     def start_updates(self, infos: list[list[dict[str, Any]]]) -> list[ResultThread]:
@@ -139,9 +156,14 @@ class FleetLifecycle:
                     raise UpdateRefused(errors)
                 reports += replica_reports
             except Exception as err:  # noqa: BLE001 - reported on every trainer rank
-                after = ("it may hold a mix of old and new weights, so it is left paused and serves nothing until a "
-                         "later push loads completely or it is restarted" if mixed
-                         else "it keeps serving its previous weights")
+                if mixed:
+                    after = ("it may hold a mix of old and new weights, so it is left paused and serves nothing until "
+                             "a later push loads completely or it is restarted")
+                elif not isinstance(err, UpdateRefused) and not _still_serving(client):
+                    after = ("its server, engine or a worker died (vLLM shuts the whole engine down when a worker "
+                             "dies): it serves nothing until it is restarted")
+                else:
+                    after = "it keeps serving its previous weights"
                 failures.append(f"replica {rep} ({client.url}): {type(err).__name__}: {err} ({after})")
             finally:
                 if not mixed:

@@ -16,7 +16,9 @@ window); the buckets together are exactly this rank's slices. It then takes the 
 senders send them and turns them into one tensor per HF name: a name received as one piece is a view into
 its bucket (no copy); a name received in pieces from several senders is copied into a new tensor as each
 bucket arrives, and the bucket is dropped. A receiver thus holds its own slices plus the tensors being
-filled, never the full model.
+filled, never the full model. A sender that dies (or closes its connections after failing) fails only its own
+buckets: the receiver still takes every other sender's, then raises `SenderFailed` naming the failed senders
+(senders are the trainer ranks: sync-group rank = trainer rank).
 """
 
 from __future__ import annotations
@@ -120,10 +122,18 @@ def post_receives(group, entries: list[WireEntry]) -> dict[tuple[int, int], tupl
     return posted
 
 
+class SenderFailed(RuntimeError):
+    """Buckets of one or more senders did not arrive (the sender died or closed its connections)."""
+
+
 def receive_slices(group, entries: list[WireEntry]) -> tuple[dict[str, tuple[HFSlice, torch.Tensor]], int]:
     """Receive and assemble this receiver's slices (see `assemble`), copying each bucket's pieces out as soon as
     it arrives and dropping it, buckets taken in the order senders send them (bucket 0 of every sender, then
-    bucket 1, ...). Returns the slices and the bytes received."""
+    bucket 1, ...). Returns the slices and the bytes received.
+
+    A sender whose bucket fails (it died, or closed its connections after failing: `SenderFailed` names it) does
+    not stop the receive: every other sender's buckets are still taken, so no live sender is left blocked on a
+    receive that was dropped, and then `SenderFailed` is raised naming each failed sender."""
     posted = post_receives(group, entries)
     received = sum(buf.numel() for buf, _ in posted.values())
     by_bucket: dict[tuple[int, int], list[WireEntry]] = {}
@@ -133,9 +143,16 @@ def receive_slices(group, entries: list[WireEntry]) -> tuple[dict[str, tuple[HFS
         pieces[e.block.name] = pieces.get(e.block.name, 0) + 1
     wholes = tile(entries)
     out: dict[str, tuple[HFSlice, torch.Tensor]] = {}
+    failed: dict[int, str] = {}  # sender -> why its first failed bucket failed
     for key in sorted(posted, key=lambda k: (k[1], k[0])):
         buf, work = posted.pop(key)
-        work.wait()
+        try:
+            work.wait()
+        except Exception as err:  # noqa: BLE001 - the other senders' buckets are still taken, then this raises
+            failed.setdefault(key[0], f"bucket {key[1]}: {type(err).__name__}: {err}")
+            continue
+        if failed:  # the update is refused anyway: the bucket is taken (its sender is not left waiting), not used
+            continue
         for e in by_bucket[key]:
             raw = buf[e.offset:e.offset + e.nbytes]
             whole = wholes[e.block.name]
@@ -147,6 +164,9 @@ def receive_slices(group, entries: list[WireEntry]) -> tuple[dict[str, tuple[HFS
             piece = from_bytes(raw if _aligned(e) else raw.clone(), e.dtype, e.block.shape)
             out[e.block.name][1][e.block.index_within(whole)] = piece
         del buf
+    if failed:
+        raise SenderFailed("; ".join(f"trainer rank {sender} failed to send {why}"
+                                     for sender, why in sorted(failed.items())))
     return out, received
 
 

@@ -210,10 +210,15 @@ class PartitionedWeightTransferEngine(WeightTransferEngine[PartitionedInitInfo, 
         return report
 
     def _tp_peer_failures(self, error: str | None) -> list[str]:
-        """Every TP rank of this replica learns every rank's outcome: the failures, `worker <rank>: <why>`."""
+        """Every TP rank of this replica learns every rank's outcome: the failures, `worker <rank>: <why>`. If the
+        exchange itself fails (a TP peer died), that is this rank's failure: reported, not raised."""
         group = _tp_cpu_group()
         outcomes: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(outcomes, (self.rank, error), group=group)
+        try:
+            dist.all_gather_object(outcomes, (self.rank, error), group=group)
+        except Exception as err:  # noqa: BLE001 - see the module docstring: workers report, they do not raise
+            return [f"worker {self.rank}: {error or 'received its blocks'}, but could not agree with the other TP "
+                    f"workers of its replica (one died?): {type(err).__name__}: {err}"]
         return [f"worker {rank}: {err}" for rank, err in outcomes if err is not None]
 
     def _check_complete(self, blocks: dict[str, tuple[HFSlice, torch.Tensor]]) -> None:
@@ -274,6 +279,9 @@ class MegarlWorkerExtension:
         pc = self.vllm_config.parallel_config
         if pc.rank % pc.tensor_parallel_size != 0:
             return None
+        kept = getattr(self, "_megarl_loader_reads", None)
+        if kept is not None:  # this worker's layout never changes: every later run against this fleet reuses it
+            return kept
         try:
             model_dir = _model_dir(self.vllm_config.model_config.model)
             with tempfile.TemporaryDirectory(prefix="megarl_record_") as tmp:
@@ -285,10 +293,23 @@ class MegarlWorkerExtension:
                 done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=540)
                 if done.returncode != 0:
                     raise RuntimeError(f"{' '.join(cmd)} exited with {done.returncode}: {done.stderr[-3000:]}")
-                return json.loads(out.read_text())
+                self._megarl_loader_reads = json.loads(out.read_text())
+                return self._megarl_loader_reads
         except Exception as err:  # noqa: BLE001 - returned: a raising worker would desynchronise vLLM's replies
             logger.error("megarl loader-read recording failed: %s", err)
             return {"error": f"{type(err).__name__}: {err}"}
+
+    def megarl_end_stale_update(self) -> bool:
+        """Close an update session that was started and never finished (its trainer rank 0 died mid-update, so
+        nobody called `/finish_weight_update`): vLLM would refuse the next `/start_weight_update`. Returns whether
+        one was open; never raises (see the module docstring). The weights' label is left as it is."""
+        if not getattr(self, "_weight_update_active", False):
+            return False
+        try:
+            self.finish_weight_update()
+        except Exception as err:  # noqa: BLE001 - a raising worker would desynchronise vLLM's replies
+            logger.error("megarl could not close a stale weight-update session: %s", err)
+        return True
 
     def megarl_sync_report(self) -> dict[str, Any]:
         engine = getattr(self, "weight_transfer_engine", None)

@@ -12,6 +12,11 @@ together (a collective over the trainer ranks). Rank 0 also drives the fleet ove
              -> /finish_weight_update(version), or (None) to close a refused update unlabelled -> /resume
     all:     all-gather bytes sent; rank 0 broadcasts the outcome, a failure is raised on every rank
 
+A trainer rank whose send raises closes its sync-group connections at once (the workers waiting for its buckets
+refuse the update instead of waiting for the group's timeout) and still takes part in the collectives, so every
+rank raises naming it; a collective that fails because a trainer rank died raises saying whether the sync store
+(hosted by rank 0) still answers (`docs/sync.md`, "When an update is refused").
+
 The plan is built once (shapes never change): trainer ranks all-gather *metadata* of the blocks
 they hold, `plan_transfers` assigns each block a vLLM worker needs to one sender. What each vLLM worker
 needs is obtained once, in the constructor (`megarl.sync.needs`): by default recorded by the fleet from vLLM's
@@ -20,10 +25,13 @@ own loaders.
 
 from __future__ import annotations
 
+import gc
 import logging
+import socket
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +43,7 @@ from megarl.sync.lifecycle import FleetLifecycle
 from megarl.sync.needs import NeedsSource, RolloutNeeds, table_needs
 from megarl.sync.plan import plan_transfers
 from megarl.sync.slices import HFSlice
+from megarl.sync.stream import SendResult
 from megarl.sync.transport import TorchGroupTransport, Transport
 from megarl.sync.wire import WireEntry, layout_buckets
 
@@ -92,6 +101,8 @@ class PartitionedWeightSync:
         self.rank, self.trainers, self.hf = rank, world_size, hf_config
         self.clients, self.tp, self.replicas = clients, rollout_tp, rollout_replicas
         self.bucket_bytes, self.digests = bucket_bytes, digests
+        self.store_host, self.store_port = store_host, store_port
+        self.broken: str | None = None  # why this sync group is unusable (a trainer rank failed while sending)
         self.fail_loading_after: int | None = None  # failure injection (tests): the workers' loaders raise after N
         self.sync_world = world_size + rollout_replicas * rollout_tp
         self.entries: list[WireEntry] | None = None
@@ -159,6 +170,9 @@ class PartitionedWeightSync:
             clock.append(time.perf_counter())
             return clock[-1] - clock[-2]
 
+        if self.broken is not None:  # known on every trainer rank, so every rank raises here
+            raise WeightSyncError(f"this sync group is unusable since an earlier push failed ({self.broken}): a later "
+                                  "push needs a new PartitionedWeightSync (a new sync group)")
         local = list(local_slices)
         if self.entries is None:
             self.entries = self._plan(local)
@@ -166,21 +180,37 @@ class PartitionedWeightSync:
         if not self._needs_reported:  # recorded once per run, before the first push (in the constructor)
             phases["needs_s"] = self.needs.seconds
             self._needs_reported = True
-        self._raise_everywhere(self.fleet.open() if self.fleet else None, version)
+        with self._trainer_ranks_answer(version):
+            self._raise_everywhere(self.fleet.open() if self.fleet else None, version)
         phases["open_s"] = lap()
         update_id = uuid.uuid4().hex
         updates = self.fleet.start_updates(self._update_infos(version, update_id)) if self.fleet else []
-        sent = self.transport.send(self.entries, local)
+        send_error = None
+        try:
+            sent = self.transport.send(self.entries, local)
+        except Exception as err:  # noqa: BLE001 - this rank still reports it and takes part in the collectives
+            sent, send_error = SendResult(bytes_sent=0, buckets=0, peak_staging_bytes=0), f"{type(err).__name__}: {err}"
+            logger.error("trainer rank %d failed while sending the weight sync to version %d: %s", self.rank,
+                         version, send_error)
+        if send_error is not None:  # outside the handler, whose traceback still held the group
+            self._leave_sync_group(f"trainer rank {self.rank} failed while sending")
         phases["send_s"] = lap()
         reports, failure = self.fleet.close(updates, version, update_id) if self.fleet else ([], None)
         phases["close_s"] = lap()
         gathered: list[Any] = [None] * self.trainers
-        dist.all_gather_object(gathered, (sent.bytes_sent, sent.peak_staging_bytes, phases["send_s"], sent.failed))
+        with self._trainer_ranks_answer(version):
+            dist.all_gather_object(gathered, (sent.bytes_sent, sent.peak_staging_bytes, phases["send_s"],
+                                              sent.failed, send_error))
+        senders = [f"trainer rank {r} failed while sending: {g[4]} (it closed its connections, so the vLLM workers "
+                   "waiting for its buckets refused the update)" for r, g in enumerate(gathered) if g[4]]
         unreachable = [f"trainer rank {r} could not send to vLLM worker {w} (replica {self.replica_of(w)}): {why}"
                        for r, g in enumerate(gathered) for w, why in sorted(g[3].items())]
-        if unreachable:  # a worker (or its server) died mid-update: its replica's update RPC fails too
-            failure = "; ".join([*([failure] if failure else []), *unreachable])
-        self._raise_everywhere(failure, version)
+        if senders and self.broken is None:  # its connections to the workers are gone: the group is unusable
+            self._leave_sync_group(senders[0])
+        if senders or unreachable:  # a sender failed, or a worker (or its server) died mid-update
+            failure = "; ".join([*senders, *([failure] if failure else []), *unreachable])
+        with self._trainer_ranks_answer(version):
+            self._raise_everywhere(failure, version)
         phases["send_s"] = max(g[2] for g in gathered)  # the slowest sender
         # rank 0 pauses the fleet at the start of `open` and resumes it at the end of `close`
         phases["fleet_paused_s"] = clock[4] - clock[1]
@@ -194,6 +224,34 @@ class PartitionedWeightSync:
             bytes_read_by_loaders={r["rank"]: r["bytes_read_by_loaders"] for r in reports},
             bytes_needed=dict(self.bytes_needed), reports=reports, phases=phases,
         )
+
+    def _leave_sync_group(self, why: str) -> None:
+        """Close this rank's connections in the sync group now: on the rank that failed while sending, the vLLM
+        workers waiting for its buckets fail at once instead of at the group's timeout (the group goes with its last
+        reference: gloo's abort() and shutdown() leave the sockets open); on the others, since the group lost
+        that rank's connections for good. A later push raises `why`."""
+        self.transport.close()
+        self.broken = why
+        gc.collect()
+
+    @contextmanager
+    def _trainer_ranks_answer(self, version: int) -> Iterator[None]:
+        """Around a collective over the trainer ranks: if it fails (a trainer rank died), raise `WeightSyncError`
+        on this rank saying so, and whether the sync store (hosted by trainer rank 0, which also drives the
+        fleet) still answers; if it does not, trainer rank 0 is gone and the replicas it paused stay paused."""
+        try:
+            yield
+        except WeightSyncError:
+            raise
+        except Exception as err:
+            store = f"{self.store_host}:{self.store_port}"
+            if self.rank != 0 and not _answers(self.store_host, self.store_port):
+                where = (f"the sync store at {store} no longer answers: trainer rank 0, which hosted it and drives the "
+                         "fleet, is gone (replicas it paused stay paused until a later push resumes them)")
+            else:
+                where = f"the sync store at {store} (hosted by trainer rank 0) still answers"
+            raise WeightSyncError(f"weight sync to version {version} failed on trainer rank {self.rank}: another "
+                                  f"trainer rank stopped answering ({type(err).__name__}: {err}); {where}") from err
 
     def _raise_everywhere(self, failure: str | None, version: int) -> None:
         """Rank 0 tells every trainer rank whether the fleet failed; all of them raise the same error."""
@@ -212,3 +270,12 @@ class PartitionedWeightSync:
     def close(self) -> None:
         """Leave the sync group (the store closes with the last handle)."""
         self.transport.close()
+
+
+def _answers(host: str, port: int, timeout_s: float = 5.0) -> bool:
+    """Whether something accepts TCP connections at `host:port` (the sync store's address)."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
