@@ -19,6 +19,10 @@ __all__ = ["free_port", "run_distributed"]
 def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, init_dist: bool) -> Any:
     import torch.distributed as dist
 
+    from megarl.parallel.cpu_threads import apply_trainer_cpu_threads
+
+    apply_trainer_cpu_threads(0, world_size, 0)  # each rank its share of the cores, as megarl's own ranks
+
     if init_dist:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:

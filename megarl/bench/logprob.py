@@ -322,10 +322,10 @@ def _rank_main(rank: int, tp: int, port: int, cfg: LogprobBenchConfig, methods: 
     """Entry of one spawned rank: join the group, build this rank's shard, measure; the results go back."""
     from megatron.core import parallel_state
 
+    from megarl.parallel.cpu_threads import apply_trainer_cpu_threads
     from megarl.parallel.groups import TrainerLayout, destroy_trainer_groups, init_trainer_groups
 
-    # the cores are split between the ranks; a rank with more threads than cores only adds contention
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp))
+    apply_trainer_cpu_threads(0, tp, 0)  # the cores are split between the ranks (more threads only add contention)
     init_trainer_groups(TrainerLayout(tp=tp), rank, tp, "127.0.0.1", port)
     try:
         group = parallel_state.get_tensor_model_parallel_group()

@@ -333,9 +333,10 @@ def _export_rank(rank: int, world: int, layout: tuple[int, int, int], checkpoint
     warnings.filterwarnings("ignore", category=FutureWarning, message=r"`torch\.distributed\.")
     from megarl.models.hf_slices import iter_local_hf_slices
     from megarl.models.qwen_provider import read_hf_config
+    from megarl.parallel.cpu_threads import apply_trainer_cpu_threads
     from megarl.parallel.groups import TrainerLayout, destroy_trainer_groups, init_trainer_groups
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    apply_trainer_cpu_threads(0, world, 0)
     tp, pp, ep = layout
     init_trainer_groups(TrainerLayout(tp, pp, ep), rank, world, "127.0.0.1", port)
     try:
