@@ -100,6 +100,21 @@ def test_a_run_of_the_same_job_is_reused_across_studies(tmp_path):
     assert find_reusable(mine, [*job[:-1], "run.steps=4", f"run.dir={mine}"], config, 4) is None
 
 
+def test_runs_say_which_commit_trained_them(tmp_path):
+    """A run trained by megarl repro records its commit in its directory; the report lists each commit with its
+    run count, and a run without the record (made before megarl kept it) as unknown."""
+    from megarl.repro.report import _made_at
+    from megarl.repro.runner import RUN_PROVENANCE, run_provenance
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / RUN_PROVENANCE).write_text(json.dumps({"commit": "abc123", "dirty": True}))
+    assert run_provenance(tmp_path / "a") == {"commit": "abc123", "dirty": True}
+    assert run_provenance(tmp_path / "b") == {"commit": "unknown", "dirty": False}
+    runs = [{"made_at": {"commit": "abc123", "dirty": False}}] * 2 + [{"made_at": {"commit": "def456", "dirty": True}},
+                                                                      {}]
+    assert _made_at(runs) == ("`abc123` (2 runs), `def456` (with uncommitted changes) (1 run), `unknown` (1 run)")
+
+
 def test_judge_without_runs():
     assert judge(Comparison("a", "b", "greater", "x"), {"a": [0.5], "b": []})["verdict"] == "not run"
 
@@ -135,6 +150,7 @@ def test_repro_smoke(name, moe_fleet, tiny_moe_dir, tmp_path):
     for run in results["runs"]:
         records = run["records"]
         assert [r["step"] for r in records] == [0, 1, 2]
+        assert run["made_at"]["commit"] == results["provenance"]["commit"]  # trained by this invocation
         for r in records:
             assert set(REQUIRED) <= set(r) <= {"step", *KEPT}
             assert all(math.isfinite(r[k]) for k in REQUIRED)

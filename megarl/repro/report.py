@@ -104,6 +104,16 @@ def plot(results: dict[str, Any], study: Study, out_png: Path, smooth: int = 3) 
     plt.close(fig)
 
 
+def _made_at(runs: list[dict[str, Any]]) -> str:
+    """Which commits the runs were trained at, with their counts: reused runs may come from earlier commits."""
+    counts: dict[str, int] = {}
+    for run in runs:
+        made = run.get("made_at") or {"commit": "unknown", "dirty": False}
+        label = f"`{made['commit']}`" + (" (with uncommitted changes)" if made.get("dirty") else "")
+        counts[label] = counts.get(label, 0) + 1
+    return ", ".join(f"{label} ({n} run{'s' * (n != 1)})" for label, n in counts.items())
+
+
 def markdown(results: dict[str, Any], study: Study, png_name: str) -> str:
     """The study's report: the claim, the settings, the measured table, each comparison's verdict, provenance."""
     prov = results["provenance"]
@@ -144,7 +154,8 @@ def markdown(results: dict[str, Any], study: Study, png_name: str) -> str:
               f"'agrees' needs the difference beyond two standard errors over {n} seeds (similarity: within two "
               "standard errors or the tolerance); with few seeds this is a rough reading, not a significance test.",
               "", "## Provenance", "",
-              f"- commit `{prov['commit']}`" + (" (with uncommitted changes)" if prov["dirty"] else ""),
+              f"- commit `{prov['commit']}`" + (" (with uncommitted changes)" if prov["dirty"] else "")
+              + " (this invocation)", "- runs trained at: " + _made_at(results["runs"]),
               f"- machine: {prov['machine']}",
               "- packages: " + ", ".join(f"{k} {v}" for k, v in prov["packages"].items()),
               f"- run on {prov['date']}, {results.get('wall_s', 0) / 60:.1f} min wall for the whole study "

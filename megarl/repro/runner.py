@@ -71,6 +71,9 @@ def plan_for(study: Study, smoke: bool = False, seeds: int | None = None, steps:
                 tuple(overrides))
 
 
+RUN_PROVENANCE = "provenance.json"  # in each run's directory: the commit it was trained at
+
+
 def provenance() -> dict[str, Any]:
     """The commit, machine and package versions a study ran on."""
     import importlib.metadata as md
@@ -183,12 +186,14 @@ def run_study(plan: Plan, out_dir: Path, fleet_urls: list[str] | None = None, fr
                 records = _load_run(run_dir, plan.steps)
                 if records is None:
                     raise ReproError(f"run {run_dir} ended without every step in its metrics.jsonl")
+                _write_json(run_dir / RUN_PROVENANCE, {k: results["provenance"][k] for k in ("commit", "dirty")})
                 how, trained = f"{time.monotonic() - t0:.0f} s", trained + 1
             else:
                 run_dir, records = found
                 how = "reused" if run_dir == out_dir / "runs" / f"{key}_seed{seed}" else f"reused from {run_dir}"
             check_complete(records, plan.steps, str(run_dir))
-            results["runs"].append({"setting": key, "seed": seed, "dir": str(run_dir), "records": records})
+            results["runs"].append({"setting": key, "seed": seed, "dir": str(run_dir), "records": records,
+                                    "made_at": run_provenance(run_dir)})
             _write_json(out_dir / f"{study.name}.json", results)
             elapsed = time.monotonic() - started
             tail = records[-results["window"]:]
@@ -200,6 +205,15 @@ def run_study(plan: Plan, out_dir: Path, fleet_urls: list[str] | None = None, fr
     results["wall_s"], results["trained_runs"] = time.monotonic() - started, trained
     _write_json(out_dir / f"{study.name}.json", results)
     return results
+
+
+def run_provenance(run_dir: Path) -> dict[str, Any]:
+    """The commit a run was trained at (`provenance.json`, written when it was trained); runs made before megarl
+    recorded it: commit "unknown"."""
+    try:
+        return json.loads((run_dir / RUN_PROVENANCE).read_text())
+    except (OSError, ValueError):
+        return {"commit": "unknown", "dirty": False}
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
