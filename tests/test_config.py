@@ -84,6 +84,9 @@ def test_missing_config_file_named(tmp_path):
          r"rollout\.tp=4 gives each vLLM rank moe_intermediate_size / rollout\.tp = 16 .* \(1, 2\)"),
         ({**TINY_MOE, "moe_intermediate_size": 48}, {"rollout": {"tp": 2}},
          r"= 24 expert columns.*none exists for this model: use a GPU fleet"),
+        # vLLM 0.32's Qwen2 takes head_dim = hidden_size / heads whatever the config says (its qwen2.py)
+        ({**TINY_DENSE, "architectures": ["Qwen2ForCausalLM"], "hidden_size": 64, "head_dim": 32}, {},
+         r"Qwen2 config with head_dim=32 != hidden_size / num_attention_heads = 16: vLLM's Qwen2 ignores head_dim"),
     ],
 )
 def test_layout_must_fit_model(hf, sections, message):
@@ -97,6 +100,9 @@ def test_valid_layouts_pass():
     check_against_model(validate(_cfg(trainer={"ep": 2}, rollout={"tp": 2})), TINY_MOE, cuda=False)
     check_against_model(validate(_cfg(rollout={"tp": 4})), TINY_MOE, cuda=False)  # KV heads replicated
     check_against_model(validate(_cfg(trainer={"pp": 2})), TINY_DENSE, cuda=False)
+    qwen2 = {**TINY_DENSE, "architectures": ["Qwen2ForCausalLM"], "hidden_size": 64}  # Qwen2.5: no head_dim
+    check_against_model(validate(_cfg()), qwen2, cuda=False)
+    check_against_model(validate(_cfg()), {**qwen2, "head_dim": 16}, cuda=False)
     # tied embeddings at PP>1: megatron's shared embedding / output layer copies (tests/test_megatron_vs_hf.py)
     check_against_model(validate(_cfg(trainer={"pp": 2})), {**TINY_DENSE, "tie_word_embeddings": True}, cuda=False)
     moe = {**TINY_MOE, "moe_intermediate_size": 64}  # the demo's: 32 expert columns per vLLM rank at rollout.tp=2

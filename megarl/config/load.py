@@ -141,6 +141,14 @@ def check_against_model(cfg: Config, hf: dict[str, Any], cuda: bool) -> None:
             f"{VLLM_CPU_MOE_ALIGNMENT} per rank" + (f" ({', '.join(map(str, aligned))})" if aligned else
                                                      " (none exists for this model: use a GPU fleet)")
         )
+    head_dim = hf.get("head_dim")
+    if "Qwen2ForCausalLM" in hf.get("architectures", []) and head_dim and head_dim != hf["hidden_size"] // heads:
+        problems.append(
+            f"model.hf_dir: a Qwen2 config with head_dim={head_dim} != hidden_size / num_attention_heads = "
+            f"{hf['hidden_size'] // heads}: vLLM's Qwen2 ignores head_dim (it uses hidden_size / heads), so the fleet "
+            "would build other attention shapes than the trainer and transformers; use a checkpoint without head_dim "
+            "(or with head_dim = hidden_size / num_attention_heads)"
+        )
     for field, on in (("rollout.return_routed_experts", r.return_routed_experts),
                       ("trainer.routing_replay", t.routing_replay)):
         if on and not experts:

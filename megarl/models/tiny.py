@@ -4,11 +4,11 @@ They are real HF checkpoints (config.json + safetensors + tokenizer), small enou
 the CPU demo, and shaped to respect the real stack's CPU limits: head_dim 64 (vLLM's CPU attention
 kernel refuses 16), KV heads divisible by the tensor-parallel sizes used in tests (2), experts
 divisible by the expert-parallel size (2). The same seed gives byte-identical files.
-Kinds: "moe" (Qwen3-MoE), "dense" (Qwen3: q/k norms, no biases), "qwen2" (Qwen2 / Qwen2.5: the same sizes
-as "dense", q/k/v biases and no q/k norms; its biases are drawn at random, since transformers initialises
-them to zero and a zero bias would not exercise its mapping), "dense-tied" ("dense" with
-`tie_word_embeddings=True`, as Qwen3-0.6B/1.7B/4B: one embedding matrix is also the output layer, the
-checkpoint has no `lm_head.weight`).
+Kinds: "moe" (Qwen3-MoE), "dense" (Qwen3: q/k norms, no biases), "qwen2" (Qwen2 / Qwen2.5: the sizes of
+"dense" but hidden 256 = heads x head_dim, as vLLM's Qwen2 requires; q/k/v biases and no q/k norms; its biases
+are drawn at random, since transformers initialises them to zero and a zero bias would not exercise its mapping),
+"dense-tied" ("dense" with `tie_word_embeddings=True`, as Qwen3-0.6B/1.7B/4B: one embedding matrix is also the
+output layer, the checkpoint has no `lm_head.weight`).
 """
 
 from __future__ import annotations
@@ -64,8 +64,9 @@ def make_tiny_checkpoint(out_dir: str | Path, kind: TinyKind = "moe", seed: int 
     elif kind == "dense-tied":
         config = Qwen3Config(**{**_COMMON, "tie_word_embeddings": True}, **ids)
         model_cls = Qwen3ForCausalLM
-    elif kind == "qwen2":
-        config = Qwen2Config(**_COMMON, **ids)
+    elif kind == "qwen2":  # hidden = heads x head_dim: vLLM's Qwen2 ignores head_dim and takes hidden / heads
+        config = Qwen2Config(**{**_COMMON, "hidden_size": _COMMON["num_attention_heads"] * _COMMON["head_dim"]},
+                             **ids)
         model_cls = Qwen2ForCausalLM
     else:
         raise ValueError(f"unknown tiny model kind {kind!r}: use 'moe', 'dense', 'qwen2' or 'dense-tied'")
