@@ -11,7 +11,15 @@ import time
 import pytest
 import torch
 
-from megarl.parallel.spawn import RankError, error_log, free_port, free_ports, port_free, run_ranks
+from megarl.parallel.spawn import (
+    RankError,
+    error_log,
+    free_port,
+    free_ports,
+    port_free,
+    run_ranks,
+    start_method,
+)
 
 
 # the ranks' functions: module level, so the spawned processes can import them
@@ -39,6 +47,12 @@ def _exit_without_reporting(rank: int) -> None:
     os._exit(3)
 
 
+def _what_the_rank_sees(rank: int) -> tuple[str | None, str, bool, int]:
+    import sys
+
+    return os.environ.get("MEGARL_SPAWN_PROBE"), os.getcwd(), "megatron.core" in sys.modules, os.getppid()
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -52,6 +66,28 @@ def test_results_come_back_in_rank_order_tensors_included():
     assert [r[:2] for r in results] == [(0, 10), (1, 11), (2, 14)]
     for rank, (_, _, tensor) in enumerate(results):
         assert torch.equal(tensor, torch.full((3,), float(rank)))  # outlives the process that made it
+
+
+def test_ranks_start_with_the_callers_environment_and_directory(tmp_path, monkeypatch):
+    """Whatever the start method, a rank sees the environment and working directory of the caller at the call,
+    also when they changed after an earlier call started the processes' server; on this CPU machine the ranks are
+    forked from a server that already imported megatron-core (this test module does not import it)."""
+    method = start_method()
+    assert method == ("spawn" if torch.cuda.is_available() else "forkserver")
+    monkeypatch.setenv("MEGARL_SPAWN_PROBE", "first")
+    first = run_ranks(_what_the_rank_sees, 2)
+    monkeypatch.setenv("MEGARL_SPAWN_PROBE", "second")
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    second = run_ranks(_what_the_rank_sees, 2)
+    monkeypatch.delenv("MEGARL_SPAWN_PROBE")
+    third = run_ranks(_what_the_rank_sees, 1)
+    assert [r[0] for r in first] == ["first"] * 2 and [r[0] for r in second] == ["second"] * 2
+    assert third[0][0] is None
+    assert [r[1] for r in second] == [str(tmp_path / "here")] * 2
+    assert all(r[2] == (method == "forkserver") for r in first + second + third)
+    if method == "forkserver":  # all forked by the same server, not by this process
+        assert len({r[3] for r in first + second + third}) == 1 and first[0][3] != os.getpid()
 
 
 def test_a_rank_that_raises_is_one_line_with_its_traceback_in_a_file(tmp_path):
