@@ -27,6 +27,10 @@ def _square_with_tensor(rank: int, base: int) -> tuple[int, int, torch.Tensor]:
     return rank, base + rank * rank, torch.full((3,), float(rank))
 
 
+def _sum_of(rank: int, tensors: list[torch.Tensor]) -> float:
+    return float(sum(t.sum() for t in tensors)) + rank
+
+
 def _rank1_raises(rank: int) -> int:
     if rank == 1:
         raise ValueError("bad value in rank one\nsecond line of the message")
@@ -88,6 +92,13 @@ def test_ranks_start_with_the_callers_environment_and_directory(tmp_path, monkey
     assert all(r[2] == (method == "forkserver") for r in first + second + third)
     if method == "forkserver":  # all forked by the same server, not by this process
         assert len({r[3] for r in first + second + third}) == 1 and first[0][3] != os.getpid()
+
+
+def test_many_tensor_arguments_reach_every_rank():
+    """300 tensors as arguments (more than the 252 file descriptors a forkserver passes to one process, had they
+    gone as shared memory): every rank gets them all."""
+    tensors = [torch.full((4,), float(i)) for i in range(300)]
+    assert run_ranks(_sum_of, 2, tensors) == [4 * sum(range(300)) + r for r in range(2)]
 
 
 def test_a_rank_that_raises_is_one_line_with_its_traceback_in_a_file(tmp_path):

@@ -186,15 +186,16 @@ def start_method() -> str:
     return "spawn" if torch.cuda.is_available() else "forkserver"
 
 
-def _entry(rank: int, conn: Connection, fn: Callable[..., Any], args: tuple, env: dict[str, str]) -> None:
+def _entry(rank: int, conn: Connection, call: bytes, env: dict[str, str]) -> None:
     """Inside a started process: take the parent's environment as it was at `run_ranks` (a forkserver's child
-    would otherwise inherit the server's), run fn(rank, *args) and send ("ok", bytes) or ("error", ...) to the
-    parent."""
+    would otherwise inherit the server's), load `(fn, args)` from `call`, run fn(rank, *args) and send
+    ("ok", bytes) or ("error", ...) to the parent."""
     os.environ.clear()
     os.environ.update(env)
     import torch
 
     try:
+        fn, args = torch.load(io.BytesIO(call), weights_only=False)
         buffer = io.BytesIO()
         torch.save(fn(rank, *args), buffer)
         report: tuple = ("ok", buffer.getvalue())
@@ -238,11 +239,15 @@ def run_ranks(fn: Callable[..., Any], nprocs: int, *args: Any, role: str = "rank
     if method == "forkserver":
         ctx.set_forkserver_preload(list(PRELOAD))  # takes effect when the server starts (once per parent)
     env = dict(os.environ)
+    # (fn, args) as bytes, as the results come back: tensors among the args are copied, not passed as shared-memory
+    # file descriptors (a forkserver takes at most 252 descriptors per process, and many tensors exceed that)
+    call = io.BytesIO()
+    torch.save((fn, args), call)
     procs, readers = [], []
     try:
         for rank in range(nprocs):
             reader, writer = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=_entry, args=(rank, writer, fn, args, env), name=f"{role}-rank{rank}")
+            proc = ctx.Process(target=_entry, args=(rank, writer, call.getvalue(), env), name=f"{role}-rank{rank}")
             proc.start()
             writer.close()  # the child holds the only writer: its exit is EOF here
             procs.append(proc)
