@@ -279,6 +279,8 @@ def bench_rank(rank: int, spec: SyncBenchSpec, host: str, port: int, check: bool
     # one intra-op thread: torch's OpenMP workers spin after each parallel copy, and with several ranks on a few
     # cores they take the CPU from gloo's transport threads (measured: 3-4x slower receives on 2 cores)
     torch.set_num_threads(1)
+    if torch.cuda.is_available():  # one GPU per rank (NCCL refuses two ranks on one device)
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     world = spec.trainers + spec.receivers
     store, group = make_sync_group(host, port, rank, world)
     bcast = _group(store, rank, [0, *range(spec.trainers, world)], "bench_broadcast", 600.0)
