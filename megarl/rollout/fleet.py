@@ -61,6 +61,7 @@ class FleetSpec:
     extra_args: list[str] = field(default_factory=list)  # appended to the server command line
     # return every token's routed experts (MoE, GPU: vLLM's V2 model runner with prefix caching)
     return_routed_experts: bool = False
+    expert_parallel: bool = False  # vLLM --enable-expert-parallel: a MoE's experts split over the TP ranks, whole
     # file holding the job's secret (mode 0600, e.g. from `fleet_auth.new_fleet_secret`); None: launch() makes
     # one in a private temporary directory, deleted when the fleet stops
     secret_file: Path | None = None
@@ -169,11 +170,12 @@ def server_command(spec: FleetSpec, port: int) -> list[str]:
     routes (`--enable-scale-out`), megarl's weight-transfer backend and its worker extension."""
     length = ["--max-model-len", str(spec.max_model_len)] if spec.max_model_len else []
     routes = ["--enable-return-routed-experts", "--enable-prefix-caching"] if spec.return_routed_experts else []
+    experts = ["--enable-expert-parallel"] if spec.expert_parallel else []
     return [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(spec.model_dir), "--port", str(port), "--host", spec.host,
         "--tensor-parallel-size", str(spec.tp), "--dtype", spec.dtype, "--enforce-eager",
-        "--enable-scale-out", "--seed", "0", *length, *routes,
+        "--enable-scale-out", "--seed", "0", *length, *routes, *experts,
         "--weight-transfer-config", json.dumps({"backend": BACKEND_NAME}),
         "--worker-extension-cls", "megarl.sync.vllm_receiver.MegarlWorkerExtension",
         "--middleware", f"{FleetAuthMiddleware.__module__}.{FleetAuthMiddleware.__name__}",
@@ -261,7 +263,8 @@ def start_fleet(cfg: Config, log_dir: Path) -> Iterator[FleetHandle]:
     r = cfg.rollout
     fleet = launch(FleetSpec(model_dir=Path(cfg.model.hf_dir), tp=r.tp, replicas=r.replicas, port=r.port,
                              kv_cache_gib=r.kv_cache_gib, startup_timeout_s=r.startup_timeout_s,
-                             log_dir=Path(log_dir), return_routed_experts=r.return_routed_experts))
+                             log_dir=Path(log_dir), return_routed_experts=r.return_routed_experts,
+                             expert_parallel=r.expert_parallel))
     previous = os.environ.get(SECRET_ENV)
     os.environ[SECRET_ENV] = str(fleet.secret_file)
     try:
