@@ -241,13 +241,14 @@ def run_ranks(fn: Callable[..., Any], nprocs: int, *args: Any, role: str = "rank
     env = dict(os.environ)
     # (fn, args) as bytes, as the results come back: tensors among the args are copied, not passed as shared-memory
     # file descriptors (a forkserver takes at most 252 descriptors per process, and many tensors exceed that)
-    call = io.BytesIO()
-    torch.save((fn, args), call)
+    buffer = io.BytesIO()
+    torch.save((fn, args), buffer)
+    call = buffer.getvalue()  # one copy, shared by every rank's Process object
     procs, readers = [], []
     try:
         for rank in range(nprocs):
             reader, writer = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=_entry, args=(rank, writer, call.getvalue(), env), name=f"{role}-rank{rank}")
+            proc = ctx.Process(target=_entry, args=(rank, writer, call, env), name=f"{role}-rank{rank}")
             proc.start()
             writer.close()  # the child holds the only writer: its exit is EOF here
             procs.append(proc)
