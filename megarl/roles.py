@@ -91,18 +91,16 @@ def _raise_stop(signum: int, frame: object) -> None:
 
 def serve(cfg: Config, replica: int, host: str | None = None) -> int:
     """Run replica `replica` of the fleet until SIGTERM/SIGINT (exit 0) or until its server dies (exit 1)."""
-    from megarl.rollout.fleet import FleetError, FleetSpec, launch
+    from megarl.rollout.fleet import FleetError, fleet_spec, launch
     from megarl.rollout.rendezvous import register_replica, unregister_replica
 
     if not 0 <= replica < cfg.rollout.replicas:
         raise ConfigError(f"--replica {replica}: the config has rollout.replicas={cfg.rollout.replicas} "
                           f"(replicas 0..{cfg.rollout.replicas - 1})")
-    r, secret_file = cfg.rollout, job_secret_file(cfg)
+    secret_file = job_secret_file(cfg)
     secret = read_secret(secret_file)
-    spec = FleetSpec(model_dir=Path(cfg.model.hf_dir), tp=r.tp, replicas=1, first_replica=replica, port=r.port,
-                     host=host or node_address(), kv_cache_gib=r.kv_cache_gib, startup_timeout_s=r.startup_timeout_s,
-                     log_dir=log_dir(cfg), secret_file=secret_file, return_routed_experts=r.return_routed_experts,
-                     expert_parallel=r.expert_parallel)
+    spec = fleet_spec(cfg, replicas=1, first_replica=replica, host=host or node_address(), log_dir=log_dir(cfg),
+                      secret_file=secret_file)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _raise_stop)
     fleet = None

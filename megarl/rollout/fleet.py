@@ -25,9 +25,9 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import requests
 
@@ -255,16 +255,22 @@ def launch(spec: FleetSpec) -> FleetHandle:
     return fleet
 
 
+def fleet_spec(cfg: Config, **where: Any) -> FleetSpec:
+    """The `FleetSpec` of a run config's `rollout` section (every replica, unless `where` says otherwise); `where`
+    adds what the config does not know: log directory, host, secret file, which replicas start here."""
+    r = cfg.rollout
+    spec = FleetSpec(model_dir=Path(cfg.model.hf_dir), tp=r.tp, replicas=r.replicas, port=r.port,
+                     kv_cache_gib=r.kv_cache_gib, startup_timeout_s=r.startup_timeout_s,
+                     return_routed_experts=r.return_routed_experts, expert_parallel=r.expert_parallel)
+    return replace(spec, **where)
+
+
 @contextmanager
 def start_fleet(cfg: Config, log_dir: Path) -> Iterator[FleetHandle]:
     """The fleet of a run config (`megarl.config.schema.Config`), stopped on exit. Inside the block
     `MEGARL_FLEET_SECRET_FILE` names the fleet's secret file, so processes started there (the trainer ranks)
     and `RolloutClient`s made there send it; the previous value is restored on exit."""
-    r = cfg.rollout
-    fleet = launch(FleetSpec(model_dir=Path(cfg.model.hf_dir), tp=r.tp, replicas=r.replicas, port=r.port,
-                             kv_cache_gib=r.kv_cache_gib, startup_timeout_s=r.startup_timeout_s,
-                             log_dir=Path(log_dir), return_routed_experts=r.return_routed_experts,
-                             expert_parallel=r.expert_parallel))
+    fleet = launch(fleet_spec(cfg, log_dir=Path(log_dir)))
     previous = os.environ.get(SECRET_ENV)
     os.environ[SECRET_ENV] = str(fleet.secret_file)
     try:
