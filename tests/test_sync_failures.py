@@ -312,3 +312,52 @@ def test_vllm_worker_killed_mid_receive(doomed_tp2_fleet, pushed_checkpoint):
         time.sleep(1)
     print(f"server gone {time.monotonic() - deadline + 60:.1f} s after the push returned; label before: {label}")
     assert fleet.procs[0].poll() is not None  # vLLM shut the engine and its server down: nothing serves
+
+
+def test_store_host_killed_mid_send(moe_fleet, other_checkpoint, tmp_path):
+    """The sync group's TCPStore lives inside trainer rank 0 (it hosts the store at store_port, and the trainer's
+    own rendezvous store), so the store disappearing is its host dying: trainer rank 0 is SIGKILLed once its first
+    bucket was received (the workers are inside the update), after it paused the replica and started its update. The
+    ranks run in processes of the test's own (run_distributed would stop rank 1 as soon as rank 0 dies). Checked:
+    trainer rank 1 raises within the bound, saying the store no longer answers and rank 0 is gone; the vLLM workers
+    refuse the update (their reports name trainer rank 0), the replica keeps its label and, with nobody left to
+    resume it, stays paused; a push from fresh trainer processes then closes the update session rank 0 left open,
+    loads, resumes the replica and serves the new version."""
+    client = RolloutClient(moe_fleet.urls[0], timeout_s=120)
+    before = _served(client)
+    try:
+        _kill_the_store_host_mid_send(client, before, moe_fleet, other_checkpoint, tmp_path)
+    finally:  # the fleet is shared by the session: never leave it paused, or inside an update, for the next tests
+        client.collective_rpc("megarl_end_stale_update")
+        if client.is_paused():
+            client.resume()
+
+
+def _kill_the_store_host_mid_send(client, before, moe_fleet, other_checkpoint, tmp_path):
+    import multiprocessing
+
+    import torch
+
+    ctx = multiprocessing.get_context("spawn")
+    args = (other_checkpoint, moe_fleet.urls, 2, free_port(), free_port(), 51, (0, "die"))
+    procs = [ctx.Process(target=_push_to_file, args=(tmp_path / f"rank{r}.pt", r, 2, *args)) for r in range(2)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(BOUND_S + 180)  # start-up (megatron model, plan) is not bounded by the push's BOUND_S
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+    assert [proc.exitcode for proc in procs] == [-signal.SIGKILL, 0]
+    survivor = torch.load(tmp_path / "rank1.pt", weights_only=False)
+    print(f"store host killed: trainer rank 1 reported in {survivor['seconds']:.1f} s: {survivor['error']}")
+    assert survivor["seconds"] < BOUND_S
+    assert "no longer answers: trainer rank 0" in survivor["error"], survivor["error"]
+    reports = client.collective_rpc("megarl_sync_report")
+    assert all("trainer rank 0 failed to send" in r["error"] and r["model_state"] == "unchanged"
+               for r in reports), reports
+    assert client.is_paused() is True and client.weight_version() == before["label"]
+    again = run_distributed(_push, 2, other_checkpoint, moe_fleet.urls, 2, free_port(), free_port(), 52,
+                            init_dist=False)
+    assert again[0]["stats"].receive_ratio == {2: 1.0, 3: 1.0}
+    _assert_serves_new(client, before, 52)

@@ -17,8 +17,8 @@ senders send them and turns them into one tensor per HF name: a name received as
 its bucket (no copy); a name received in pieces from several senders is copied into a new tensor as each
 bucket arrives, and the bucket is dropped. A receiver thus holds its own slices plus the tensors being
 filled, never the full model. A sender that dies (or closes its connections after failing) fails only its own
-buckets: the receiver still takes every other sender's, then raises `SenderFailed` naming the failed senders
-(senders are the trainer ranks: sync-group rank = trainer rank).
+buckets, even when it is gone before the receiver posts them: the receiver still takes every other sender's, then
+raises `SenderFailed` naming the failed senders (senders are the trainer ranks: sync-group rank = trainer rank).
 """
 
 from __future__ import annotations
@@ -113,12 +113,23 @@ def send_buckets(group, rank: int, entries: list[WireEntry], local: list[tuple[H
     return SendResult(bytes_sent=total, buckets=len(mine), peak_staging_bytes=peak, failed=failed)
 
 
-def post_receives(group, entries: list[WireEntry]) -> dict[tuple[int, int], tuple[torch.Tensor, object]]:
-    """Post one receive per (sender, bucket) of this receiver's entries: (sender, bucket) -> (buffer, work)."""
+def post_receives(group, entries: list[WireEntry],
+                  failed: dict[int, str]) -> dict[tuple[int, int], tuple[torch.Tensor, object]]:
+    """Post one receive per (sender, bucket) of this receiver's entries: (sender, bucket) -> (buffer, work).
+
+    Posting a receive from a sender that is already gone raises at once (gloo: the pair is closed): that sender
+    goes into `failed` (sender -> why) and its other buckets are not posted, but every other sender's still are.
+    Giving up at the first failed post would leave the live senders blocked in sends nobody receives until the
+    group's timeout (a sender can die before this receiver even starts: its peers need not be there yet)."""
     posted = {}
     for (sender, _, bucket), nbytes in sorted(bucket_sizes(entries).items()):
+        if sender in failed:
+            continue
         buf = torch.empty(nbytes, dtype=torch.uint8, device=device())
-        posted[(sender, bucket)] = (buf, group.recv([buf], sender, bucket))
+        try:
+            posted[(sender, bucket)] = (buf, group.recv([buf], sender, bucket))
+        except Exception as err:  # noqa: BLE001 - raised as SenderFailed once the live senders' buckets are taken
+            failed[sender] = f"bucket {bucket}: {type(err).__name__}: {err}"
     return posted
 
 
@@ -134,7 +145,8 @@ def receive_slices(group, entries: list[WireEntry]) -> tuple[dict[str, tuple[HFS
     A sender whose bucket fails (it died, or closed its connections after failing: `SenderFailed` names it) does
     not stop the receive: every other sender's buckets are still taken, so no live sender is left blocked on a
     receive that was dropped, and then `SenderFailed` is raised naming each failed sender."""
-    posted = post_receives(group, entries)
+    failed: dict[int, str] = {}  # sender -> why its first failed bucket failed
+    posted = post_receives(group, entries, failed)
     received = sum(buf.numel() for buf, _ in posted.values())
     by_bucket: dict[tuple[int, int], list[WireEntry]] = {}
     pieces: dict[str, int] = {}
@@ -143,7 +155,6 @@ def receive_slices(group, entries: list[WireEntry]) -> tuple[dict[str, tuple[HFS
         pieces[e.block.name] = pieces.get(e.block.name, 0) + 1
     wholes = tile(entries)
     out: dict[str, tuple[HFSlice, torch.Tensor]] = {}
-    failed: dict[int, str] = {}  # sender -> why its first failed bucket failed
     for key in sorted(posted, key=lambda k: (k[1], k[0])):
         buf, work = posted.pop(key)
         try:
