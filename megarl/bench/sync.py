@@ -304,6 +304,8 @@ def bench_rank(rank: int, spec: SyncBenchSpec, host: str, port: int, check: bool
                 info = _partitioned(rank, spec, group, local, entries, needs, repeat < 0)
             else:
                 info = _broadcast(rank, spec, group, bcast, local, full, repeat < 0)
+            if torch.cuda.is_available():  # NCCL's waits return before the GPU is done: time what it did
+                torch.cuda.synchronize()
             seconds = time.perf_counter() - t0
             group.barrier().wait()  # the method ends when every process has finished it
             wall = time.perf_counter() - t0

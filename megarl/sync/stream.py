@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megarl.sync.slices import HFSlice
-from megarl.sync.wire import WireEntry, bucket_sizes, device, from_bytes, to_bytes
+from megarl.sync.wire import WireEntry, bucket_sizes, device, from_bytes, to_bytes, wait_on_host
 
 
 @dataclass(frozen=True)
@@ -78,15 +78,15 @@ def send_buckets(group, rank: int, entries: list[WireEntry], local: list[tuple[H
 
     failed: dict[int, str] = {}
 
-    def settle(work, receiver: int, nbytes: int) -> int:
-        """Wait for one send; a failure marks its receiver (a dead peer fails only its own pair: gloo and NCCL
-        keep the other pairs working, so the other receivers still get everything). Returns the bytes sent."""
+    def settle(work, buf: torch.Tensor, receiver: int) -> int:
+        """Wait for one send; a failure marks its receiver (a dead peer fails only its own pair: gloo keeps the
+        other pairs working, so the other receivers still get everything). Returns the bytes sent."""
         try:
-            work.wait()
+            wait_on_host(work, buf)
         except Exception as err:  # noqa: BLE001 - recorded per receiver, reported by the caller
             failed.setdefault(receiver, f"{type(err).__name__}: {err}")
             return 0
-        return nbytes
+        return buf.numel()
 
     for receiver, bucket in sorted(mine, key=order):
         if receiver in failed:
@@ -94,7 +94,7 @@ def send_buckets(group, rank: int, entries: list[WireEntry], local: list[tuple[H
         items = mine[(receiver, bucket)]
         while len(in_flight) >= window:
             work, done, to = in_flight.popleft()
-            total += settle(work, to, done.numel())
+            total += settle(work, done, to)
             live -= done.numel()
             del work, done  # the buffer is freed here, before the next one is allocated (a Work holds its tensor)
         buf = torch.empty(max(e.offset + e.nbytes for e in items), dtype=torch.uint8, device=device())
@@ -109,7 +109,7 @@ def send_buckets(group, rank: int, entries: list[WireEntry], local: list[tuple[H
             live -= buf.numel()
     while in_flight:
         work, done, to = in_flight.popleft()
-        total += settle(work, to, done.numel())
+        total += settle(work, done, to)
     return SendResult(bytes_sent=total, buckets=len(mine), peak_staging_bytes=peak, failed=failed)
 
 
@@ -158,7 +158,7 @@ def receive_slices(group, entries: list[WireEntry]) -> tuple[dict[str, tuple[HFS
     for key in sorted(posted, key=lambda k: (k[1], k[0])):
         buf, work = posted.pop(key)
         try:
-            work.wait()
+            wait_on_host(work, buf)
         except Exception as err:  # noqa: BLE001 - the other senders' buckets are still taken, then this raises
             failed.setdefault(key[0], f"bucket {key[1]}: {type(err).__name__}: {err}")
             continue

@@ -68,6 +68,16 @@ def device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
+def wait_on_host(work, buf: torch.Tensor) -> None:
+    """Wait until the point-to-point operation `work` on `buf` has completed, as seen from the host. gloo's `wait`
+    blocks until then; NCCL's only makes the current CUDA stream wait for it, so on a GPU the stream is synchronised
+    as well. A sender may then drop or reuse the bucket knowing its bytes have left: that is what bounds its staging
+    memory (otherwise the host would pack every bucket ahead of the wire), and a receiver's timings are real."""
+    work.wait()
+    if buf.is_cuda:
+        torch.cuda.current_stream(buf.device).synchronize()
+
+
 def to_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
 
