@@ -1,7 +1,8 @@
 """`megarl plan`: parameters and bytes per trainer rank and per rollout rank, and what one weight sync moves.
 
 Everything is computed from the Hugging Face `config.json` and the run config's layouts: no weights are read
-and no model is built, so a 30B plan takes a second on a laptop.
+and no model is built, so a 30B plan takes a second on a laptop (with `--needs recorded`, vLLM builds its model
+once per layout, without weights, to record what its loaders read: see the rollout rank below).
 
 - total: every tensor of the HF checkpoint (`vllm_rank_slices` at TP 1 lists each one whole);
 - trainer rank: the shapes of megatron-core's local parameters at the rank's pipeline stage, the way
@@ -11,8 +12,14 @@ and no model is built, so a 30B plan takes a second on a laptop.
   parallel (= tp, megatron's default), norms, q/k norms and the router whole on every rank that holds their
   layer. Names follow the local layer spec; the Transformer Engine spec (GPUs) fuses the two norms of a dense
   layer into `linear_qkv` / `linear_fc1` under other names, with the same counts;
-- rollout rank: the HF blocks vLLM TP rank r loads (`vllm_rank_slices`): exactly what one sync sends to it
-  (vLLM's own vocabulary padding rows are not sent). One sync sends that to every replica.
+- rollout rank: the HF blocks vLLM TP rank r loads: exactly what one sync sends to it (vLLM's own vocabulary
+  padding rows are not sent). One sync sends that to every replica. By default from the hand-written table of
+  vLLM 0.32's layouts (`vllm_rank_slices`: Qwen2, Qwen3, Qwen3-MoE, no expert parallel); with `--needs recorded`
+  from vLLM's own weight loaders (`megarl.sync.loader_reads`, what a run does with `sync.needs=recorded`): that
+  needs vLLM installed here, takes seconds to minutes the first time for a layout (one process per vLLM TP rank;
+  no weights), and is then read from the file cache (`MEGARL_LOADER_READS_CACHE`, else
+  `~/.cache/megarl/loader_reads`). The record also covers `rollout.expert_parallel` and model families the table
+  does not list.
 """
 
 from __future__ import annotations
@@ -26,7 +33,8 @@ from typing import Any
 from megarl.config.load import ConfigError, num_experts, read_hf_config
 from megarl.config.schema import Config, TrainerConfig
 from megarl.models.qwen_provider import head_dim, padded_vocab_size
-from megarl.sync.baselines import bytes_per_vllm_rank
+from megarl.sync.baselines import bytes_per_vllm_rank, hf_tensors
+from megarl.sync.loader_reads import RankReads
 from megarl.sync.plan import vllm_rank_slices
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
@@ -117,6 +125,8 @@ class Plan:
     rollout_rank_params: list[int]  # by vLLM TP rank: elements one sync sends to that rank (each replica)
     replicas: int
     dtype: str
+    needs: RankReads  # per vLLM TP rank, the HF blocks one sync sends it
+    needs_source: str  # where `needs` came from: "table" or "recorded"
 
     @property
     def bytes_per_param(self) -> int:
@@ -131,11 +141,15 @@ class Plan:
         return self.sync_bytes_per_replica * self.replicas
 
 
-def make_plan(hf: dict[str, Any], cfg: Config, dtype: str = "bf16") -> Plan:
-    """Sizes for the config's trainer and rollout layouts (validate the config first, as `run` does)."""
+def make_plan(hf: dict[str, Any], cfg: Config, dtype: str = "bf16", needs: RankReads | None = None) -> Plan:
+    """Sizes for the config's trainer and rollout layouts (validate the config first, as `run` does). `needs`: per
+    vLLM TP rank, the blocks its loaders read (`recorded_needs`); the hand-written table when None."""
     if dtype not in DTYPE_BYTES:
         raise ConfigError(f"--dtype={dtype}: choose one of {', '.join(DTYPE_BYTES)}")
     t, r = cfg.trainer, cfg.rollout
+    source = "table" if needs is None else "recorded"
+    if needs is None:
+        needs = {k: vllm_rank_slices(hf, r.tp, k) for k in range(r.tp)}
     per_stage = t.world_size // t.pp
     layers_per_stage = hf["num_hidden_layers"] // t.pp
     stages = []
@@ -150,9 +164,30 @@ def make_plan(hf: dict[str, Any], cfg: Config, dtype: str = "bf16") -> Plan:
     return Plan(
         total_params=total_params(hf), active_params=active_params(hf), trainer_stages=stages,
         trainer_rank_params=[stages[pipeline_stage_of(rank, t)].params for rank in range(t.world_size)],
-        rollout_rank_params=[sum(s.numel for s in vllm_rank_slices(hf, r.tp, k)) for k in range(r.tp)],
-        replicas=r.replicas, dtype=dtype,
+        rollout_rank_params=[sum(s.numel for s in needs[k]) for k in range(r.tp)],
+        replicas=r.replicas, dtype=dtype, needs=needs, needs_source=source,
     )
+
+
+def recorded_needs(cfg: Config, hf: dict[str, Any]) -> RankReads:
+    """What each vLLM TP rank of the config's rollout layout reads, recorded from vLLM's own loaders here (or read
+    from the file cache). Tensor names and shapes come from the checkpoint's safetensors headers when
+    `model.hf_dir` holds them, else from the config (a recipe's config.json alone)."""
+    from megarl.sync.loader_reads import checkpoint_tensors, default_cache_dir, loader_reads
+
+    r = cfg.rollout
+    try:
+        tensors = checkpoint_tensors(cfg.model.hf_dir)
+    except FileNotFoundError:
+        tensors = hf_tensors(hf)
+    cache = default_cache_dir()
+    print(f"megarl plan: vLLM's loader reads for rollout.tp={r.tp}" + (" with expert parallel" if r.expert_parallel
+          else "") + f": from the file cache in {cache}, or recorded now (one process per TP rank, no weights; "
+          "once per layout)", file=sys.stderr, flush=True)
+    try:
+        return loader_reads(hf, tensors, r.tp, r.expert_parallel, cache)
+    except RuntimeError as err:
+        raise ConfigError(f"--needs recorded: {err} (or leave --needs at table)") from err
 
 
 def _b(params: int) -> str:
@@ -208,8 +243,13 @@ def format_plan(plan: Plan, cfg: Config, hf: dict[str, Any], link_gbps: float = 
               + (" and router" if experts else "") + ", data-parallel copies, vocabulary padding)",
               "  weights only: gradients and optimizer state come on top"]
 
-    lines += ["", f"rollout: {r.replicas} replica(s) x vLLM tp {r.tp}; one weight sync sends every vLLM rank exactly "
-                  "the HF blocks its weight loaders read"]
+    source = ("recorded from vLLM's own loaders (--needs recorded)" if plan.needs_source == "recorded"
+              else "from the hand-written table of vLLM 0.32 layouts (--needs recorded: from vLLM's loaders)")
+    if r.expert_parallel and plan.needs_source == "table":
+        source += "; the table knows tensor-parallel experts only: the bytes per rank are the same with expert parallel"
+    ep = ", expert parallel" if r.expert_parallel else ""
+    lines += ["", f"rollout: {r.replicas} replica(s) x vLLM tp {r.tp}{ep}; one weight sync sends every vLLM rank "
+                  f"exactly the HF blocks its weight loaders read, {source}"]
     head = f"  {'tp rank':>7} {'params':>28} {'bytes one sync sends it':>24}"
     lines += [head, "  " + "-" * (len(head) - 2)]
     for k, n in enumerate(plan.rollout_rank_params):
@@ -225,14 +265,14 @@ def format_plan(plan: Plan, cfg: Config, hf: dict[str, Any], link_gbps: float = 
                                       f"average ({_gb(total)} per step with sync.interval=1)"
                                       if every > 1 else f"one sync after every optimizer step, {_gb(total)} per step"),
     ]
-    return "\n".join(lines + _backend_comparison(hf, r.tp, r.replicas, nb, link_gbps, t.world_size))
+    return "\n".join(lines + _backend_comparison(hf, plan, r.replicas, link_gbps, t.world_size))
 
 
-def _backend_comparison(hf: dict[str, Any], tp: int, replicas: int, nb: int, link_gbps: float,
+def _backend_comparison(hf: dict[str, Any], plan: Plan, replicas: int, link_gbps: float,
                         trainer_ranks: int) -> list[str]:
     """Bytes per vLLM rank per sync for megarl and vLLM's own backends, and the seconds the busiest receiving
     link needs at `link_gbps` (a lower bound for each: it ignores the fixed costs and the senders' links)."""
-    per_rank = bytes_per_vllm_rank(hf, tp, nb)
+    per_rank = bytes_per_vllm_rank(hf, len(plan.needs), plan.bytes_per_param, needs=plan.needs)
     lines = ["", f"compared with vLLM's own weight-transfer backends (megarl.sync.baselines), per vLLM rank per sync; "
                  f"seconds = the busiest receiving link's bytes at {link_gbps:g} GB/s (--link-gbps):"]
     notes = {"megarl": "each rank's own slices, sent by the trainer ranks that hold them",
@@ -260,6 +300,9 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--link-gbps", type=float, default=50.0,
                    help="bandwidth of one vLLM rank's network link in GB/s for the sync seconds (default 50: one "
                    "400 Gb/s NIC per GPU)")
+    p.add_argument("--needs", choices=("table", "recorded"), default="table",
+                   help="where the vLLM ranks' blocks come from: the hand-written table (default, instant) or vLLM's "
+                   "own loaders, recorded here once per layout (needs vLLM installed; see above)")
     p.add_argument("overrides", nargs="*", help="section.field=value overrides, e.g. rollout.tp=8")
     return p
 
@@ -272,7 +315,8 @@ def run(args: argparse.Namespace) -> int:
         # as `megarl check --gpu`: the layout is checked for the GPU job it plans (tiny checkpoints are made)
         cfg = prepare(args.config, args.overrides, create_run_dir=False, for_gpu=True, check_files=False)
         hf = read_hf_config(cfg.model.hf_dir)
-        plan = make_plan(hf, cfg, args.dtype)
+        needs = recorded_needs(cfg, hf) if args.needs == "recorded" else None
+        plan = make_plan(hf, cfg, args.dtype, needs)
     except ConfigError as err:
         print(f"megarl plan: {err}", file=sys.stderr)
         return 2

@@ -158,8 +158,8 @@ def test_trainer_ranks_match_real_megatron_models(tiny):
             assert plan.trainer_rank_params[rank] == sum(math.prod(s) for s in real.values())
 
 
-def _args(config, *overrides, dtype="bf16"):
-    return argparse.Namespace(config=str(config), overrides=list(overrides), dtype=dtype, link_gbps=50.0)
+def _args(config, *overrides, dtype="bf16", needs="table"):
+    return argparse.Namespace(config=str(config), overrides=list(overrides), dtype=dtype, link_gbps=50.0, needs=needs)
 
 
 def test_plan_command_on_the_30b_recipe(capsys):
@@ -181,6 +181,26 @@ def test_plan_command_on_the_30b_recipe(capsys):
         check_against_model(cfg, read_hf_config(cfg.model.hf_dir), cuda=False)
     assert run(_args(recipe, f"model.hf_dir={MODELS / 'qwen3-30b-a3b'}", dtype="fp32")) == 0
     assert "122,128,490,496 bytes = 122.13 GB in fp32" in capsys.readouterr().out
+
+
+def test_plan_from_vllms_own_loaders_equals_the_table(capsys, tmp_path, monkeypatch):
+    """`--needs recorded` on the 30B recipe: vLLM's own loaders (its 4 TP ranks, recorded here with no weights; in a
+    whole-suite run test_loader_reads has recorded this layout already, in this process) give every vLLM rank the
+    same blocks' bytes as the hand-written table, and so the same comparison with vLLM's backends."""
+    monkeypatch.setenv("MEGARL_LOADER_READS_CACHE", str(tmp_path))  # no record left by an earlier run of the suite
+    recipe = ROOT / "configs" / "qwen3_30b_a3b_guru.yaml"
+    hf_dir = f"model.hf_dir={MODELS / 'qwen3-30b-a3b'}"
+    assert run(_args(recipe, hf_dir)) == 0
+    table = capsys.readouterr().out
+    assert run(_args(recipe, hf_dir, needs="recorded")) == 0
+    recorded = capsys.readouterr().out
+    assert "recorded from vLLM's own loaders" in recorded and "recorded from" not in table
+
+    def rank_rows(out):  # the rollout table's "<tp rank> <params> <bytes>" rows, the backends' and senders' lines
+        return [line for line in out.splitlines()
+                if re.match(r" +\d +[\d,]+ \([\d.]+ B\) +[\d,]+$", line) or re.match(r" +(megarl|nccl)", line)]
+
+    assert len(rank_rows(table)) == 4 + 4 and rank_rows(recorded) == rank_rows(table)  # 4 ranks, 3 backends, senders
 
 
 def test_plan_refuses_layouts_megatron_refuses(capsys):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+from megarl.sync.loader_reads import RankReads
 from megarl.sync.plan import vllm_rank_slices
 
 M2NPlacement = Literal["shard", "replicate", "fallback"]
@@ -51,12 +52,15 @@ def _dense_bytes(shape: tuple[int, ...], itemsize: int) -> int:
     return n
 
 
-def bytes_per_vllm_rank(hf: dict[str, Any], tp: int, itemsize: int, cpu: bool = False) -> dict[str, list[int]]:
+def bytes_per_vllm_rank(hf: dict[str, Any], tp: int, itemsize: int, cpu: bool = False,
+                        needs: RankReads | None = None) -> dict[str, list[int]]:
     """Bytes each of the `tp` ranks of one vLLM replica (PP 1, on GPUs unless `cpu`) receives per sync, for megarl,
-    `nccl` and `nccl_m2n`."""
+    `nccl` and `nccl_m2n`. megarl's come from `needs` (per TP rank, the blocks its loaders read, e.g. recorded by
+    `megarl.sync.loader_reads`) when given, else from the hand-written table."""
     tensors = hf_tensors(hf)
     full = sum(_dense_bytes(shape, itemsize) for shape in tensors.values())
-    megarl = [sum(s.numel for s in vllm_rank_slices(hf, tp, r)) * itemsize for r in range(tp)]
+    reads = needs if needs is not None else {r: vllm_rank_slices(hf, tp, r) for r in range(tp)}
+    megarl = [sum(s.numel for s in reads[r]) * itemsize for r in range(tp)]
     m2n = 0
     for name, shape in tensors.items():
         whole = _dense_bytes(shape, itemsize)
