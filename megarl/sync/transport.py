@@ -44,7 +44,9 @@ def make_sync_group(host: str, port: int, rank: int, world_size: int, timeout_s:
     store = tcp_store(host, port, world_size, is_master=rank == 0, timeout_s=timeout_s)
     prefixed = dist.PrefixStore("megarl_sync", store)
     if torch.cuda.is_available():
-        group = dist.ProcessGroupNCCL(prefixed, rank, world_size, dist.ProcessGroupNCCL.Options())
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timedelta(seconds=timeout_s)  # as torch's own new_group sets it (default: 10 min)
+        group = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
     else:
         group = dist.ProcessGroupGloo(prefixed, rank, world_size, timedelta(seconds=timeout_s))
     return store, group
