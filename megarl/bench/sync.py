@@ -111,17 +111,13 @@ def _peak_rss_bytes() -> int:
 
 def _group(store, rank: int, members: list[int], prefix: str, timeout_s: float):
     """A process group of `members` (sync-group ranks) over the same store; None on non-members."""
-    from datetime import timedelta
-
-    import torch
     import torch.distributed as dist
+
+    from megarl.sync.transport import process_group
 
     if rank not in members:
         return None
-    prefixed = dist.PrefixStore(prefix, store)
-    if torch.cuda.is_available():
-        return dist.ProcessGroupNCCL(prefixed, members.index(rank), len(members), dist.ProcessGroupNCCL.Options())
-    return dist.ProcessGroupGloo(prefixed, members.index(rank), len(members), timedelta(seconds=timeout_s))
+    return process_group(dist.PrefixStore(prefix, store), members.index(rank), len(members), timeout_s)
 
 
 def _plan(spec: SyncBenchSpec):

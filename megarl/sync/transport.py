@@ -42,14 +42,17 @@ def make_sync_group(host: str, port: int, rank: int, world_size: int, timeout_s:
     """Join the trainer+fleet sync group (rank 0 hosts the store). Returns (store, process group).
     Built directly on a TCPStore so it is independent of the trainer's own default process group."""
     store = tcp_store(host, port, world_size, is_master=rank == 0, timeout_s=timeout_s)
-    prefixed = dist.PrefixStore("megarl_sync", store)
+    return store, process_group(dist.PrefixStore("megarl_sync", store), rank, world_size, timeout_s)
+
+
+def process_group(store, rank: int, world_size: int, timeout_s: float):
+    """A process group over `store` (every member passes the same store, or prefix of it): NCCL when CUDA is
+    present, gloo otherwise; each operation times out after `timeout_s`."""
     if torch.cuda.is_available():
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timedelta(seconds=timeout_s)  # as torch's own new_group sets it (default: 10 min)
-        group = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
-    else:
-        group = dist.ProcessGroupGloo(prefixed, rank, world_size, timedelta(seconds=timeout_s))
-    return store, group
+        return dist.ProcessGroupNCCL(store, rank, world_size, options)
+    return dist.ProcessGroupGloo(store, rank, world_size, timedelta(seconds=timeout_s))
 
 
 class TorchGroupTransport:
