@@ -50,7 +50,18 @@ def _run_delegated(argv: list[str]) -> int:
     else:
         parser, rest = argparse.ArgumentParser(prog="megarl"), argv
     module.register(parser.add_subparsers(dest="command", required=True))
-    return module.run(parser.parse_args(rest))
+    return module.run(_parse(parser, rest))
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """`parser.parse_args`, except that `section.field=value` overrides may also come after options
+    (`--config X a=1 --dtype fp32 b=2`): argparse alone takes only the first run of positionals."""
+    args, extra = parser.parse_known_args(argv)
+    if extra and hasattr(args, "overrides") and all("=" in x and not x.startswith("-") for x in extra):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -101,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str]) -> int:
     if argv and argv[0] in _DELEGATED:
         return _run_delegated(argv)
-    args = _parser().parse_args(argv)
+    args = _parse(_parser(), argv)
     try:
         if args.command in ("train", "check"):
             from megarl.launch import prepare, train
