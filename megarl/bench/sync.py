@@ -24,8 +24,8 @@ its time over the time `raw` would take to move all receiver-bound bytes as one 
 stream shares the loopback and the cores, so 1.00 means "as fast as the machine moves bytes at all"). Also the
 peak memory growth of every process during a sync (the kernel's resident-set high-water mark, reset before
 each run, against the resident size at its start; glibc's mmap threshold is fixed at 1 MiB in these
-processes so that freed buffers leave the resident set) and the senders' exact staging peak. Writes `--out`
-(JSON).
+processes so that freed buffers leave the resident set: `map_large_buffers`) and the senders' exact staging
+peak. Writes `--out` (JSON).
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import resource
 import statistics
 import sys
@@ -99,6 +98,21 @@ def _reset_peak_rss() -> None:
     """Reset the kernel's resident-set high-water mark (VmHWM) of this process (Linux >= 4.0)."""
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
+
+
+def map_large_buffers() -> None:
+    """Fix glibc's mmap threshold at 1 MiB in this process: every larger buffer is mapped when allocated and unmapped
+    when freed. Otherwise glibc keeps freed heap memory resident and raises its threshold after large frees, so
+    memory freed earlier hides a later allocation from the resident-set peak, by an amount that depends on the
+    process's history (an unbounded sender once measured 0.67x its shard). Set with `mallopt` in the process:
+    the `MALLOC_MMAP_THRESHOLD_` variable is read once, at start-up, and ranks forked from a server that started
+    earlier (`megarl.parallel.spawn`) never read it. Without glibc, nothing is changed."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD (fixing it also stops its adjustment)
+    except (OSError, AttributeError):
+        pass
 
 
 def _peak_rss_bytes() -> int:
@@ -275,6 +289,7 @@ def bench_rank(rank: int, spec: SyncBenchSpec, host: str, port: int, check: bool
     # one intra-op thread: torch's OpenMP workers spin after each parallel copy, and with several ranks on a few
     # cores they take the CPU from gloo's transport threads (measured: 3-4x slower receives on 2 cores)
     torch.set_num_threads(1)
+    map_large_buffers()  # the memory growth measured below counts every buffer a method allocates
     if torch.cuda.is_available():  # one GPU per rank (NCCL refuses two ranks on one device)
         torch.cuda.set_device(rank % torch.cuda.device_count())
     world = spec.trainers + spec.receivers
@@ -362,19 +377,8 @@ def run_bench(spec: SyncBenchSpec, check: bool = True) -> dict[str, Any]:
     """Run every method in `trainers + receivers` fresh processes; the summary of `summarize`."""
     from megarl.parallel.spawn import free_port, run_ranks
 
-    # glibc keeps freed heap memory resident and grows its mmap threshold after large frees, so a buffer freed
-    # by one run would hide the next run's allocation from the resident-set peak: fix the threshold at 1 MiB in
-    # the benchmark's processes (read by glibc at start-up), so every large buffer is mapped and unmapped.
-    previous = os.environ.get("MALLOC_MMAP_THRESHOLD_")
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(1 << 20)
-    try:
-        per_rank = run_ranks(bench_rank, spec.trainers + spec.receivers, spec, "127.0.0.1", free_port(), check,
-                             role="bench sync rank")
-    finally:
-        if previous is None:
-            os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
-        else:
-            os.environ["MALLOC_MMAP_THRESHOLD_"] = previous
+    per_rank = run_ranks(bench_rank, spec.trainers + spec.receivers, spec, "127.0.0.1", free_port(), check,
+                         role="bench sync rank")
     return summarize(spec, per_rank)
 
 
