@@ -122,11 +122,15 @@ class Plan:
     active_params: int
     trainer_stages: list[StageSize]
     trainer_rank_params: list[int]  # by global trainer rank
-    rollout_rank_params: list[int]  # by vLLM TP rank: elements one sync sends to that rank (each replica)
     replicas: int
     dtype: str
-    needs: RankReads  # per vLLM TP rank, the HF blocks one sync sends it
+    needs: RankReads  # per vLLM TP rank, the HF blocks one sync sends it (each replica)
     needs_source: str  # where `needs` came from: "table" or "recorded"
+
+    @property
+    def rollout_rank_params(self) -> list[int]:
+        """By vLLM TP rank: elements one sync sends to that rank (each replica)."""
+        return [sum(s.numel for s in self.needs[k]) for k in sorted(self.needs)]
 
     @property
     def bytes_per_param(self) -> int:
@@ -164,7 +168,6 @@ def make_plan(hf: dict[str, Any], cfg: Config, dtype: str = "bf16", needs: RankR
     return Plan(
         total_params=total_params(hf), active_params=active_params(hf), trainer_stages=stages,
         trainer_rank_params=[stages[pipeline_stage_of(rank, t)].params for rank in range(t.world_size)],
-        rollout_rank_params=[sum(s.numel for s in needs[k]) for k in range(r.tp)],
         replicas=r.replicas, dtype=dtype, needs=needs, needs_source=source,
     )
 
@@ -265,11 +268,10 @@ def format_plan(plan: Plan, cfg: Config, hf: dict[str, Any], link_gbps: float = 
                                       f"average ({_gb(total)} per step with sync.interval=1)"
                                       if every > 1 else f"one sync after every optimizer step, {_gb(total)} per step"),
     ]
-    return "\n".join(lines + _backend_comparison(hf, plan, r.replicas, link_gbps, t.world_size))
+    return "\n".join(lines + _backend_comparison(hf, plan, link_gbps, t.world_size))
 
 
-def _backend_comparison(hf: dict[str, Any], plan: Plan, replicas: int, link_gbps: float,
-                        trainer_ranks: int) -> list[str]:
+def _backend_comparison(hf: dict[str, Any], plan: Plan, link_gbps: float, trainer_ranks: int) -> list[str]:
     """Bytes per vLLM rank per sync for megarl and vLLM's own backends, and the seconds the busiest receiving
     link needs at `link_gbps` (a lower bound for each: it ignores the fixed costs and the senders' links)."""
     per_rank = bytes_per_vllm_rank(hf, len(plan.needs), plan.bytes_per_param, needs=plan.needs)
@@ -281,9 +283,9 @@ def _backend_comparison(hf: dict[str, Any], plan: Plan, replicas: int, link_gbps
     for name, values in per_rank.items():
         most = max(values)
         lines.append(f"  {name:<9} {_gb(most):>10} per rank  {most / (link_gbps * GB):7.3f} s  {notes[name]}")
-    each = sum(per_rank["megarl"]) * replicas // trainer_ranks
-    lines.append(f"  megarl's senders: the {trainer_ranks} trainer ranks share all {replicas} replicas' bytes, about "
-                 f"{_gb(each)} each = {each / (link_gbps * GB):.3f} s on their own links (the plan spreads "
+    each = sum(per_rank["megarl"]) * plan.replicas // trainer_ranks
+    lines.append(f"  megarl's senders: the {trainer_ranks} trainer ranks share all {plan.replicas} replicas' bytes, "
+                 f"about {_gb(each)} each = {each / (link_gbps * GB):.3f} s on their own links (the plan spreads "
                  "replicated blocks over their holders)")
     return lines
 
