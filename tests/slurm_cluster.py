@@ -1,21 +1,26 @@
-"""A real SLURM cluster of three emulated nodes on this machine, as a session fixture (`slurm_cluster`).
+"""A real SLURM cluster of eight emulated GPU nodes on this machine, as a session fixture (`slurm_cluster`).
 
 Debian's slurm-wlm 22.05 and munge (installed by `make test` / `make test-all`, target `slurm-deps`): in a private
 temporary directory the fixture creates a munge key, starts `munged` on its own socket, writes a `slurm.conf` for
-`node[1-3]` (all on 127.0.0.1, each slurmd on its own free port), starts `slurmctld` and one `slurmd -N nodeK` per
-node, and waits until `sinfo` shows the three nodes idle. Nothing outside the directory is touched and
+`node[1-8]` (all on 127.0.0.1, each slurmd on its own free port), starts `slurmctld` and one `slurmd -N nodeK` per
+node, and waits until `sinfo` shows every node idle. Nothing outside the directory is touched and
 `os.environ` is left alone: pass `cluster.env` (SLURM_CONF, no inherited SLURM_* variables) to every subprocess.
 
     def test_job(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
         result = slurm_cluster.sbatch_wait(script, "--nodes=2", env_extra={"OUT": str(tmp_path)})
         assert result.returncode == 0, slurm_cluster.describe(result)
 
-Emulation limits: every "node" has the same hostname and network namespace (use `SLURMD_NODENAME` /
-`SLURM_JOB_NODELIST` to tell them apart, and distinct ports per role), GPUs are a GRES count with no devices
-behind it (`--gpus-per-node=8` is accepted and accounted, nothing is bound), memory not enforced, CPUs are
-bookkeeping only (`task/none`). The partition oversubscribes (`OverSubscribe=FORCE:4`): up to four jobs may share a
-core, so a job can start while a cancelled one is still completing; steps inside one job still need
-`srun --overlap` to share that job's CPUs, as on a real cluster.
+Where it behaves like a GPU cluster: eight nodes (as many as `slurm/guru_moe.sh` asks for), each with 32 CPUs,
+64,000 MB and 8 GPUs, all three consumable (`select/cons_tres`, `CR_Core_Memory`); the GPUs are GRES with device
+entries (character devices with NVIDIA's major number, made with mknod: the suite runs as root), so each step gets
+its own GPUs in `CUDA_VISIBLE_DEVICES` / `SLURM_STEP_GPUS` and a step that holds a node's GPUs or memory keeps the
+next one waiting ("Requested nodes are busy"), exactly as on a GPU node.
+Where it does not (docs/cluster.md lists these too): every "node" has the same hostname and network namespace (use
+`SLURMD_NODENAME` / `SLURM_JOB_NODELIST` to tell them apart, and distinct ports per role); no driver is behind the
+GPU devices and nothing is bound to them (no cgroups: `task/none`, CPUs and memory are bookkeeping, never enforced).
+The partition oversubscribes (`OverSubscribe=FORCE:4`): up to four jobs may share a core, so a job can start while
+a cancelled one is still completing; steps inside one job still need `srun --overlap` to share that job's CPUs, as
+on a real cluster.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import re
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import tempfile
 import time
@@ -37,9 +43,10 @@ import pytest
 
 from megarl.parallel.spawn import free_ports
 
-NODES = ("node1", "node2", "node3")
-CPUS_PER_NODE = 2
-GPUS_PER_NODE = 8  # bookkeeping only (no device files): lets scripts request GPUs as they do on a GPU cluster
+NODES = tuple(f"node{i}" for i in range(1, 9))  # as many as the largest shipped script asks for (guru_moe.sh: 8)
+CPUS_PER_NODE = 32  # bookkeeping (task/none binds nothing): room for 8 trainer ranks or 2 replicas per node
+GPUS_PER_NODE = 8  # GRES with one device entry each: SLURM hands every step its own (CUDA_VISIBLE_DEVICES)
+MEMORY_MB_PER_NODE = 64000  # a consumable resource, as on clusters that schedule memory
 APT_PACKAGES = "slurmctld slurmd slurm-client munge"
 _BINARIES = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "srun", "sinfo", "squeue", "scancel", "scontrol")
 _DAEMON_NAMES = ("munged", "slurmctld", "slurmd", "slurmstepd")
@@ -216,13 +223,9 @@ class SlurmCluster:
         self._wait_for("munged socket", socket_path.exists, timeout_s)
 
         self.conf_file.write_text(_slurm_conf(self.root, socket_path, self.nodes))
-        # slurmd drops GPUs without device files: empty regular files stand in for /dev/nvidia0..7 (slurmd logs
-        # that they are not character devices, and counts them)
-        (self.root / "dev").mkdir(exist_ok=True)
-        for index in range(GPUS_PER_NODE):
-            (self.root / "dev" / f"gpu{index}").touch()
+        _make_gpu_devices(self.root / "dev")
         (self.conf_dir / "gres.conf").write_text(
-            f"AutoDetect=off\nName=gpu File={self.root}/dev/gpu[0-{GPUS_PER_NODE - 1}]\n")
+            f"AutoDetect=off\nName=gpu File={self.root}/dev/nvidia[0-{GPUS_PER_NODE - 1}]\n")
         self._spawn("slurmctld", [_which("slurmctld") or "slurmctld", "-D", "-f", str(self.conf_file)])
         self._wait_for("slurmctld (scontrol ping)",
                        lambda: "UP" in self.run("scontrol", "ping", check=False, timeout_s=10).stdout, timeout_s)
@@ -291,7 +294,8 @@ def _slurm_conf(root: Path, munge_socket: Path, nodes: Sequence[str]) -> str:
     host = socket.gethostname().split(".")[0]
     node_lines = "\n".join(
         f"NodeName={node} NodeHostname=localhost NodeAddr=127.0.0.1 Port={port} CPUs={CPUS_PER_NODE} "
-        f"Gres=gpu:{GPUS_PER_NODE} RealMemory=1000 State=UNKNOWN" for node, port in zip(nodes, node_ports, strict=True))
+        f"Gres=gpu:{GPUS_PER_NODE} RealMemory={MEMORY_MB_PER_NODE} State=UNKNOWN"
+        for node, port in zip(nodes, node_ports, strict=True))
     return f"""\
 # Written by tests/slurm_cluster.py: an emulated {len(nodes)}-node cluster on this machine.
 ClusterName=megarl-test
@@ -311,15 +315,17 @@ SlurmdLogFile={root}/log/slurmd.%n.log
 SlurmctldDebug=info
 SlurmdDebug=info
 MailProg=/bin/true
-# The nodes share this machine: trust the CPU counts below, track processes by parent pid, bind nothing.
+# The nodes share this machine: trust the CPU and memory counts below, track processes by parent pid, bind nothing.
 SlurmdParameters=config_overrides
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
+# Cores, memory and GPUs are consumable, as on a GPU cluster: a step that asks for (or inherits) a whole node's
+# memory or GPUs keeps the next step on that node waiting.
 SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
+SelectTypeParameters=CR_Core_Memory
 MpiDefault=none
-# Bookkeeping GPUs (gres.conf: a count, no device files), so job scripts may ask for --gpus-per-node as on a GPU
-# cluster; no CUDA_VISIBLE_DEVICES binds anything to a device.
+# GPUs with device entries (gres.conf, character devices with NVIDIA's numbers and no driver behind them): each
+# step gets its own set in CUDA_VISIBLE_DEVICES / SLURM_STEP_GPUS, as on a GPU node.
 GresTypes=gpu
 SwitchType=switch/none
 JobAcctGatherType=jobacct_gather/none
@@ -337,6 +343,20 @@ SlurmdTimeout=60
 {node_lines}
 PartitionName=debug Nodes={",".join(nodes)} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
 """
+
+
+def _make_gpu_devices(directory: Path) -> None:
+    """Character devices with NVIDIA's numbers (major 195, minor = GPU index) for gres.conf's `File=`: slurmd
+    then treats them as GPUs and gives each step its own set (CUDA_VISIBLE_DEVICES, SLURM_STEP_GPUS), as on a GPU
+    node. Nothing opens them: there is no driver behind them. mknod needs root (CAP_MKNOD), as `make test` has."""
+    directory.mkdir(exist_ok=True)
+    for index in range(GPUS_PER_NODE):
+        path = directory / f"nvidia{index}"
+        try:
+            os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(195, index))
+        except PermissionError:
+            pytest.fail(f"SLURM test cluster: cannot create the emulated GPU device {path} (mknod needs root or "
+                        "CAP_MKNOD): run the suite as root, as `make test` in CI does", pytrace=False)
 
 
 def _user_name() -> str:

@@ -23,13 +23,13 @@ srun --ntasks=2 --ntasks-per-node=1 bash -c \\
 """
 
 # One step in each component; each writes its node, the het job's id and both components' node lists to
-# $OUT/het.<group>. A component asks for a whole node (both CPUs), so the two components cannot share one.
+# $OUT/het.<group>. A component asks for a whole node (all 32 CPUs), so the two components cannot share one.
 HET_JOB = """\
 #!/bin/bash
 #SBATCH --job-name=het
-#SBATCH --nodes=1 --ntasks=1 --cpus-per-task=2
+#SBATCH --nodes=1 --ntasks=1 --cpus-per-task=32
 #SBATCH hetjob
-#SBATCH --nodes=1 --ntasks=1 --cpus-per-task=2
+#SBATCH --nodes=1 --ntasks=1 --cpus-per-task=32
 set -uo pipefail
 # shellcheck disable=SC2016  # expanded by each step, not here
 srun --het-group=0 bash -c 'echo "$SLURMD_NODENAME $SLURM_JOB_ID $SLURM_JOB_NODELIST_HET_GROUP_0 \\
@@ -53,6 +53,29 @@ CANCELLED_JOB = """\
 # shellcheck disable=SC2016  # expanded by the step, not here
 srun --ntasks=1 bash -c 'touch "$OUT/started"; exec sleep 987' &
 wait
+"""
+
+
+# Two steps on one node of a job that holds the node's 8 GPUs, as a job script starts replicas: each writes
+# "SLURM_STEP_ID CUDA_VISIBLE_DEVICES SLURM_STEP_GPUS" to $OUT/gpus.<step> and stays up until both have written,
+# so both must hold their GPUs at the same time. $STEP_GPUS is each step's GPU option.
+GPU_STEPS_JOB = """\
+#!/bin/bash
+#SBATCH --nodes=1
+#SBATCH --gpus-per-node=8
+#SBATCH --exclusive
+set -uo pipefail
+pids=()
+for _ in 0 1; do
+    # shellcheck disable=SC2016,SC2086  # expanded by the step; $STEP_GPUS is one option or none
+    srun --nodes=1 --ntasks=1 --cpus-per-task=1 --mem=1000 --exact $STEP_GPUS bash -c \\
+        'echo "$SLURM_STEP_ID $CUDA_VISIBLE_DEVICES $SLURM_STEP_GPUS" > "$OUT/gpus.$SLURM_STEP_ID"
+         for _ in $(seq 100); do [ "$(ls "$OUT" | wc -l)" -ge 2 ] && exit 0; sleep 0.1; done; exit 1' &
+    pids+=("$!")
+done
+status=0
+for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
+exit "$status"
 """
 
 
@@ -143,3 +166,32 @@ def _processes_with_args(*argv: str) -> list[int]:
         except OSError:
             continue
     return pids
+
+
+def test_each_step_gets_its_own_gpus(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    script = _script(tmp_path, "gpus.sh", GPU_STEPS_JOB)
+    result = slurm_cluster.sbatch_wait(script, env_extra={"OUT": str(out), "STEP_GPUS": "--gpus-per-node=4"})
+
+    assert result.returncode == 0, slurm_cluster.describe(result)
+    seen = [path.read_text().split() for path in sorted(out.glob("gpus.*"))]
+    assert len(seen) == 2, seen
+    devices = [set(visible.split(",")) for _, visible, _ in seen]
+    assert all(len(d) == 4 for d in devices) and not devices[0] & devices[1], seen  # 4 each, disjoint
+    assert devices[0] | devices[1] == {str(i) for i in range(8)}, seen
+    assert all(visible == step_gpus for _, visible, step_gpus in seen), seen  # as SLURM_STEP_GPUS says
+
+
+def test_a_step_without_its_own_gpu_option_holds_every_gpu(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    # the failure the job scripts must avoid: `#SBATCH --gpus-per-node=8` reaches each step (SLURM_GPUS_PER_NODE),
+    # so the first step holds all 8 GPUs and the second waits for them: the two never run at the same time
+    out = tmp_path / "out"
+    out.mkdir()
+    script = _script(tmp_path, "gpus.sh", GPU_STEPS_JOB)
+    result = slurm_cluster.sbatch_wait(script, env_extra={"OUT": str(out), "STEP_GPUS": "--gpus=4"}, timeout_s=90)
+
+    assert result.returncode == 1, slurm_cluster.describe(result)  # the first step gave up waiting for the second
+    seen = [path.read_text().split() for path in sorted(out.glob("gpus.*"))]
+    assert seen and all(len(visible.split(",")) == 8 for _, visible, _ in seen), seen
+    assert "Requested nodes are busy" in slurm_cluster.job_output(result), slurm_cluster.describe(result)
