@@ -64,6 +64,13 @@ def node_name() -> str:
     return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
+def visible_gpus() -> str:
+    """The GPUs the launcher gave this process, for its log line: "GPUs 4,5,6,7" (CUDA_VISIBLE_DEVICES, as SLURM
+    sets it for each step), or "GPUs: not restricted" when nothing set it."""
+    devices = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return f"GPUs {devices}" if devices else "GPUs: not restricted"
+
+
 def node_address() -> str:
     """The address this node's replica listens on and announces: `MEGARL_BIND_ADDR`, else what the node's name
     resolves to. A loopback answer in a multi-node job is refused (the trainer could not reach it)."""
@@ -107,7 +114,8 @@ def serve(cfg: Config, replica: int, host: str | None = None) -> int:
     try:
         fleet = launch(spec)
         register_replica(cfg.run.dir, replica, fleet.urls[0], secret)
-        _say(f"rollout replica {replica} on {node_name()} serving at {fleet.urls[0]} (log {fleet.logs[0]})")
+        _say(f"rollout replica {replica} on {node_name()} serving at {fleet.urls[0]} ({visible_gpus()}; log "
+             f"{fleet.logs[0]})")
         while (code := fleet.procs[0].poll()) is None:
             time.sleep(1.0)
         _say(f"rollout replica {replica} ({fleet.urls[0]}) died: its vLLM server exited with code {code} "
@@ -146,8 +154,9 @@ def rank(cfg: Config) -> int:
         raise ConfigError(f"{place.launcher} started {place.world_size} ranks but trainer.world_size="
                           f"{cfg.trainer.world_size}: start exactly trainer.world_size ranks")
     sync_port = int(os.environ.get(SYNC_PORT_ENV) or place.master_port + 1)
-    _say(f"trainer rank {place.rank}/{place.world_size} on {node_name()} ({place.launcher}): master "
-         f"{place.master_addr}:{place.master_port}, weight-sync store port {sync_port}")
+    _say(f"trainer rank {place.rank}/{place.world_size} on {node_name()} ({place.launcher}, local rank "
+         f"{place.local_rank}, {visible_gpus()}): master {place.master_addr}:{place.master_port}, weight-sync store "
+         f"port {sync_port}")
     secret_file = job_secret_file(cfg)
     os.environ[SECRET_ENV] = str(secret_file)  # the rollout clients send it
 

@@ -9,6 +9,14 @@
 # and exits with 0 only if the trainer ranks finished and no replica died before them. Every step's output goes to
 # $RUN_DIR/logs/; the job's own output file gets one line per event. Settings (environment variables, all
 # optional; the job script sets the defaults): docs/cluster.md.
+#
+# Every step states its own resources (nodes, tasks, CPUs, GPUs, memory): a replica holds exactly rollout.tp GPUs
+# of its node, the trainer step one GPU per rank, and no job-level option (#SBATCH --gpus-per-node, --mem, ...)
+# reaches a step by inheritance. A step SLURM cannot start within STEP_START_S fails the job, named.
+#
+# MEGARL_PREFLIGHT=1 runs the same steps, at the same places, as checks instead (`megarl preflight`): each reports
+# its node, ranks and GPUs, whether the run directory is shared, the stores and servers reachable from the other
+# role's nodes and the model readable; the job prints one table and exits 1 naming every problem. No weights load.
 
 set -euo pipefail
 
@@ -17,14 +25,25 @@ MEGARL_HOME=${MEGARL_HOME:-${SLURM_SUBMIT_DIR:-$PWD}}  # the megarl checkout: re
 MEGARL=${MEGARL:-megarl}                   # how to run megarl on the nodes, e.g. "/opt/venv/bin/megarl"
 MEGARL_OVERRIDES=${MEGARL_OVERRIDES:-}     # extra section.field=value overrides, space separated
 RUN_DIR=${RUN_DIR:-}                       # run.dir override (a shared filesystem); empty: the recipe's run.dir
-GPUS_PER_NODE=${GPUS_PER_NODE:-8}          # GPUs each step may use per node; 0: CPU nodes, request none
+GPUS_PER_NODE=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-0}}  # GPUs per node (default: the job's); 0: CPU nodes
 TRAINER_TASKS_PER_NODE=${TRAINER_TASKS_PER_NODE:-$GPUS_PER_NODE}  # trainer ranks per trainer node
 CONTAINER_IMAGE=${CONTAINER_IMAGE:-}       # pyxis/enroot image for every step; empty: run on the host
 CONTAINER_MOUNTS=${CONTAINER_MOUNTS:-}     # pyxis mounts, e.g. /lustre:/lustre (the run dir must be visible)
 STOP_GRACE_S=${STOP_GRACE_S:-60}           # how long a stopping step may take before it is killed
+STEP_START_S=${STEP_START_S:-45}           # a step SLURM has not started after this long fails the job
 POLL_S=${POLL_S:-5}                        # how often the job checks its steps
+MEGARL_PREFLIGHT=${MEGARL_PREFLIGHT:-0}    # 1: check the job's placement, network and files instead of training
 
 say() { printf 'megarl job %s: %s\n' "${SLURM_JOB_ID:-?}" "$*" >&2; }
+
+# sbatch exports the job's own options to this script, and srun reads them as defaults for every step: with
+# `#SBATCH --gpus-per-node=8` each replica step would take all 8 GPUs of its node (`--gpus=4` does not reset it)
+# and the next step on that node would wait forever; with a job-level --mem each step would take the node's memory.
+# Every srun below states its resources instead.
+unset SLURM_GPUS_PER_NODE SLURM_GPUS_PER_TASK SLURM_GPUS_PER_SOCKET SLURM_GPUS SLURM_CPUS_PER_GPU SLURM_GRES \
+    SLURM_MEM_PER_NODE SLURM_MEM_PER_CPU SLURM_MEM_PER_GPU SLURM_CPUS_PER_TASK SRUN_CPUS_PER_TASK \
+    SLURM_NTASKS_PER_NODE SLURM_NTASKS_PER_GPU SLURM_NTASKS_PER_SOCKET SLURM_NTASKS_PER_CORE SLURM_TRES_PER_TASK \
+    SLURM_NTASKS SLURM_NPROCS SLURM_DISTRIBUTION SLURM_EXCLUSIVE SLURM_OVERLAP
 
 read -r -a megarl_cmd <<< "$MEGARL"
 read -r -a overrides <<< "$MEGARL_OVERRIDES"
@@ -44,23 +63,50 @@ trainer_hosts_list=("${nodes[@]:0:TRAINER_NODES}")
 rollout_hosts=("${nodes[@]:TRAINER_NODES}")
 cd "$MEGARL_HOME"
 
+# --- the job's memory on each node (MB), as SLURM allocated it; none when memory is not a scheduled resource -----
+declare -A node_mem_mb=()
+while read -r hosts mem; do
+    [[ -n $hosts && $mem =~ ^[0-9]+$ ]] || continue
+    for host in $(scontrol show hostnames "$hosts"); do node_mem_mb[$host]=$mem; done
+done < <(scontrol show job --details "$SLURM_JOB_ID" | awk '$1 ~ /^Nodes=/ {
+    hosts = substr($1, 7); mem = ""
+    for (i = 2; i <= NF; i++) if ($i ~ /^Mem=/) mem = substr($i, 5)
+    print hosts, mem }')
+mem_option() {  # mem_option MB: the step's --mem, or nothing when memory is not scheduled (0 or unknown)
+    if (( ${1:-0} > 0 )); then echo "--mem=$1"; fi
+}
+gpu_option() {  # gpu_option N: exactly N GPUs on each of the step's nodes; none on CPU nodes
+    if (( GPUS_PER_NODE > 0 && $1 > 0 )); then echo "--gpus-per-node=$1"; else echo "--gres=none"; fi
+}
+cpus_on_node=${SLURM_CPUS_ON_NODE:-1}
+
 # --- prepare: validate the recipe, make the run directory; its stdout is the topology (KEY=VALUE lines) ---------
-say "preparing ${MEGARL_CONFIG} ${overrides[*]}"
-topology=$(srun --nodes=1 --ntasks=1 --nodelist="${nodes[0]}" --job-name=megarl-prepare "${container[@]}" \
-    "${megarl_cmd[@]}" prepare --config "$MEGARL_CONFIG" "${overrides[@]}") || {
+prepare_args=()
+if (( MEGARL_PREFLIGHT )); then
+    prepare_args=(--preflight)
+    if (( GPUS_PER_NODE > 0 )); then prepare_args+=(--gpu); fi  # the layout as the GPU job would run it
+fi
+say "preparing ${MEGARL_CONFIG} ${overrides[*]}${prepare_args[*]:+ (${prepare_args[*]})}"
+# shellcheck disable=SC2046  # mem_option/gpu_option print one option or none
+topology=$(srun --nodes=1 --ntasks=1 --cpus-per-task=1 --nodelist="${nodes[0]}" --job-name=megarl-prepare \
+    $(gpu_option 0) $(mem_option "${node_mem_mb[${nodes[0]}]:-0}") "${container[@]}" \
+    "${megarl_cmd[@]}" prepare "${prepare_args[@]}" --config "$MEGARL_CONFIG" "${overrides[@]}") || {
     say "megarl prepare failed (its message is above): nothing was started"
     exit 2
 }
+config=""
 while IFS='=' read -r key value; do
     case $key in
         RUN_DIR) RUN_DIR=$value ;;
+        CONFIG) config=$value ;;
         TRAINER_WORLD_SIZE) world_size=$value ;;
         ROLLOUT_REPLICAS) replicas=$value ;;
         ROLLOUT_TP) rollout_tp=$value ;;
     esac
 done <<< "$topology"
+config=${config:-$RUN_DIR/config.yaml}
 logs="$RUN_DIR/logs"
-config="$RUN_DIR/config.yaml"
+if (( MEGARL_PREFLIGHT )); then logs="$RUN_DIR/preflight"; fi
 if (( GPUS_PER_NODE > 0 )); then
     per_node=${ROLLOUT_REPLICAS_PER_NODE:-$(( GPUS_PER_NODE / rollout_tp ))}
 else
@@ -71,24 +117,43 @@ if (( per_node < 1 || replicas > per_node * ${#rollout_hosts[@]} )); then
         "with $per_node replica(s) each: add nodes, or lower rollout.replicas"
     exit 2
 fi
-# CPUs of each replica's step (vLLM's API server, engine core and TP workers): the node's share by default
-cpus_per_replica=${ROLLOUT_CPUS_PER_REPLICA:-$(( ${SLURM_CPUS_ON_NODE:-$per_node} / per_node ))}
+if (( GPUS_PER_NODE > 0 && per_node * rollout_tp > GPUS_PER_NODE )); then
+    say "ROLLOUT_REPLICAS_PER_NODE=$per_node replicas x rollout.tp=$rollout_tp GPUs exceed the node's" \
+        "$GPUS_PER_NODE GPUs (GPUS_PER_NODE): lower ROLLOUT_REPLICAS_PER_NODE"
+    exit 2
+fi
+# CPUs and memory of each replica's step (vLLM's API server, engine core and TP workers): the node's share
+cpus_per_replica=${ROLLOUT_CPUS_PER_REPLICA:-$(( cpus_on_node / per_node ))}
 if (( cpus_per_replica < 1 )); then cpus_per_replica=1; fi
 if (( world_size > TRAINER_TASKS_PER_NODE * TRAINER_NODES )); then
     say "trainer.world_size=$world_size ranks do not fit $TRAINER_NODES trainer node(s) x" \
         "$TRAINER_TASKS_PER_NODE (TRAINER_TASKS_PER_NODE): add trainer nodes"
     exit 2
 fi
+if (( GPUS_PER_NODE > 0 && TRAINER_TASKS_PER_NODE > GPUS_PER_NODE )); then
+    say "TRAINER_TASKS_PER_NODE=$TRAINER_TASKS_PER_NODE ranks exceed the node's $GPUS_PER_NODE GPUs" \
+        "(GPUS_PER_NODE): one GPU per rank"
+    exit 2
+fi
+cpus_per_rank=$(( cpus_on_node / TRAINER_TASKS_PER_NODE ))
+if (( cpus_per_rank < 1 )); then cpus_per_rank=1; fi
+trainer_mem=0  # one --mem for the whole step: the smallest of its nodes' shares
+for host in "${trainer_hosts_list[@]}"; do
+    mem=${node_mem_mb[$host]:-0}
+    if (( trainer_mem == 0 || (mem > 0 && mem < trainer_mem) )); then trainer_mem=$mem; fi
+done
 
 # --- start the fleet and the trainer: every step runs in the background, named, so it can be watched and stopped --
 step_names=()
 step_pids=()
-start_step() {  # start_step NAME SRUN_OPTION... -- COMMAND...
-    local name=$1
-    shift
-    srun --job-name="$name" "$@" &
+step_where=()
+start_step() {  # start_step NAME WHERE SRUN_OPTION... -- COMMAND...: srun's own messages also go to logs/NAME.srun
+    local name=$1 where=$2
+    shift 2
+    srun --job-name="$name" "$@" 2> >(tee "$logs/$name.srun" >&2) &
     step_names+=("$name")
     step_pids+=("$!")
+    step_where+=("$where")
 }
 step_ids() {  # the SLURM step ids (job.step) of this job's steps called $1
     squeue --noheader --steps --jobs="$SLURM_JOB_ID" --format="%i %j" | awk -v name="$1" '$2 == name { print $1 }'
@@ -97,44 +162,113 @@ stop_steps() {  # SIGTERM to the tasks of every step still running; SIGKILL to t
     local i id deadline=$(( SECONDS + STOP_GRACE_S ))
     for i in "${!step_pids[@]}"; do
         if kill -0 "${step_pids[i]}" 2>/dev/null; then
-            for id in $(step_ids "${step_names[i]}"); do scancel --signal=TERM "$id" || true; done
+            for id in $(step_ids "${step_names[i]}"); do scancel --signal=TERM "$id" 2>/dev/null || true; done
         fi
     done
     for i in "${!step_pids[@]}"; do
         while kill -0 "${step_pids[i]}" 2>/dev/null && (( SECONDS < deadline )); do sleep 1; done
         if kill -0 "${step_pids[i]}" 2>/dev/null; then
             say "${step_names[i]} did not stop within ${STOP_GRACE_S}s (STOP_GRACE_S): killing it"
-            for id in $(step_ids "${step_names[i]}"); do scancel --signal=KILL "$id" || true; done
+            for id in $(step_ids "${step_names[i]}"); do scancel --signal=KILL "$id" 2>/dev/null || true; done
+            kill -KILL "${step_pids[i]}" 2>/dev/null || true  # an srun still waiting for its step to be created
         fi
         wait "${step_pids[i]}" 2>/dev/null || true
     done
+}
+clean_up() {  # the job's secret: nothing may use it once the job ends
+    if (( ! MEGARL_PREFLIGHT )); then rm -rf "$RUN_DIR/private"; fi
 }
 # shellcheck disable=SC2317  # called by the trap
 on_signal() {
     say "job signalled: stopping every step"
     stop_steps
-    rm -rf "$RUN_DIR/private"
+    clean_up
     exit 143
 }
 trap on_signal TERM INT
+holders_of() {  # holders_of NODE: this job's running steps on NODE and what they hold, as scontrol lists them
+    local hosts name tres
+    while read -r hosts name tres; do
+        if scontrol show hostnames "$hosts" | grep -qxF "$1"; then printf '%s (%s), ' "$name" "$tres"; fi
+    done < <(scontrol --oneliner show step 2>/dev/null | awk -v job="$SLURM_JOB_ID" '{
+        delete v
+        for (i = 1; i <= NF; i++) { k = $i; sub(/=.*/, "", k); v[k] = substr($i, length(k) + 2) }
+        split(v["StepId"], id, ".")
+        if (id[1] != job || v["State"] != "RUNNING" || v["Name"] == "batch" || v["Name"] == "extern") next
+        print v["NodeList"], v["Name"], v["TRES"] (v["TresPerNode"] == "" ? "" : "," v["TresPerNode"]) }')
+}
+wait_for_steps_to_start() {  # fail the job, naming them, if some steps are still not running after STEP_START_S
+    local i running reason holders deadline=$(( SECONDS + STEP_START_S )) pending=()
+    while :; do
+        running=$(squeue --noheader --steps --jobs="$SLURM_JOB_ID" --format="%j")
+        pending=()
+        for i in "${!step_pids[@]}"; do  # an srun that already ended is not pending (the watch below judges it)
+            if kill -0 "${step_pids[i]}" 2>/dev/null && ! grep -qxF "${step_names[i]}" <<< "$running"; then
+                pending+=("$i")
+            fi
+        done
+        if (( ${#pending[@]} == 0 )); then return 0; fi
+        if (( SECONDS >= deadline )); then break; fi
+        sleep 1
+    done
+    for i in "${pending[@]}"; do
+        reason=$(grep -h '^srun: ' "$logs/${step_names[i]}.srun" 2>/dev/null | tail -n 1 || true)
+        holders=$(holders_of "${step_where[i]%%,*}")
+        holders=${holders%, }
+        say "FAILED: step ${step_names[i]} on ${step_where[i]} did not start within ${STEP_START_S}s" \
+            "(STEP_START_S): SLURM keeps it pending;${holders:+ steps of this job hold that node: $holders;}" \
+            "${reason:-srun gave no reason yet}"
+        kill -TERM "${step_pids[i]}" 2>/dev/null || true  # an srun still waiting for its step gives up
+    done
+    say "stopping the job's other steps"
+    stop_steps
+    clean_up
+    exit 1
+}
 
+if (( MEGARL_PREFLIGHT )); then
+    serve_cmd=(preflight serve)
+    rank_cmd=(preflight rank)
+else
+    serve_cmd=(serve)
+    rank_cmd=(rank)
+fi
 for (( i = 0; i < replicas; i++ )); do
-    gpus=()
-    if (( GPUS_PER_NODE > 0 )); then gpus=(--gpus="$rollout_tp"); fi
-    start_step "megarl-serve-$i" --nodes=1 --ntasks=1 --cpus-per-task="$cpus_per_replica" --exact \
-        --nodelist="${rollout_hosts[i / per_node]}" \
-        --output="$logs/serve_replica$i.log" "${gpus[@]}" "${container[@]}" \
-        "${megarl_cmd[@]}" serve --config "$config" --replica "$i"
+    host=${rollout_hosts[i / per_node]}
+    replica_mem=${ROLLOUT_MEM_PER_REPLICA_MB:-$(( ${node_mem_mb[$host]:-0} / per_node ))}
+    # shellcheck disable=SC2046
+    start_step "megarl-serve-$i" "$host" --nodes=1 --ntasks=1 --cpus-per-task="$cpus_per_replica" --exact \
+        $(gpu_option "$rollout_tp") $(mem_option "$replica_mem") --nodelist="$host" \
+        --output="$logs/serve_replica$i.log" "${container[@]}" \
+        "${megarl_cmd[@]}" "${serve_cmd[@]}" --config "$config" --replica "$i"
 done
-trainer_gpus=()
-if (( GPUS_PER_NODE > 0 )); then trainer_gpus=(--gpus-per-node="$GPUS_PER_NODE"); fi
 trainer_hosts=$(IFS=,; echo "${trainer_hosts_list[*]}")
-start_step megarl-rank --nodes="$TRAINER_NODES" --ntasks="$world_size" --nodelist="$trainer_hosts" \
-    --kill-on-bad-exit=1 --output="$logs/trainer_rank%t.log" "${trainer_gpus[@]}" "${container[@]}" \
-    "${megarl_cmd[@]}" rank --config "$config"
+# shellcheck disable=SC2046
+start_step megarl-rank "$trainer_hosts" --nodes="$TRAINER_NODES" --ntasks="$world_size" \
+    --ntasks-per-node="$TRAINER_TASKS_PER_NODE" --cpus-per-task="$cpus_per_rank" --exact \
+    $(gpu_option "$TRAINER_TASKS_PER_NODE") $(mem_option "$trainer_mem") --nodelist="$trainer_hosts" \
+    --kill-on-bad-exit=1 --output="$logs/trainer_rank%t.log" "${container[@]}" \
+    "${megarl_cmd[@]}" "${rank_cmd[@]}" --config "$config"
 trainer=$(( ${#step_pids[@]} - 1 ))  # the trainer is the last step; replica i is step i
 say "fleet: $replicas replica(s) on ${rollout_hosts[*]}; trainer: $world_size rank(s) on ${trainer_hosts_list[*]};" \
     "logs in $logs"
+wait_for_steps_to_start
+
+# --- preflight: every check step ends by itself; then one table, and every problem named ---------------------------
+if (( MEGARL_PREFLIGHT )); then
+    status=0
+    for i in "${!step_pids[@]}"; do
+        code=0
+        wait "${step_pids[i]}" || code=$?
+        if (( code != 0 )); then say "preflight step ${step_names[i]} exited with code $code"; fi
+    done
+    scontrol show job --details "$SLURM_JOB_ID" > "$logs/allocation.txt" || true
+    # shellcheck disable=SC2046
+    srun --job-name=megarl-preflight-report --nodes=1 --ntasks=1 --cpus-per-task=1 --nodelist="${nodes[0]}" \
+        $(gpu_option 0) $(mem_option "${node_mem_mb[${nodes[0]}]:-0}") "${container[@]}" \
+        "${megarl_cmd[@]}" preflight report --config "$config" --allocation "$logs/allocation.txt" || status=$?
+    exit "$status"
+fi
 
 # --- watch: the trainer must finish while every replica is still up ----------------------------------------------
 replicas_up() {
@@ -164,5 +298,5 @@ if ! kill -0 "${step_pids[trainer]}" 2>/dev/null; then
 fi
 if (( status != 0 )); then say "stopping the job's other steps"; fi
 stop_steps
-rm -rf "$RUN_DIR/private"  # the job's fleet secret: nothing may use it once the job ends
+clean_up
 exit "$status"

@@ -1,11 +1,14 @@
-"""`sbatch slurm/guru_moe.sh` on a real SLURM cluster of three emulated nodes (tests/slurm_cluster.py): the same
-script users submit, at CPU scale through its environment variables (the tiny MoE recipe, trainer ranks on node1
-and node2, one vLLM replica on node3). A finished run, a rollout step killed mid-run, and the resubmission that
-resumes it from its last checkpoint."""
+"""`sbatch slurm/guru_moe.sh` on a real SLURM cluster of emulated GPU nodes (tests/slurm_cluster.py): the same
+script users submit, at CPU scale through its environment variables (the tiny MoE recipe, a pipeline of two trainer
+ranks on node1 and node2, two vLLM replicas sharing node3 with their own GPUs each, as the shipped scripts place
+them). A finished run, a rollout step killed mid-run, the resubmission that resumes it from its last checkpoint,
+and a step SLURM cannot start, named within seconds."""
 
 from __future__ import annotations
 
 import json
+import math
+import re
 import subprocess
 import sys
 import time
@@ -25,13 +28,21 @@ SCRIPT = REPO / "slurm" / "guru_moe.sh"
 JOB_TIMEOUT_S = 600
 
 
+def _expected_lag(batch: int, m: int, n: int) -> int:
+    """REC appendix B.2, written out: (l mod m) + n once data comes from pushed weights (m*floor(l/m) >= n);
+    before that the fleet still serves the initial weights (version 0) and the lag is l."""
+    return (batch % m) + n if m * (batch // m) >= n else batch
+
+
 def _job_env(tmp_path: Path, overrides: str) -> dict[str, str]:
-    """The CPU-scale settings: everything else is the script's own."""
+    """The CPU-scale settings: everything else is the script's own (so both replicas go to node3, the script's
+    GPUS_PER_NODE / rollout.tp = 8 replicas per node)."""
     return {
         "MEGARL_HOME": str(REPO),
         "MEGARL": str(Path(sys.executable).parent / "megarl"),  # this venv's megarl, on every emulated node
         "MEGARL_CONFIG": "configs/demo_moe.yaml",
-        "MEGARL_OVERRIDES": f"model.hf_dir={tmp_path / 'tiny-moe'} rollout.tp=1 {overrides}",
+        "MEGARL_OVERRIDES": f"model.hf_dir={tmp_path / 'tiny-moe'} rollout.tp=1 rollout.replicas=2 trainer.pp=2 "
+                            f"trainer.ep=1 {overrides}",
         "RUN_DIR": str(tmp_path / "run"),
         "TRAINER_NODES": "2",
         "TRAINER_TASKS_PER_NODE": "1",
@@ -74,27 +85,47 @@ def _model_bytes(hf_dir: Path) -> int:
     return total
 
 
+def _step_gpus(log: str) -> set[int]:
+    """The GPUs SLURM gave a step, from the CUDA_VISIBLE_DEVICES its `megarl serve` / `megarl rank` logged."""
+    match = re.search(r"GPUs ([0-9,]+)", log)
+    assert match, log
+    return {int(g) for g in match.group(1).split(",")}
+
+
 def test_guru_moe_job_trains_across_nodes(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
-    steps = 6
+    steps, m, n = 6, 2, 1  # configs/demo_moe.yaml's sync.interval and sync.offset
     result = _submit(slurm_cluster, tmp_path, _job_env(tmp_path, f"run.steps={steps}"))
     assert result.returncode == 0, _describe(slurm_cluster, tmp_path, result)
 
     run_dir, logs = tmp_path / "run", tmp_path / "run" / "logs"
-    assert [r["step"] for r in _records(run_dir)] == list(range(steps))
+    records = _records(run_dir)
+    assert [r["step"] for r in records] == list(range(steps))
+    for r in records:
+        for key in ("loss", "entropy", "reward/mean", "grad_norm"):
+            assert math.isfinite(r[key]), (key, r)
+    assert [r["batch_lag"] for r in records] == [_expected_lag(b, m, n) for b in range(steps)]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == steps
-    # every push sent the whole model once (one TP-1 replica), and the fleet received every byte that was sent
+    # every push sent the whole model to each of the two TP-1 replicas, and the fleet received every byte sent
+    model_bytes = _model_bytes(tmp_path / "tiny-moe")
     assert summary["sync/pushes"] >= 1
-    assert summary["sync/bytes_per_push"] == _model_bytes(tmp_path / "tiny-moe")
+    assert summary["sync/bytes_per_push"] == 2 * model_bytes
     assert summary["sync/bytes_received_total"] == summary["sync/bytes_sent_total"]
-    assert summary["sync/bytes_sent_total"] == summary["sync/pushes"] * _model_bytes(tmp_path / "tiny-moe")
-    # each role ran where the script placed it
-    assert "trainer rank 0/2 on node1 (slurm)" in (logs / "trainer_rank0.log").read_text()
-    assert "trainer rank 1/2 on node2 (slurm)" in (logs / "trainer_rank1.log").read_text()
-    serve_log = (logs / "serve_replica0.log").read_text()
-    assert "rollout replica 0 on node3 serving at http://127.0.0.1:" in serve_log
-    # a clean end: the replica was stopped by SIGTERM (not killed), deregistered, and the job's secret is gone
-    assert "SIGTERM received, stopping" in serve_log, serve_log
+    assert summary["sync/bytes_sent_total"] == summary["sync/pushes"] * 2 * model_bytes
+    # each role ran where the script placed it: the pipeline's two stages on two nodes, both replicas on node3,
+    # each with one GPU of its own
+    for rank, node in ((0, "node1"), (1, "node2")):  # one rank per node, each holding one GPU of it
+        log = (logs / f"trainer_rank{rank}.log").read_text()
+        assert f"trainer rank {rank}/2 on {node} (slurm, local rank 0, GPUs " in log, log
+        assert len(_step_gpus(log)) == 1, log
+    serve_logs = [(logs / f"serve_replica{i}.log").read_text() for i in range(2)]
+    for i, log in enumerate(serve_logs):
+        assert f"rollout replica {i} on node3 serving at http://127.0.0.1:" in log, log
+    gpus = [_step_gpus(log) for log in serve_logs]
+    assert all(len(g) == 1 for g in gpus) and not gpus[0] & gpus[1], gpus
+    # a clean end: the replicas were stopped by SIGTERM (not killed), deregistered, and the job's secret is gone
+    for log in serve_logs:
+        assert "SIGTERM received, stopping" in log, log
     assert not list((run_dir / "fleet").glob("replica*.json"))
     assert not (run_dir / "private").exists()
     assert "trainer finished" in _job_output(tmp_path, result)
@@ -155,3 +186,24 @@ def test_killed_rollout_step_fails_the_job_and_resubmission_resumes(slurm_cluste
                           if s.kind == "train"})
     assert trained_now == list(range(latest + 1, steps))
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == steps
+
+
+def test_a_step_that_cannot_start_fails_the_job_naming_it(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    # two replicas on node3, each asking for all 32 CPUs of the node: the second step can never start beside the
+    # first. The job must say so within seconds, naming the step, its node and SLURM's reason, and stop the rest.
+    env = {**_job_env(tmp_path, "run.steps=2"), "ROLLOUT_CPUS_PER_REPLICA": "32", "STEP_START_S": "10",
+           "STOP_GRACE_S": "10"}
+    started = time.monotonic()
+    result = _submit(slurm_cluster, tmp_path, env)
+    elapsed = time.monotonic() - started
+
+    output = _job_output(tmp_path, result)
+    assert result.returncode == 1, _describe(slurm_cluster, tmp_path, result)
+    failed = [line for line in output.splitlines() if "FAILED: step" in line]
+    assert len(failed) == 1, output
+    match = re.search(r"FAILED: step megarl-serve-([01]) on node3 did not start within 10s \(STEP_START_S\): "
+                      r"SLURM keeps it pending; steps of this job hold that node: megarl-serve-([01]) \(cpu=32,",
+                      failed[0])
+    assert match and match[1] != match[2], output  # the pending replica, and the one that holds node3's CPUs
+    assert elapsed < 60, f"the job took {elapsed:.0f}s to fail\n{output}"
+    slurm_cluster.wait_idle()  # nothing left behind: the pending srun gave up, the running steps were stopped
