@@ -4,6 +4,8 @@
     megarl prepare --config FILE [overrides]  a cluster job's first step: run dir, config, secret (docs/cluster.md)
     megarl serve --config RUN_DIR/config.yaml --replica I   one rollout replica of a cluster job
     megarl rank --config RUN_DIR/config.yaml  one trainer rank of a cluster job, under srun or torchrun
+    megarl prepare --preflight [--gpu] --config FILE  the same checks, touching no run: <run.dir>/preflight/
+    megarl preflight rank|serve|report --config CFG   a job whose steps check their placement instead of working
     megarl check --config FILE [--gpu] [overrides]  validate a config against its model, start nothing
     megarl algorithms                         list registered algorithms
     megarl make-tiny DIR --kind moe|dense|qwen2|dense-tied  write a tiny random HF checkpoint with its tokenizer
@@ -35,6 +37,8 @@ _DELEGATED = {
     "export": ("megarl.models.hf_export", "write a run checkpoint as a Hugging Face checkpoint"),
     "bench": ("megarl.bench", "benchmarks: `megarl bench logprob|pipeline|sync|savings`"),
     "compare": ("megarl.metrics.compare", "compare finished runs' sync traffic, time and rewards"),
+    "preflight": ("megarl.preflight.cli", "check a cluster job's placement, network, model files and GPUs: "
+                                          "`megarl preflight rank|serve|report` (docs/cluster.md)"),
     "repro": ("megarl.repro", "re-run a source paper's central claim: `megarl repro rec-f1|rec-red|oapl-lag|"
                               "offpolicy-grpo|list`"),
 }
@@ -45,8 +49,8 @@ def _run_delegated(argv: list[str]) -> int:
     module = importlib.import_module(_DELEGATED[command][0])
     if command == "repro":  # a study name, then overrides that may follow the options
         return module.run(module.parser().parse_intermixed_args(rest))
-    if command == "bench":  # `megarl bench logprob ...`: the benchmarks are sub-commands of `bench`
-        parser = argparse.ArgumentParser(prog="megarl bench")
+    if command in ("bench", "preflight"):  # `megarl bench logprob ...`: sub-commands of `bench` / `preflight`
+        parser = argparse.ArgumentParser(prog=f"megarl {command}")
     else:
         parser, rest = argparse.ArgumentParser(prog="megarl"), argv
     module.register(parser.add_subparsers(dest="command", required=True))
@@ -87,6 +91,12 @@ def _parser() -> argparse.ArgumentParser:
         c.add_argument("--config", required=True,
                        help="the recipe (prepare) or the run directory's resolved config.yaml (serve, rank)")
         c.add_argument("overrides", nargs="*", help="section.field=value overrides")
+        if name == "prepare":
+            c.add_argument("--preflight", action="store_true",
+                           help="validate as prepare does but touch no run: a fresh <run.dir>/preflight/ with the "
+                           "resolved config.yaml, for `megarl preflight` steps (CONFIG= names it)")
+            c.add_argument("--gpu", action="store_true", help="check the layout for a GPU job (as `megarl check "
+                           "--gpu`), whatever this machine has")
         if name == "serve":
             c.add_argument("--replica", type=int, required=True, help="which replica, 0..rollout.replicas-1")
             c.add_argument("--host", help="address to listen on (default: $MEGARL_BIND_ADDR, else this node's "
@@ -133,9 +143,11 @@ def _main(argv: list[str]) -> int:
             print(f"pipeline: {describe(summary)} (timeline.png)")
         elif args.command == "prepare":
             from megarl.launch import prepare
-            from megarl.roles import prepare_job
+            from megarl.roles import prepare_job, prepare_preflight
 
-            topology = prepare_job(prepare(args.config, args.overrides, create_run_dir=True))
+            cfg = prepare(args.config, args.overrides, create_run_dir=not args.preflight,
+                          for_gpu=True if args.gpu else None)
+            topology = prepare_preflight(cfg) if args.preflight else prepare_job(cfg)
             print("\n".join(f"{key}={value}" for key, value in topology.items()))
         elif args.command in ("serve", "rank"):
             from megarl import roles

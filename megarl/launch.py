@@ -14,9 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from megarl.config.load import ConfigError, check_against_model, load_config, read_hf_config
+from megarl.config.load import ConfigError, check_against_model, load_config, read_hf_config, save_config
 from megarl.config.schema import Config
 from megarl.metrics.plot import plot_mismatch, plot_run, plot_timeline
 from megarl.metrics.timeline import load_spans, overlap_summary
@@ -72,7 +70,7 @@ def prepare(config_path: str | None, overrides: list[str], create_run_dir: bool 
                 "continue it with checkpoint.resume=latest"
             )
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+        save_config(cfg, run_dir / "config.yaml")
     return cfg
 
 

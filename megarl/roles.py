@@ -5,6 +5,10 @@
     megarl serve --config RUN_DIR/config.yaml --replica I   one vLLM replica, until SIGTERM
     megarl rank  --config RUN_DIR/config.yaml           one trainer rank (place from torchrun's or srun's variables)
 
+`prepare` prints CONFIG=<the resolved config> for the others. `megarl prepare --preflight` validates the same way
+but touches no run: it makes `<run.dir>/preflight/` for a job whose steps check their placement instead
+(`megarl.preflight`).
+
 They meet in the run directory, which every node must share: the resolved config, the secret
 (`<run.dir>/private/fleet_secret`, 0600 in a 0700 directory) and the replicas' registrations
 (`megarl.rollout.rendezvous`). Each failure ends its command with exit code 1 and one line on stderr naming the
@@ -22,7 +26,7 @@ import time
 import traceback
 from pathlib import Path
 
-from megarl.config.load import ConfigError
+from megarl.config.load import ConfigError, save_config
 from megarl.config.schema import Config
 from megarl.rollout.fleet_auth import SECRET_ENV, new_fleet_secret, read_secret
 
@@ -51,8 +55,26 @@ def prepare_job(cfg: Config) -> dict[str, str]:
     new_fleet_secret(private)
     clear_fleet(cfg.run.dir)
     log_dir(cfg).mkdir(exist_ok=True)
+    return topology(cfg, Path(cfg.run.dir) / "config.yaml")
+
+
+def topology(cfg: Config, config_file: Path) -> dict[str, str]:
+    """The KEY=VALUE lines `prepare` prints; CONFIG names the resolved config the other steps must read."""
     return {"RUN_DIR": str(Path(cfg.run.dir).resolve()), "TRAINER_WORLD_SIZE": str(cfg.trainer.world_size),
-            "ROLLOUT_REPLICAS": str(cfg.rollout.replicas), "ROLLOUT_TP": str(cfg.rollout.tp)}
+            "ROLLOUT_REPLICAS": str(cfg.rollout.replicas), "ROLLOUT_TP": str(cfg.rollout.tp),
+            "CONFIG": str(config_file.resolve())}
+
+
+def prepare_preflight(cfg: Config) -> dict[str, str]:
+    """`prepare --preflight`, after the same validation: touches no run (no secret, registrations, config.yaml or
+    refusal of a run directory that holds a run); a fresh `<run.dir>/preflight/` (an earlier preflight's reports
+    removed) holding the resolved config that the `megarl preflight` steps read. Returns the topology lines."""
+    from megarl.preflight.files import preflight_dir
+
+    directory = preflight_dir(cfg.run.dir)
+    shutil.rmtree(directory, ignore_errors=True)
+    directory.mkdir(parents=True)
+    return topology(cfg, save_config(cfg, directory / "config.yaml"))
 
 
 def _say(line: str) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import stat
 import subprocess
@@ -19,6 +20,7 @@ import pytest
 from megarl.launch import free_port
 from megarl.parallel.stores import StoreAddressError, tcp_store
 from megarl.rollout.fleet import FleetError
+from megarl.rollout.fleet_auth import SECRET_ENV, new_fleet_secret, read_secret
 from megarl.rollout.rendezvous import clear_fleet, register_replica, secret_id, unregister_replica, wait_for_fleet
 
 REPO = Path(__file__).resolve().parents[1]
@@ -51,7 +53,7 @@ def test_store_port_taken_is_one_clear_error() -> None:
 
 def test_fleet_rendezvous_reads_this_jobs_replicas_only(tmp_path: Path) -> None:
     register_replica(tmp_path, 0, "http://10.0.0.5:8000", "old-job-secret")  # left by an earlier job
-    with pytest.raises(FleetError, match=r"replica\(s\) \[0, 1\] did not register.*vllm_replica0.log"):
+    with pytest.raises(FleetError, match=r"replica\(s\) \[0, 1\] did not register.*never started: \[0, 1\]"):
         wait_for_fleet(tmp_path, 2, "this-job-secret", timeout_s=0.5)
 
     def register_later() -> None:
@@ -72,6 +74,48 @@ def test_fleet_rendezvous_reads_this_jobs_replicas_only(tmp_path: Path) -> None:
     assert not list((tmp_path / "fleet").iterdir())
 
 
+def test_fleet_timeout_names_the_replicas_that_started_and_those_that_never_did(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run directory as `megarl prepare` leaves it (a fresh secret, logs/) and replicas in every state: the
+    timeout's message sends each replica that started to its logs (only those that exist), names those that never
+    did (no serve log of this job: an earlier job's does not count), and no path in it is missing."""
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    for stale in ("serve_replica4.log", "vllm_replica4.log"):  # replica 4 ran in an earlier job
+        (logs / stale).write_text("an earlier job\n")
+        os.utime(logs / stale, (time.time() - 3600, time.time() - 3600))
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    secret = read_secret(new_fleet_secret(private))
+    register_replica(tmp_path, 0, "http://10.0.0.5:8000", secret)  # replica 0 is up
+    for name in ("serve_replica1.log", "vllm_replica1.log", "serve_replica2.log"):  # 1: vLLM started; 2: not yet
+        (logs / name).write_text("megarl: ...\n")
+    with pytest.raises(FleetError) as raised:
+        wait_for_fleet(tmp_path, 5, secret, timeout_s=0.5)
+    message = str(raised.value)
+    assert message.splitlines() == [
+        f"rollout replica(s) [1, 2, 3, 4] did not register in {tmp_path / 'fleet'} within 0.5s "
+        "(rollout.startup_timeout_s); started but not registered: [1, 2]; never started: [3, 4]",
+        f"  replica 1 started but did not register: see {logs / 'serve_replica1.log'}, {logs / 'vllm_replica1.log'}",
+        f"  replica 2 started but did not register: see {logs / 'serve_replica2.log'}",
+        "  replicas 3, 4 never started (no logs/serve_replica<i>.log): under SLURM their steps may be pending; the "
+        "job's output names them",
+        f"  elsewhere start each with `megarl serve --config ... --replica I` against {tmp_path}, on a filesystem "
+        "this node shares"]
+    for path in re.findall(rf"{re.escape(str(tmp_path))}[^\s,]*", message):
+        assert Path(path).exists() and "replica4" not in path, path
+
+    for replica in (1, 2, 4):
+        register_replica(tmp_path, replica, f"http://10.0.0.6:{8000 + replica}", secret)
+    with pytest.raises(FleetError) as raised:  # one replica left, which never started
+        wait_for_fleet(tmp_path, 5, secret, timeout_s=0.5)
+    assert str(raised.value).splitlines()[0].endswith("; never started: [3]")
+    assert str(raised.value).splitlines()[1] == (
+        "  replica 3 never started (no logs/serve_replica3.log): under SLURM its step may be pending; the job's "
+        "output names it")
+
+
 def _megarl(*args: str, env: dict[str, str] | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "MASTER_"))}
     return subprocess.run([sys.executable, "-m", "megarl.cli", *args], capture_output=True, text=True, timeout=300,
@@ -86,7 +130,7 @@ def prepared(tmp_path_factory: pytest.TempPathFactory) -> Path:
     assert out.returncode == 0, out.stderr[-3000:]
     topology = dict(line.split("=", 1) for line in out.stdout.splitlines())
     assert topology == {"RUN_DIR": str(root / "run"), "TRAINER_WORLD_SIZE": "2", "ROLLOUT_REPLICAS": "1",
-                        "ROLLOUT_TP": "2"}
+                        "ROLLOUT_TP": "2", "CONFIG": str(root / "run" / "config.yaml")}
     return root / "run"
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from megarl.config.schema import Config
+from megarl.config.schema import ALGORITHM_CHECKED, Config
 
 
 class ConfigError(ValueError):
@@ -54,15 +54,18 @@ def _format_validation_error(err: ValidationError) -> str:
     return "invalid configuration:\n" + "\n".join(lines)
 
 
-def validate(data: dict[str, Any]) -> Config:
+def validate(data: dict[str, Any], algorithm_checked: bool = False) -> Config:
+    """The config of `data`; `algorithm_checked`: skip the algorithm registry (it imports torch), for a config
+    another step already validated whole (the preflight checks read `megarl prepare --preflight`'s)."""
     try:
-        return Config.model_validate(data)
+        return Config.model_validate(data, context={ALGORITHM_CHECKED: algorithm_checked})
     except ValidationError as err:
         raise ConfigError(_format_validation_error(err)) from None
 
 
-def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
-    """Load `path` (YAML) with overrides applied; raises ConfigError on any problem."""
+def load_config(path: str | Path | None, overrides: list[str] | None = None, algorithm_checked: bool = False) -> Config:
+    """Load `path` (YAML) with overrides applied; raises ConfigError on any problem. `algorithm_checked`: as for
+    `validate`."""
     data: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
@@ -75,7 +78,13 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config file {p} must hold a mapping of sections, not {type(loaded).__name__}")
         data = loaded or {}
-    return validate(apply_overrides(data, overrides or []))
+    return validate(apply_overrides(data, overrides or []), algorithm_checked)
+
+
+def save_config(cfg: Config, path: Path) -> Path:
+    """Write the resolved config as YAML (what every role of a job reads back with `load_config`)."""
+    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    return path
 
 
 def read_hf_config(hf_dir: Path) -> dict[str, Any]:

@@ -7,9 +7,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from megarl.rewards.registry import check_reward_name
+
+# Validation context key: the algorithm's name was already checked against the registry (which imports torch) by
+# the step that wrote this config (`megarl prepare --preflight`); the preflight check steps must not import torch.
+ALGORITHM_CHECKED = "algorithm_checked"
+
+
+def _algorithm_checked(info: ValidationInfo) -> bool:
+    return bool((info.context or {}).get(ALGORITHM_CHECKED))
 
 
 class _Strict(BaseModel):
@@ -274,7 +282,9 @@ class AlgorithmConfig(_Strict):
 
     @field_validator("name")
     @classmethod
-    def _registered(cls, name: str) -> str:
+    def _registered(cls, name: str, info: ValidationInfo) -> str:
+        if _algorithm_checked(info):
+            return name
         try:
             from megarl.algorithms.registry import ALGORITHMS
         except ModuleNotFoundError as err:  # the registry needs torch: a launch-side environment without it
@@ -286,8 +296,8 @@ class AlgorithmConfig(_Strict):
         return name
 
     @model_validator(mode="after")
-    def _correctable(self) -> AlgorithmConfig:
-        if self.correction.kind == "none":
+    def _correctable(self, info: ValidationInfo) -> AlgorithmConfig:
+        if self.correction.kind == "none" or _algorithm_checked(info):
             return self
         try:
             from megarl.algorithms.registry import ALGORITHMS

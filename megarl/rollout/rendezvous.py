@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from megarl.rollout.fleet import FleetError
+from megarl.rollout.fleet_auth import SECRET_ENV, SECRET_FILENAME
 
 FLEET_DIR = "fleet"
 POLL_S = 1.0
@@ -64,9 +65,61 @@ def _registered(path: Path, job: str) -> str | None:
     return entry.get("url") if entry.get("job") == job else None
 
 
+def job_start(run_dir: Path | str) -> float | None:
+    """When this job began: the modification time of its fleet secret (`megarl prepare` writes a fresh one per job,
+    RUN_DIR/private/fleet_secret unless MEGARL_FLEET_SECRET_FILE names another); None if there is none."""
+    path = os.environ.get(SECRET_ENV) or Path(run_dir) / "private" / SECRET_FILENAME
+    try:
+        return os.stat(path).st_mtime
+    except OSError:
+        return None
+
+
+def replica_logs(run_dir: Path | str, replica: int, since: float | None = None) -> list[Path]:
+    """The logs of replica `replica` that exist (and were written since `since`, this job's start: a log of an
+    earlier job in the same run directory says nothing about this one): its step's output
+    (logs/serve_replica<i>.log, which the launchers open when the step starts) and its vLLM server's
+    (logs/vllm_replica<i>.log)."""
+    logs = Path(run_dir) / "logs"
+    paths = [logs / f"serve_replica{replica}.log", logs / f"vllm_replica{replica}.log"]
+    return [path for path in paths if path.is_file() and (since is None or path.stat().st_mtime >= since)]
+
+
+def _never_started(replicas: list[int], run_dir: Path | str) -> list[str]:
+    """The lines for replicas with no log of this job: their step never ran (pending, or never started)."""
+    if not replicas:
+        return []
+    if len(replicas) == 1:
+        first = (f"replica {replicas[0]} never started (no logs/serve_replica{replicas[0]}.log): under SLURM its "
+                 "step may be pending; the job's output names it")
+    else:
+        first = (f"replicas {', '.join(map(str, replicas))} never started (no logs/serve_replica<i>.log): under "
+                 "SLURM their steps may be pending; the job's output names them")
+    return [first, f"elsewhere start each with `megarl serve --config ... --replica I` against {run_dir}, on a "
+            "filesystem this node shares"]
+
+
+def unregistered_message(run_dir: Path | str, missing: list[int], timeout_s: float,
+                         since: float | None = None) -> str:
+    """Why the fleet is incomplete: a first line that says it all (it may be all a log line shows), then one
+    actionable line per case: each replica that started, with its logs (only those that exist), and those that
+    never did."""
+    started = {i: logs for i in missing if (logs := replica_logs(run_dir, i, since))}
+    never = [i for i in missing if i not in started]
+    cases = [f"started but not registered: {list(started)}"] if started else []
+    cases += [f"never started: {never}"] if never else []
+    lines = [f"rollout replica(s) {missing} did not register in {fleet_dir(run_dir)} within {timeout_s:g}s "
+             f"(rollout.startup_timeout_s); {'; '.join(cases)}"]
+    lines += [f"  replica {i} started but did not register: see {', '.join(map(str, logs))}"
+              for i, logs in started.items()]
+    lines += ["  " + line for line in _never_started(never, run_dir)]
+    return "\n".join(lines)
+
+
 def wait_for_fleet(run_dir: Path | str, replicas: int, secret: str, timeout_s: float) -> list[str]:
     """The URLs of replicas 0..replicas-1 of this job, in order, once all have registered; `FleetError` naming
-    the missing replicas and their logs if some have not within `timeout_s` (rollout.startup_timeout_s)."""
+    the missing replicas, which of them started (and their logs) and which never did, if some have not registered
+    within `timeout_s` (rollout.startup_timeout_s)."""
     job, directory = secret_id(secret), fleet_dir(run_dir)
     deadline = time.monotonic() + timeout_s
     while True:
@@ -75,9 +128,5 @@ def wait_for_fleet(run_dir: Path | str, replicas: int, secret: str, timeout_s: f
             return [url for url in urls if url]
         if time.monotonic() >= deadline:
             missing = [i for i, url in enumerate(urls) if url is None]
-            logs = ", ".join(str(Path(run_dir) / "logs" / f"vllm_replica{i}.log") for i in missing)
-            raise FleetError(
-                f"rollout replica(s) {missing} did not register in {directory} within {timeout_s:.0f}s "
-                f"(rollout.startup_timeout_s): start each with `megarl serve --config ... --replica i` against the "
-                f"same run directory, on a filesystem this node shares; their logs: {logs}")
+            raise FleetError(unregistered_message(run_dir, missing, timeout_s, job_start(run_dir)))
         time.sleep(POLL_S)

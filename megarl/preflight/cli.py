@@ -1,0 +1,50 @@
+"""The `megarl preflight rank|serve|report` sub-commands (registered by `megarl.cli`, imported only when run)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from megarl.config.load import ConfigError, load_config
+
+WAIT_S = 60.0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    helps = {"rank": "one trainer rank's check (under srun or torchrun, placed as the real ranks)",
+             "serve": "one rollout replica's check (in the replica's step)",
+             "report": "after the checks: one table of the placement, every problem; exit 1 if any"}
+    for name, help_text in helps.items():
+        c = subparsers.add_parser(name, help=help_text, description=help_text)
+        c.add_argument("--config", required=True, help="<run.dir>/preflight/config.yaml, from megarl prepare "
+                       "--preflight (its CONFIG= line)")
+        c.add_argument("overrides", nargs="*", help="section.field=value overrides")
+        if name == "serve":
+            c.add_argument("--replica", type=int, required=True, help="which replica, 0..rollout.replicas-1")
+            c.add_argument("--host", help="address to listen on (default: $MEGARL_BIND_ADDR, else this node's "
+                           "address)")
+        if name == "report":
+            c.add_argument("--allocation", help="a file holding `scontrol show job -d $SLURM_JOB_ID` (the job script "
+                           "writes it where scontrol may be missing, e.g. inside a container); default: ask "
+                           "scontrol when SLURM_JOB_ID is set")
+        if name != "report":
+            c.add_argument("--wait-s", type=float, default=WAIT_S,
+                           help=f"how long to wait for the other steps' hellos, then for their reports (default "
+                           f"{WAIT_S:g})")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        cfg = load_config(args.config, args.overrides, algorithm_checked=True)  # prepare --preflight checked it
+        if args.command == "report":
+            from megarl.preflight.report import run_report
+
+            return run_report(cfg, allocation_file=args.allocation)
+        from megarl.preflight.step import rank_step, serve_step
+
+        if args.command == "rank":
+            return rank_step(cfg, args.wait_s)
+        return serve_step(cfg, args.replica, args.wait_s, args.host)
+    except ConfigError as err:
+        print(f"megarl preflight {args.command}: {err}", file=sys.stderr)
+        return 2
