@@ -100,6 +100,11 @@ class Job:
     def prepare(self) -> list[str]:
         return [*self.megarl, "prepare", "--config", self.recipe, *self.overrides]
 
+    def serve_log(self, replica: int) -> str:
+        """Where replica `replica`'s step writes (as slurm/megarl_job.sh's does): RUN_DIR/logs/serve_replica<i>.log,
+        absolute on the nodes. The trainer's register timeout reads its presence as "the step started"."""
+        return str(self.workdir / self.cfg.run.dir / "logs" / f"serve_replica{replica}.log")
+
     def serve(self, replica: int) -> list[str]:
         return [*self.megarl, "serve", "--config", self.run_config, "--replica", str(replica)]
 
@@ -120,6 +125,78 @@ def _role(job: Job, argv: list[str]) -> run.Script:
                       entrypoint="env")
 
 
+# Every step states its own resources. sbatch exports the job's options (per het group: SLURM_GPUS_PER_NODE_HET_GROUP_1,
+# SLURM_MEM_PER_NODE_HET_GROUP_1, ...) and srun reads them as the step's defaults: a replica step with only
+# `--gpus=tp` still held all of its node's GPUs (TresPerNode=gres:gpu:8), and a step without --mem all of the job's
+# memory on the node, so the node's next replica step waited forever ("Requested nodes are busy"). The shares are
+# computed in the batch script from what SLURM allocated (the nodes' CPUs and memory are known only there).
+RESOURCE_FUNCTIONS = r"""node_mem_mb() {  # node_mem_mb GROUP: the job's memory (MB) on each node of het group GROUP
+    scontrol show job --details "$SLURM_JOB_ID" | awk -v group="$1" '
+        $1 ~ /^JobId=/ { offset = ""; for (i = 2; i <= NF; i++) if ($i ~ /^HetJobOffset=/) offset = substr($i, 14) }
+        offset == group && $1 ~ /^Nodes=/ { for (i = 2; i <= NF; i++) if ($i ~ /^Mem=/) {
+            mem = substr($i, 5) + 0; if (least == "" || mem < least) least = mem } }
+        END { print least + 0 }'
+}
+node_cpus() {  # node_cpus GROUP: the job's CPUs on each node of het group GROUP, the least ("32(x4),16" -> 16)
+    local cpus="SLURM_JOB_CPUS_PER_NODE_HET_GROUP_$1"
+    tr ',' '\n' <<< "${!cpus:-1}" | sed 's/(.*//' | sort -n | head -n 1
+}
+share() {  # share TOTAL PARTS: TOTAL / PARTS, at least 1
+    local part=$(( $1 / $2 ))
+    echo $(( part > 0 ? part : 1 ))
+}"""
+
+
+def resource_lines(topo: Topology) -> list[str]:
+    """Bash lines that set the steps' CPU and memory shares from the job's allocation: the trainer's ranks share
+    each trainer node's CPUs, its step takes the node's memory; each rollout node's CPUs and memory are split
+    between its replicas. A memory of 0 (memory is not a scheduled resource) becomes `--mem=0M`: no limit."""
+    return [
+        "# megarl: every step states its own resources (nodes, tasks, CPUs, GPUs, memory); a step that names none",
+        "# takes all of its node's GPUs and memory and the next step on that node waits forever",
+        RESOURCE_FUNCTIONS,
+        "trainer_mem_mb=$(node_mem_mb 0)",
+        f"cpus_per_rank=$(share \"$(node_cpus 0)\" {topo.trainer_tasks_per_node})",
+        f"mem_per_replica_mb=$(( $(node_mem_mb 1) / {topo.replicas_per_node} ))",
+        f"cpus_per_replica=$(share \"$(node_cpus 1)\" {topo.replicas_per_node})",
+    ]
+
+
+def gpu_option(topo: Topology, gpus: int) -> str:
+    """Exactly `gpus` GPUs (maybe 0) on each of the step's nodes; `--gres=none` on CPU nodes. A step that names
+    no GPU option gets all of the job's GPUs on its nodes. (In a GPU job `--gres=none` is refused: srun 22.05
+    adds the job's SLURM_GPUS_PER_NODE_HET_GROUP_<n> to it, "Invalid Trackable RESource (TRES) specification".)"""
+    return f"--gpus-per-node={gpus}" if topo.gpus_per_node else "--gres=none"
+
+
+def step_options(nodes: int, tasks: int, tasks_per_node: int, cpus: str, gpus: str, mem_mb: str) -> list[str]:
+    """srun's resource options for one step, all stated (none inherited from the job's); `cpus` and `mem_mb` may be
+    shell expansions of resource_lines' shares."""
+    return [f"--nodes={nodes}", f"--ntasks={tasks}", f"--ntasks-per-node={tasks_per_node}", f"--cpus-per-task={cpus}",
+            gpus, f"--mem={mem_mb}M", "--exact"]
+
+
+def trainer_step_options(topo: Topology) -> list[str]:
+    """The rank step: all ranks, each trainer node's ranks with exactly their GPUs (one each), CPUs and memory."""
+    per_node = topo.trainer_tasks_per_node
+    return step_options(topo.trainer_nodes, topo.world_size, per_node, "${cpus_per_rank}",
+                        gpu_option(topo, per_node), "${trainer_mem_mb}")
+
+
+def replica_step_options(job: Job, topo: Topology, replica: int) -> list[str]:
+    """Replica `replica`'s step: rollout.tp GPUs of its node (disjoint from the node's other replicas', as SLURM
+    gives each step its own), the replica's share of the node's CPUs and memory; its output in RUN_DIR/logs (this
+    later --output overrides nemo-run's own)."""
+    node = replica // topo.replicas_per_node
+    return [*step_options(1, 1, 1, "${cpus_per_replica}", gpu_option(topo, topo.rollout_tp), "${mem_per_replica_mb}"),
+            f"--nodelist=${{rollout_nodes[{node}]}}", shlex.quote(f"--output={job.serve_log(replica)}")]
+
+
+def prepare_step_options(topo: Topology) -> list[str]:
+    """`megarl prepare`: one task, no GPU; the first trainer node's memory (nothing else runs there yet)."""
+    return step_options(1, 1, 1, "1", gpu_option(topo, 0), "${trainer_mem_mb}")
+
+
 def add_slurm_job(exp: run.Experiment, job: Job, topo: Topology, args: argparse.Namespace) -> None:
     """One heterogeneous Slurm job: group 0 the trainer nodes, group 1 the rollout nodes."""
     import nemo_run as run
@@ -135,6 +212,7 @@ def add_slurm_job(exp: run.Experiment, job: Job, topo: Topology, args: argparse.
     mounts = [m for m in args.container_mounts.split(",") if m]
 
     def executor(nodes: int, tasks_per_node: int, srun_args: list[str]) -> run.SlurmExecutor:
+        # nemo-run writes srun_args unquoted after its own `--wait=60 --kill-on-bad-exit=1`: the shares expand there
         return run.SlurmExecutor(
             account=args.account or None, partition=args.partition or None, time=args.time,
             job_name_prefix="megarl-", nodes=nodes, ntasks_per_node=tasks_per_node, gpus_per_node=gpus,
@@ -142,25 +220,22 @@ def add_slurm_job(exp: run.Experiment, job: Job, topo: Topology, args: argparse.
             heterogeneous=True, srun_args=srun_args, tunnel=tunnel(), packager=run.Packager(),
             wait_time_for_group_job=0, monitor_group_job_wait_time=args.poll_s)
 
-    trainer = executor(topo.trainer_nodes, topo.trainer_tasks_per_node,
-                       [f"--nodes={topo.trainer_nodes}", f"--ntasks={topo.world_size}"])
-    step_gpus = [f"--gpus={topo.rollout_tp}"] if gpus else []
-    replicas = [executor(topo.rollout_nodes, topo.replicas_per_node,
-                         ["--nodes=1", "--ntasks=1", "--exact", *step_gpus,
-                          f"--nodelist=${{rollout_nodes[{i // topo.replicas_per_node}]}}"])
+    trainer = executor(topo.trainer_nodes, topo.trainer_tasks_per_node, trainer_step_options(topo))
+    replicas = [executor(topo.rollout_nodes, topo.replicas_per_node, replica_step_options(job, topo, i))
                 for i in range(topo.replicas)]
     trainer.het_group_indices = [0] + [1] * topo.replicas
     container = []
     if args.container_image:
         container = [f"--container-image={args.container_image}"]
         container += [f"--container-mounts={','.join(mounts)}"] if mounts else []
-    prepare = ["srun", "--het-group=0", "--nodes=1", "--ntasks=1", "--job-name=megarl-prepare", *container,
-               "env", f"--chdir={job.workdir}", *job.prepare()]
+    prepare = " ".join(["srun", "--het-group=0", *prepare_step_options(topo), "--job-name=megarl-prepare"])
+    prepare += " " + _sh([*container, "env", f"--chdir={job.workdir}", *job.prepare()])
     trainer.setup_lines = "\n".join([
+        *resource_lines(topo),
         "# megarl: the rollout nodes (replica i runs on rollout_nodes[i / replicas_per_node]), then `megarl prepare`",
         "# once, before any other role",
         'mapfile -t rollout_nodes < <(scontrol show hostnames "$SLURM_JOB_NODELIST_HET_GROUP_1")',
-        f'{_sh(prepare)} || {{ echo "megarl prepare failed: nothing was started" >&2; exit 2; }}',
+        f'{prepare} || {{ echo "megarl prepare failed: nothing was started" >&2; exit 2; }}',
     ])
     tasks = [_role(job, job.rank())] + [_role(job, job.serve(i)) for i in range(topo.replicas)]
     exp.add(tasks, executor=[trainer, *replicas], name=job.name)

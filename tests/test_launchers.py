@@ -1,8 +1,10 @@
 """launchers/megarl_nemo.py: the nemo-run experiments of a recipe, rendered by the launcher in its own environment
 (`.venv-launch`, `make launch-env`; nemo-run cannot live in this venv) and checked against the typed config:
 node and task counts, `megarl prepare` before the roles, one serve command per replica, the rank command; the
-rendered scripts pass `bash -n` and `shellcheck -S error`; and the sbatch script runs as a real heterogeneous job on
-the emulated SLURM cluster (tests/slurm_cluster.py) with a stand-in `megarl` that records where each role ran."""
+rendered scripts pass `bash -n` and `shellcheck -S error`; each step's own srun options (every resource stated:
+nodes, tasks, CPUs, GPUs, memory); and the sbatch script runs as a real heterogeneous job on the emulated SLURM
+cluster (tests/slurm_cluster.py: 8 nodes, 8 GPU devices each) with a stand-in `megarl` that records where each role
+ran and with which GPUs, CPUs and memory, the 30B recipe's shape included (two replicas a node, running at once)."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from megarl.config.load import load_config
-from tests.slurm_cluster import SlurmCluster
+from tests.slurm_cluster import CPUS_PER_NODE, MEMORY_MB_PER_NODE, SlurmCluster
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCHER = ROOT / "launchers" / "megarl_nemo.py"
@@ -79,6 +81,13 @@ def step_lines(script: str, role: str) -> list[str]:
     return [line for line in script.splitlines() if re.search(rf"\bmegarl {role}\b", line) and "srun" in line]
 
 
+def step_options(line: str) -> list[str]:
+    """A role step's own srun options: those after nemo-run's `--wait=60 --kill-on-bad-exit=1`, up to the role's
+    `env --chdir=...`."""
+    options = line.split(" --kill-on-bad-exit=1 ", 1)[1].split()
+    return options[:options.index("env")]
+
+
 def test_launch_env_has_nemo_run_and_no_training_stack(launch_python: Path) -> None:
     probe = ("import importlib.util, nemo_run; "
              "print(nemo_run.__version__, [m for m in ('torch', 'vllm') if importlib.util.find_spec(m)])")
@@ -104,23 +113,36 @@ def test_slurm_dryrun_30b_topology_from_config(launch_python: Path, tmp_path: Pa
     assert trainer["account"] == rollout["account"] == "acct" and "exclusive" in trainer
 
     lines = script.splitlines()
+    # the steps' shares of each node, computed in the script from the job's allocation (node_cpus, node_mem_mb)
+    for share in ("trainer_mem_mb=$(node_mem_mb 0)", 'cpus_per_rank=$(share "$(node_cpus 0)" 8)',
+                  f"mem_per_replica_mb=$(( $(node_mem_mb 1) / {per_node} ))",
+                  f'cpus_per_replica=$(share "$(node_cpus 1)" {per_node})'):
+        assert share in lines, share
     prepare = [i for i, line in enumerate(lines) if f"megarl prepare --config {recipe}" in line]
     assert len(prepare) == 1
-    assert lines[prepare[0]].startswith("srun --het-group=0 --nodes=1 --ntasks=1 ")
+    assert lines[prepare[0]].startswith(
+        "srun --het-group=0 --nodes=1 --ntasks=1 --ntasks-per-node=1 --cpus-per-task=1 --gpus-per-node=0 "
+        "--mem=${trainer_mem_mb}M --exact --job-name=megarl-prepare ")
     assert lines[prepare[0]].endswith("exit 2; }"), "a failed prepare must end the job before any role starts"
     assert f"env --chdir={ROOT} megarl prepare" in lines[prepare[0]]
 
     ranks = step_lines(script, "rank")
     assert len(ranks) == 1
     assert ranks[0].startswith("srun --het-group=0 ")
-    assert f"--ntasks={world} " in ranks[0] and f"--nodes={world // 8} " in ranks[0]
+    assert step_options(ranks[0]) == [
+        f"--nodes={world // 8}", f"--ntasks={world}", "--ntasks-per-node=8", "--cpus-per-task=${cpus_per_rank}",
+        "--gpus-per-node=8", "--mem=${trainer_mem_mb}M", "--exact"]
     assert ranks[0].endswith(f"env --chdir={ROOT} megarl rank --config {cfg.run.dir}/config.yaml & pids[0]=$!")
 
     serves = step_lines(script, "serve")
     assert len(serves) == replicas
     for i, line in enumerate(serves):
         assert line.startswith("srun --het-group=1 ")
-        assert f"--nodes=1 --ntasks=1 --exact --gpus={tp} --nodelist=${{rollout_nodes[{i // per_node}]}} " in line
+        assert step_options(line) == [
+            "--nodes=1", "--ntasks=1", "--ntasks-per-node=1", "--cpus-per-task=${cpus_per_replica}",
+            f"--gpus-per-node={tp}", "--mem=${mem_per_replica_mb}M", "--exact",
+            f"--nodelist=${{rollout_nodes[{i // per_node}]}}",
+            f"--output={ROOT}/{cfg.run.dir}/logs/serve_replica{i}.log"], line
         assert line.endswith(f"megarl serve --config {cfg.run.dir}/config.yaml --replica {i} & pids[{i + 1}]=$!")
     first_role = min(lines.index(line) for line in ranks + serves)
     assert prepare[0] < first_role
@@ -153,6 +175,9 @@ def test_slurm_dryrun_overrides_container_and_options(launch_python: Path, tmp_p
     for line in ranks + serves:
         assert "--container-image nvcr.io/x/megarl:1" in line and "/lustre:/lustre,/shared:/shared" in line
     assert "--nodelist=${rollout_nodes[1]}" in serves[2]
+    assert [step_options(line)[4] for line in ranks + serves] == ["--gpus-per-node=4"] + ["--gpus-per-node=2"] * 3
+    assert [f"'--output=/shared/runs/guru 7b/logs/serve_replica{i}.log' env " in line
+            for i, line in enumerate(serves)] == [True] * 3
     assert_shell_ok(script, tmp_path)
 
 
@@ -193,26 +218,38 @@ def test_local_dryrun(launch_python: Path, tmp_path: Path) -> None:
 
 
 FAKE_MEGARL = r"""#!/bin/bash
-# Stands in for megarl on the emulated nodes: records each role's start (and a replica's stop) in $LOG.
+# Stands in for megarl on the emulated nodes: records each role's start in $LOG, one line of KEY=VALUE fields: its
+# node, SLURM step, the GPUs SLURM gave the step (CUDA_VISIBLE_DEVICES) and the step's resources as slurmctld
+# accounts them (scontrol show step: TRES, TresPerNode).
 LOG=__LOG__
 role=$1
 shift
+step() {  # step HET_GROUP: the step's own job id is its het group's (SLURM_JOB_ID is the het job's)
+    local job_id="SLURM_JOB_ID_HET_GROUP_$1" id resources
+    id="${!job_id}.$SLURM_STEP_ID"
+    resources=$(scontrol show step "$id" | grep -o 'TRES=[^ ]*\|TresPerNode=[^ ]*' | paste -sd ' ')
+    echo "node=$SLURMD_NODENAME step=$id gpus=${CUDA_VISIBLE_DEVICES-unset} $resources"
+}
 case $role in
     prepare)
-        echo "prepare node=$SLURMD_NODENAME args=$*" >> "$LOG"
+        echo "prepare $(step 0) args=$*" >> "$LOG"
+        for arg in "$@"; do [[ $arg != run.dir=* ]] || mkdir -p "${arg#run.dir=}/logs"; done
         [[ -z ${FAIL_PREPARE:-} ]] || exit 1 ;;
     serve)
         replica=${*: -1}
-        echo "serve replica=$replica node=$SLURMD_NODENAME" >> "$LOG"
+        echo "serve replica=$replica $(step 1)" | tee -a "$LOG"
         trap 'exit 0' TERM
         while :; do sleep 0.2; done ;;
     rank)
-        echo "rank procid=$SLURM_PROCID ntasks=$SLURM_NTASKS node=$SLURMD_NODENAME config=$2" >> "$LOG"
+        echo "rank procid=$SLURM_PROCID ntasks=$SLURM_NTASKS config=$2 $(step 0)" >> "$LOG"
         # Only rank 0 waits for the replicas and ends with $RANK_EXIT; the others end at once with 0. (If two ranks
         # failed together, srun --kill-on-bad-exit would SIGTERM the slower one and report 143, not 1, at random.)
         (( SLURM_PROCID == 0 )) || exit 0
         for _ in $(seq 150); do
-            (( $(grep -c '^serve' "$LOG") >= __REPLICAS__ )) && exit "${RANK_EXIT:-0}"
+            if (( $(grep -c '^serve' "$LOG") >= __REPLICAS__ )); then  # the steps running now: every replica's?
+                echo "running steps=$(squeue --noheader --steps --states=RUNNING --format=%i | paste -sd ,)" >> "$LOG"
+                exit "${RANK_EXIT:-0}"
+            fi
             sleep 0.2
         done
         exit 3 ;;
@@ -228,39 +265,112 @@ def fake_megarl(tmp_path: Path, replicas: int) -> tuple[Path, Path]:
     return fake, log
 
 
-DEMO_2X2 = ["--config", "configs/demo_moe.yaml", "rollout.replicas=2", "rollout.tp=1", "--time", "00:05:00",
-            "--poll-s", "1"]  # trainer: 2 ranks on one node; fleet: 2 replicas x tp 1 on another (2 GPUs a node)
+def check_serve_logs(run_dir: Path, replicas: int, why: str) -> None:
+    """Each replica step's output is RUN_DIR/logs/serve_replica<i>.log (what the trainer's timeout message reads)."""
+    for i in range(replicas):
+        log = run_dir / "logs" / f"serve_replica{i}.log"
+        assert log.is_file() and f"serve replica={i} " in log.read_text(), f"{log}\n{why}"
 
 
-def check_roles(records: list[str], why: str, ranks_ok: bool = True) -> None:
-    """prepare first (on the trainer's first node), then 2 ranks of one step on that node, 2 replicas on another."""
-    prepare = re.fullmatch(r"prepare node=(\S+) args=--config configs/demo_moe.yaml rollout.replicas=2 rollout.tp=1",
-                           records[0])
-    assert prepare, why
-    trainer_node = prepare.group(1)
-    ranks = sorted(r for r in records if r.startswith("rank"))
-    serves = sorted(r for r in records if r.startswith("serve"))
-    assert ranks == [f"rank procid={i} ntasks=2 node={trainer_node} config=runs/demo_moe/config.yaml"
-                     for i in range(2)], why
-    rollout_node = serves[0].rpartition("node=")[2]
-    assert rollout_node != trainer_node and serves == [f"serve replica={i} node={rollout_node}" for i in range(2)], why
-    assert len(records) == 5, why
+def parse_record(line: str) -> dict[str, str]:
+    """A line of the fake's log: {"role": ..., KEY: VALUE, ...}; `args=` (prepare's) takes the rest of the line."""
+    head, _, args = line.partition(" args=")
+    role, _, fields = head.partition(" ")
+    record = {"role": role, **dict(re.findall(r"(\w+)=(\S*)", fields))}
+    return {**record, "args": args} if args else record
 
 
-def test_nemo_run_submits_the_job_to_slurm(launch_python: Path, slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
-    """No dry run: nemo-run itself submits the heterogeneous job (sbatch on this machine, LocalTunnel) to the
-    emulated cluster; every role runs where the config puts it and the job ends with code 0."""
-    fake, log = fake_megarl(tmp_path, replicas=2)
-    env = {"MEGARL": str(fake), "GPUS_PER_NODE": "2", "SLURM_CONF": slurm_cluster.env["SLURM_CONF"]}
-    proc = launcher(launch_python, tmp_path, *DEMO_2X2, env=env)
+def gpu_set(record: dict[str, str]) -> set[int]:
+    return {int(d) for d in record["gpus"].split(",")} if record["gpus"] not in ("", "unset") else set()
+
+
+def check_placement(records: list[dict[str, str]], world: int, ranks_per_node: int, replicas: int,
+                    replicas_per_node: int, tp: int, why: str) -> None:
+    """The job's steps where and with what the launcher asked: `megarl prepare` first, one task with no GPU; the
+    ranks `ranks_per_node` to a trainer node, all in one step that holds exactly their GPUs; `replicas_per_node`
+    replicas to a rollout node, each its own step with `tp` GPUs disjoint from its neighbours' and its share of the
+    node's CPUs and memory (the emulated node: tests/slurm_cluster.py); every replica's step running at once."""
+    prepare, ranks = records[0], [r for r in records if r["role"] == "rank"]
+    serves = sorted((r for r in records if r["role"] == "serve"), key=lambda r: int(r["replica"]))
+    assert prepare["role"] == "prepare" and gpu_set(prepare) == set(), why
+    assert prepare["TRES"].startswith("cpu=1,") and "gres" not in prepare.get("TresPerNode", ""), why
+    assert sorted(int(r["procid"]) for r in ranks) == list(range(world)), why
+    trainer_nodes = {r["node"] for r in ranks}
+    assert prepare["node"] in trainer_nodes and len(trainer_nodes) == world // ranks_per_node, why
+    assert len({r["step"] for r in ranks}) == 1 and all(r["ntasks"] == str(world) for r in ranks), why
+    assert {frozenset(gpu_set(r)) for r in ranks} == {frozenset(range(ranks_per_node))}, why
+    assert ranks[0]["TresPerNode"] == f"gres:gpu:{ranks_per_node}", why
+    assert ranks[0]["TRES"].startswith(f"cpu={CPUS_PER_NODE * len(trainer_nodes)},"), why  # the nodes' CPUs, shared
+    assert [int(r["replica"]) for r in serves] == list(range(replicas)), why
+    cpus, mem = CPUS_PER_NODE // replicas_per_node, MEMORY_MB_PER_NODE // replicas_per_node
+    for node in {r["node"] for r in serves}:
+        on_node = [r for r in serves if r["node"] == node]
+        assert node not in trainer_nodes and len(on_node) == replicas_per_node, why
+        assert [len(gpu_set(r)) for r in on_node] == [tp] * replicas_per_node, why
+        assert len(set().union(*map(gpu_set, on_node))) == tp * replicas_per_node, f"GPUs shared on {node}\n{why}"
+        for r in on_node:
+            assert (r["TRES"], r["TresPerNode"]) == (f"cpu={cpus},mem={mem}M,node=1", f"gres:gpu:{tp}"), why
+    running = [r for r in records if r["role"] == "running"]
+    assert len(running) == 1 and {r["step"] for r in serves} <= set(running[0]["steps"].split(",")), why
+    assert len({r["step"] for r in serves}) == replicas, why
+
+
+def demo_2x2(run_dir: Path) -> list[str]:
+    """trainer: 2 ranks on one node; fleet: 2 replicas x tp 1 on another (2 GPUs a node)."""
+    return ["--config", "configs/demo_moe.yaml", "rollout.replicas=2", "rollout.tp=1", f"run.dir={run_dir}",
+            "--time", "00:05:00", "--poll-s", "1"]
+
+
+def check_roles(lines: list[str], run_dir: Path, why: str) -> None:
+    """The demo job: prepare first (with the recipe and overrides), then 2 ranks of one step on that node, 2 replicas
+    with one GPU each on another node."""
+    records = [parse_record(line) for line in lines]
+    args = f"--config configs/demo_moe.yaml rollout.replicas=2 rollout.tp=1 run.dir={run_dir}"
+    assert records and records[0].get("args") == args, why
+    assert {r["config"] for r in records if r["role"] == "rank"} == {f"{run_dir}/config.yaml"}, why
+    check_serve_logs(run_dir, 2, why)
+    check_placement(records, world=2, ranks_per_node=2, replicas=2, replicas_per_node=2, tp=1, why=why)
+    assert len(records) == 6, why
+
+
+def submit(python: Path, cluster: SlurmCluster, tmp_path: Path, args: list[str], replicas: int,
+           gpus_per_node: int) -> tuple[list[str], str]:
+    """nemo-run itself submits the job (sbatch on this machine, LocalTunnel) to the emulated cluster, with the fake
+    megarl; returns the roles' records and what to show when a check fails. The job must end with code 0."""
+    fake, log = fake_megarl(tmp_path, replicas)
+    env = {"MEGARL": str(fake), "GPUS_PER_NODE": str(gpus_per_node), "SLURM_CONF": cluster.env["SLURM_CONF"]}
+    proc = launcher(python, tmp_path, *args, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    slurm_cluster.wait_idle(timeout_s=120)
+    cluster.wait_idle(timeout_s=120)
     outputs = sorted((tmp_path / "nemo_home" / "experiments").rglob("sbatch_*.out"))
     job_output = "\n".join(p.read_text() for p in outputs)
     records = log.read_text().splitlines() if log.exists() else []
     why = f"launcher: {proc.stderr[-3000:]}\nroles:\n" + "\n".join(records) + f"\njob output:\n{job_output[-4000:]}"
-    check_roles(records, why)
     assert "job exited with code 0" in job_output, why
+    return records, why
+
+
+def test_nemo_run_submits_the_job_to_slurm(launch_python: Path, slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    """The demo job, two replicas on one node: every role runs where the config puts it and the job ends with 0."""
+    run_dir = tmp_path / "run"
+    records, why = submit(launch_python, slurm_cluster, tmp_path, demo_2x2(run_dir), replicas=2, gpus_per_node=2)
+    check_roles(records, run_dir, why)
+
+
+def test_nemo_run_places_the_30b_job_on_slurm(launch_python: Path, slurm_cluster: SlurmCluster,
+                                              tmp_path: Path) -> None:
+    """The shipped 30B recipe's shape on the emulated 8-node cluster (8 GPUs a node): 32 ranks on 4 nodes in one
+    step; 8 replicas x tp 4, two to each of the other 4 nodes, all running at once, each with 4 GPUs of its own
+    and half of its node's CPUs and memory."""
+    recipe, run_dir = "configs/qwen3_30b_a3b_guru.yaml", tmp_path / "run"
+    cfg = load_config(ROOT / recipe)
+    records, why = submit(launch_python, slurm_cluster, tmp_path, ["--config", recipe, f"run.dir={run_dir}",
+                          "--time", "00:05:00", "--poll-s", "1"], replicas=cfg.rollout.replicas, gpus_per_node=8)
+    parsed = [parse_record(line) for line in records]
+    assert parsed and parsed[0].get("args") == f"--config {recipe} run.dir={run_dir}", why
+    check_placement(parsed, world=cfg.trainer.world_size, ranks_per_node=8, replicas=cfg.rollout.replicas,
+                    replicas_per_node=8 // cfg.rollout.tp, tp=cfg.rollout.tp, why=why)
+    check_serve_logs(run_dir, cfg.rollout.replicas, why)
 
 
 @pytest.mark.parametrize("outcome", ["rank_fails", "prepare_fails"])
@@ -269,7 +379,8 @@ def test_sbatch_script_fails_the_job(launch_python: Path, slurm_cluster: SlurmCl
     """The dry run's sbatch script, run by `sbatch --wait`: a failed rank fails the job (code 1), a failed prepare
     ends it (code 2) before any other role starts."""
     fake, log = fake_megarl(tmp_path, replicas=2)
-    script = dryrun(launch_python, tmp_path, *DEMO_2X2, env={"MEGARL": str(fake), "GPUS_PER_NODE": "2"})
+    run_dir = tmp_path / "run"
+    script = dryrun(launch_python, tmp_path, *demo_2x2(run_dir), env={"MEGARL": str(fake), "GPUS_PER_NODE": "2"})
     for path in re.findall(r"--chdir (\S+)", script) + [Path(p).parent for p in re.findall(r"--output=(\S+)", script)]:
         Path(path).mkdir(parents=True, exist_ok=True)  # what nemo-run makes before it submits
     (tmp_path / "job.sh").write_text(script)
@@ -281,7 +392,7 @@ def test_sbatch_script_fails_the_job(launch_python: Path, slurm_cluster: SlurmCl
     if outcome == "prepare_fails":
         assert records[0].startswith("prepare ") and len(records) == 1 and result.returncode == 2, why
     else:
-        check_roles(records, why)
+        check_roles(records, run_dir, why)
         assert result.returncode == 1, why
     slurm_cluster.wait_idle(timeout_s=30)  # the replicas' steps end with the job
 
