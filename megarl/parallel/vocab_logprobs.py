@@ -34,10 +34,12 @@ class VocabParallelLogprobMath:
     """The math steps, each on one chunk: `z [n, V/tp]` fp32, per-token vectors `[n]`."""
 
     @staticmethod
-    def shift_by_global_max(z: torch.Tensor, group: dist.ProcessGroup | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """m = max_v z_v over all shards; returns (z - m, m), the shift that keeps exp() finite."""
+    def shift_by_global_max(z: torch.Tensor, group: dist.ProcessGroup | None,
+                            inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """m = max_v z_v over all shards; returns (z - m, m), the shift that keeps exp() finite (`inplace`: written
+        over `z`, for a caller whose `z` is its own temporary)."""
         m = _all_reduce(z.max(dim=-1).values, dist.ReduceOp.MAX, group)
-        return z - m[:, None], m
+        return (z.sub_(m[:, None]) if inplace else z - m[:, None]), m
 
     @staticmethod
     def target_in_shard(targets: torch.Tensor, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,7 +53,9 @@ class VocabParallelLogprobMath:
         """Summed over shards: Z = sum_v e^z, S = sum_v e^z z, and z_y (0 on shards without the target)."""
         e = z.exp()
         z_y = z.gather(-1, local_target[:, None]).squeeze(-1) * in_shard
-        stats = _all_reduce(torch.stack([e.sum(-1), (e * z).sum(-1), z_y]), dist.ReduceOp.SUM, group)
+        sum_e = e.sum(-1)
+        sum_ez = e.mul_(z).sum(-1)  # e * z written over e: one [n, V/tp] temporary, not two
+        stats = _all_reduce(torch.stack([sum_e, sum_ez, z_y]), dist.ReduceOp.SUM, group)
         return stats[0], stats[1], stats[2]
 
     @staticmethod
@@ -64,9 +68,10 @@ class VocabParallelLogprobMath:
     @staticmethod
     def grad_logits(z: torch.Tensor, log_z: torch.Tensor, mean_z: torch.Tensor, grad_logp: torch.Tensor,
                     grad_entropy: torch.Tensor, in_shard: torch.Tensor, local_target: torch.Tensor) -> torch.Tensor:
-        """dL/dz_k = g_logp (1[k=y] - p_k) + g_H p_k (E_p[z] - z_k), with p_k = exp(z_k - log Z) recomputed."""
-        p = (z - log_z[:, None]).exp()
-        grad = p * (grad_entropy[:, None] * (mean_z[:, None] - z) - grad_logp[:, None])
+        """dL/dz_k = g_logp (1[k=y] - p_k) + g_H p_k (E_p[z] - z_k), with p_k = exp(z_k - log Z) recomputed.
+        The gradient is written over `z` (the caller's temporary): one more `[n, V/tp]` buffer, `p`, not four."""
+        p = (z - log_z[:, None]).exp_()
+        grad = z.sub_(mean_z[:, None]).mul_(-grad_entropy[:, None]).sub_(grad_logp[:, None]).mul_(p)
         rows = in_shard.nonzero().squeeze(-1)
         grad[rows, local_target[rows]] += grad_logp[rows]
         return grad

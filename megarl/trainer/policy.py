@@ -2,8 +2,11 @@
 
 `compute_logprobs` and `train_step` take token batches and return per-token log-probs of the
 targets and the exact entropy, computed from the vocab-parallel logits shards (the vocabulary is
-never gathered). Forward and backward run through megatron's `get_forward_backward_func()` (no
-pipelining at PP=1, 1F1B at PP>1; the last stage's results are broadcast to the other stages).
+never gathered). By default the output layer is fused with that computation
+(`megarl.parallel.fused_output_logprobs`): the last stage returns its final hidden states and the log-probs
+come from them and the output weight chunk by chunk, so the `[tokens, V/tp]` logits never exist whole.
+Forward and backward run through megatron's `get_forward_backward_func()` (no pipelining at PP=1, 1F1B at
+PP>1; the last stage's results are broadcast to the other stages).
 Gradients are *summed* over microbatches and data-parallel ranks, because each loss value is already
 a contribution to the global-batch loss; clipping uses the global norm over all TP/PP/EP shards.
 With routing replay, a microbatch's `routed_experts` route each of its tokens to the given experts in every MoE
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -25,6 +29,7 @@ from megarl.config.schema import OptimizerConfig
 from megarl.models.hf_import import load_hf_weights
 from megarl.models.hf_slices import iter_local_hf_slices
 from megarl.models.qwen_provider import build_gpt_model, padded_vocab_size
+from megarl.parallel.fused_output_logprobs import fused_output_logprobs_entropy
 from megarl.parallel.vocab_logprobs import vocab_parallel_logprobs_entropy
 from megarl.sync.slices import HFSlice
 from megarl.trainer.optimizer import ShardedAdamW, adamw_param_groups, check_optimizer_state
@@ -71,6 +76,34 @@ def _check_replay_layout(routing_replay: bool, recompute: str, tp: int) -> None:
                          "use expert parallelism (trainer.ep) instead")
 
 
+def _fusable_output_layer(model) -> bool:
+    """Whether the fused output layer + log-prob computes exactly what `model`'s last stage does: a plain
+    megatron `ColumnParallelLinear` without bias whose vocab-parallel output is not gathered, no multi-token
+    prediction, no deferred embedding weight gradient (megatron-core 0.16.1's GPTModel has no logit soft-capping)."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
+    layer, config = getattr(model, "output_layer", None), model.config
+    return (type(layer) is ColumnParallelLinear and layer.bias is None and not layer.gather_output
+            and config.mtp_num_layers is None and not config.defer_embedding_wgrad_compute)
+
+
+def _return_hidden_states(input_: torch.Tensor, weight: torch.Tensor | None = None,
+                          runtime_gather_output: bool | None = None) -> tuple[torch.Tensor, None]:
+    """Stands in for the output layer's forward: its input, the final hidden states, instead of the logits."""
+    return input_, None
+
+
+@contextmanager
+def _output_layer_returns_hidden_states(model) -> Iterator[None]:
+    """Inside, `model` returns the last stage's final hidden states `[b, s, h]` (`[b, s/tp, h]` under sequence
+    parallelism: GPTModel transposes the output layer's output as it does the logits) where it returns logits."""
+    model.output_layer.forward = _return_hidden_states
+    try:
+        yield
+    finally:
+        del model.output_layer.forward  # the instance attribute: the class's forward is back
+
+
 def _configure_schedule(config, pp: int) -> None:
     """Adapter to megatron's schedules (tested with megatron-core 0.16.1): every loss value is already a
     contribution to the global loss, so the schedule must not divide by the microbatch count (the
@@ -86,8 +119,13 @@ class MegatronPolicy:
     data-parallel share of the batch, and results come back on every rank, pipeline stages included."""
 
     def __init__(self, hf_dir: str | Path, hf: dict[str, Any], optim: OptimizerConfig, logprob_chunk: int = 4096,
-                 distributed_optimizer: bool = False, recompute: str = "none", routing_replay: bool = False):
-        """`distributed_optimizer`: shard the AdamW state over data-parallel replicas (`ShardedAdamW`);
+                 distributed_optimizer: bool = False, recompute: str = "none", routing_replay: bool = False,
+                 fused_logprobs: bool = True):
+        """`fused_logprobs`: on the last stage, the output projection fused with the log-probs
+        (`fused_output_logprobs_entropy`: the same values and gradients without the whole logits) wherever the
+        output layer allows it (`_fusable_output_layer`); elsewhere, or when False, the output layer's logits
+        through `vocab_parallel_logprobs_entropy`. `distributed_optimizer`: shard the AdamW state over
+        data-parallel replicas (`ShardedAdamW`);
         `recompute`: activation recomputation, "none" / "full" / "selective" (`qwen_provider.recompute_fields`);
         `routing_replay`: microbatches that carry `routed_experts [b, s, L, k]` are routed to exactly those
         experts (`megarl.trainer.routing_replay`)."""
@@ -109,6 +147,7 @@ class MegatronPolicy:
         self.pp_group = ps.get_pipeline_model_parallel_group()
         self.pp_last_rank = ps.get_pipeline_model_parallel_last_rank()  # global rank of this pipeline's last stage
         self.is_last_stage = ps.is_pipeline_last_stage()
+        self.fused_logprobs = fused_logprobs and self.is_last_stage and _fusable_output_layer(self.model)
         # tied embeddings at PP>1: the first stage's embedding and the last stage's output layer are one weight
         tied_copies = self.model.share_embeddings_and_output_weights and ps.get_pipeline_model_parallel_world_size() > 1
         self.embedding_group = ps.get_embedding_group() if tied_copies and ps.is_rank_in_embedding_group() else None
@@ -136,7 +175,8 @@ class MegatronPolicy:
     def _forward_step(self, last_stage_fn: Callable, data_iterator: Iterator[dict[str, torch.Tensor]], model):
         """megatron `forward_step_func`: run this stage on the next microbatch (`tokens [b, s]`, causal mask
         passed explicitly; a packed microbatch's one row gets a block-diagonal causal mask, True = masked);
-        on the last stage `last_stage_fn(microbatch, logits [b, s, V/tp])` reduces it."""
+        on the last stage `last_stage_fn(microbatch, output)` reduces it, `output` the logits `[b, s, V/tp]` or,
+        with `fused_logprobs`, the final hidden states (`_output_layer_returns_hidden_states`)."""
         mb = next(data_iterator)
         device = self.device
         self._set_routes(mb)
@@ -150,7 +190,7 @@ class MegatronPolicy:
             causal = causal | (segments[:, None, :, None] != segments[:, None, None, :])
         else:
             positions = torch.arange(s, device=device)[None].expand(b, s)
-        output = model(tokens, positions, causal)  # hidden [s, b, h] on inner stages, logits on the last
+        output = model(tokens, positions, causal)  # hidden [s, b, h] on inner stages, logits/hidden on the last
         return output, partial(last_stage_fn, mb)
 
     @staticmethod
@@ -175,18 +215,40 @@ class MegatronPolicy:
         if self.routers is not None:
             set_microbatch_routes(self.routers, mb.get(self._routes_key(mb)[0]), self.device)
 
-    def _logprobs(self, logits: torch.Tensor, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """`logits [b, s, V/tp]` -> `(logprobs, entropy) [b, s]` on the CPU, through the vocab-parallel shards.
-        A packed microbatch's row is gathered back to one row per sequence, `[b, S]` (`unpack_index`)."""
-        if self.local_vocab < logits.shape[-1]:  # padding columns (vocab padded to a multiple of TP) are no tokens
-            logits = logits.clone()
-            logits[..., self.local_vocab:] = torch.finfo(logits.dtype).min
+    def _logprobs(self, output: torch.Tensor, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last stage's `output` (`_forward_step`) -> `(logprobs, entropy) [b, s]` on the CPU, through the
+        vocab-parallel shards. A packed microbatch's row is gathered back to one row per sequence, `[b, S]`
+        (`unpack_index`)."""
         targets = mb["packed_targets"] if "packed_targets" in mb else mb["targets"]
-        lp, ent = vocab_parallel_logprobs_entropy(logits, targets.to(logits.device), self.tp_group, self.chunk)
+        targets = targets.to(output.device)
+        if self.fused_logprobs:
+            lp, ent = self._fused_logprobs(output, targets)
+        else:
+            lp, ent = self._unfused_logprobs(output, targets)
         lp, ent = lp.cpu(), ent.cpu()
         if "unpack_index" in mb:
             lp, ent = lp.reshape(-1)[mb["unpack_index"]], ent.reshape(-1)[mb["unpack_index"]]
         return lp, ent
+
+    def _unfused_logprobs(self, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`logits [b, s, V/tp]` (the output layer's) -> `(logprobs, entropy) [b, s]`."""
+        if self.local_vocab < logits.shape[-1]:  # padding columns (vocab padded to a multiple of TP) are no tokens
+            logits = logits.clone()
+            logits[..., self.local_vocab:] = torch.finfo(logits.dtype).min
+        return vocab_parallel_logprobs_entropy(logits, targets, self.tp_group, self.chunk)
+
+    def _fused_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`hidden [b, s, h]` (the output layer's input) -> `(logprobs, entropy) [b, s]`, with the weight the output
+        layer would use (the embedding's at PP=1 with tied embeddings, as GPTModel passes it)."""
+        model = self.model
+        weight = (model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights
+                  else model.output_layer.weight)
+        if not model.output_layer.sequence_parallel:
+            return fused_output_logprobs_entropy(hidden, weight, targets, self.tp_group, self.chunk, self.local_vocab)
+        # sequence parallel: hidden [b, s/tp, h] holds this rank's slice of the sequence, dim 0 of [s, b, h]
+        lp, ent = fused_output_logprobs_entropy(hidden.transpose(0, 1), weight, targets.t(), self.tp_group,
+                                                self.chunk, self.local_vocab, sequence_parallel=True)
+        return lp.t(), ent.t()
 
     def _run(self, microbatches: list[dict[str, torch.Tensor]], last_stage_fn: Callable,
              forward_only: bool) -> list[dict[str, torch.Tensor]]:
@@ -197,11 +259,12 @@ class MegatronPolicy:
         b, s = microbatches[0]["packed_tokens" if "packed_tokens" in microbatches[0] else "tokens"].shape
         self._check_routes(microbatches)
         try:
-            return get_forward_backward_func()(
-                forward_step_func=partial(self._forward_step, last_stage_fn), data_iterator=iter(microbatches),
-                model=self.model, num_microbatches=len(microbatches), seq_length=s, micro_batch_size=b,
-                forward_only=forward_only,
-            )
+            with _output_layer_returns_hidden_states(self.model) if self.fused_logprobs else nullcontext():
+                return get_forward_backward_func()(
+                    forward_step_func=partial(self._forward_step, last_stage_fn), data_iterator=iter(microbatches),
+                    model=self.model, num_microbatches=len(microbatches), seq_length=s, micro_batch_size=b,
+                    forward_only=forward_only,
+                )
         finally:
             if self.routers is not None:
                 clear_routes(self.routers)
@@ -217,8 +280,8 @@ class MegatronPolicy:
             rows["routed_experts"] = routed_experts
         mbs = [{k: v[i:i + micro] for k, v in rows.items()} for i in range(0, len(tokens), micro)]
 
-        def collect(mb, logits):
-            lp, ent = self._logprobs(logits, mb)
+        def collect(mb, output):
+            lp, ent = self._logprobs(output, mb)
             return torch.zeros(()), torch.tensor(1, dtype=torch.int), {"logprobs": lp, "entropy": ent}
 
         outs = self._run(mbs, collect, forward_only=True)
@@ -238,8 +301,8 @@ class MegatronPolicy:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=False)
 
-        def loss_on_last_stage(mb, logits):
-            loss, metrics = loss_fn(*self._logprobs(logits, mb), mb)
+        def loss_on_last_stage(mb, output):
+            loss, metrics = loss_fn(*self._logprobs(output, mb), mb)
             reported = {"loss": loss.detach(), **{k: v.detach() for k, v in metrics.items()}}
             return loss, torch.tensor(1, dtype=torch.int), reported
 
