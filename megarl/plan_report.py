@@ -25,17 +25,32 @@ once per layout, without weights, to record what its loaders read: see the rollo
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 from dataclasses import dataclass
+from functools import cache
 from typing import Any
 
 from megarl.config.load import ConfigError, num_experts, read_hf_config
 from megarl.config.schema import Config, TrainerConfig
+from megarl.models.hf_layout import HFLayout, RankCoords
 from megarl.models.qwen_provider import head_dim, padded_vocab_size
 from megarl.sync.baselines import bytes_per_vllm_rank, hf_tensors
 from megarl.sync.loader_reads import RankReads
 from megarl.sync.plan import vllm_rank_slices
+from megarl.sync.receiver_memory import (
+    BUCKETS_IN_FLIGHT_PER_SENDER,
+    CUDA_RESERVE_BYTES,
+    LAYERS_ASSEMBLED_PER_STAGE,
+    MODES,
+    ReceiverMemory,
+    bucket_bytes_of,
+    max_utilization,
+    push_budget_bytes,
+    receiver_memory,
+)
+from megarl.sync.slices import HFSlice
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
 GB = 10**9  # decimal gigabytes, as model cards and network bandwidths count
@@ -105,6 +120,69 @@ def pipeline_stage_of(rank: int, t: TrainerConfig) -> int:
     return rank // (t.world_size // t.pp)
 
 
+def trainer_holdings(hf: dict[str, Any], t: TrainerConfig) -> dict[int, list[HFSlice]]:
+    """Trainer rank -> the HF blocks its megatron shards hold (what `PartitionedWeightSync` plans from), from the
+    shapes alone: tensor rank = rank mod tp, expert tensor parallel = tp, expert rank = (rank // tp) mod ep within
+    the stage (megatron's tp-ep-dp-pp order for experts)."""
+    layers = hf["num_hidden_layers"] // t.pp
+    out: dict[int, list[HFSlice]] = {}
+    for rank in range(t.world_size):
+        stage = pipeline_stage_of(rank, t)
+        tp_rank, ep_rank = rank % t.tp, (rank // t.tp) % t.ep
+        layout = HFLayout(hf, RankCoords(tp_rank, t.tp, tp_rank, t.tp, ep_rank, t.ep),
+                          {i: stage * layers + i for i in range(layers)})
+        shapes = megatron_local_shapes(hf, t.tp, t.pp, t.ep, stage)
+        out[rank] = [block for name, shape in shapes.items() for _, block in layout.blocks(name, shape)]
+    return out
+
+
+def push_memory(hf: dict[str, Any], cfg: Config, dtype: str = "bf16", needs: RankReads | None = None
+                ) -> list[ReceiverMemory]:
+    """By vLLM TP rank: its memory during a push (`megarl.sync.receiver_memory`), fed by the config's trainer
+    ranks; `needs` as for `make_plan` (the table when None). Every replica's rank k is the same."""
+    t, bucket = cfg.trainer, bucket_bytes_of(cfg.sync.bucket_mb)
+    if needs is None:  # `megarl check --gpu` then `megarl plan` ask twice: the table's answer is kept
+        return list(_table_push_memory(json.dumps(hf, sort_keys=True), t.world_size, t.tp, t.pp, t.ep,
+                                       cfg.rollout.tp, DTYPE_BYTES[dtype], bucket))
+    holdings = trainer_holdings(hf, t)
+    return [receiver_memory(needs[k], holdings, DTYPE_BYTES[dtype], bucket, t.pp) for k in sorted(needs)]
+
+
+@cache
+def _table_push_memory(hf_json: str, world: int, tp: int, pp: int, ep: int, rollout_tp: int, itemsize: int,
+                       bucket: int) -> tuple[ReceiverMemory, ...]:
+    hf = json.loads(hf_json)
+    holdings = trainer_holdings(hf, TrainerConfig(world_size=world, tp=tp, pp=pp, ep=ep))
+    return tuple(receiver_memory(vllm_rank_slices(hf, rollout_tp, k), holdings, itemsize, bucket, pp)
+                 for k in range(rollout_tp))
+
+
+def push_budget(cfg: Config) -> int:
+    """Device bytes a push may use on each vLLM rank, beside vLLM's share of its GPU."""
+    return push_budget_bytes(cfg.rollout.gpu_memory_gb, cfg.rollout.gpu_memory_utilization)
+
+
+def push_memory_problem(cfg: Config, hf: dict[str, Any], dtype: str = "bf16") -> str | None:
+    """Why the configured `sync.receive` cannot fit a push beside vLLM on the worst vLLM rank (GPU fleets), naming
+    the fields and the fixes; None when it fits. `dtype`: the served dtype (bf16 on GPU fleets)."""
+    r, mode = cfg.rollout, cfg.sync.receive
+    memory = push_memory(hf, cfg, dtype)
+    worst = max(memory, key=lambda m: m.device_extra(mode))
+    need, budget = worst.device_extra(mode), push_budget(cfg)
+    if need <= budget:
+        return None
+    fixes = [f"lower rollout.gpu_memory_utilization (at most {max_utilization(need, r.gpu_memory_gb):.2f} fits)",
+             f"raise rollout.tp (each rank serves {_gb(worst.served)} now)",
+             f"lower sync.bucket_mb ({_gb(worst.in_flight)} of buckets in flight from {worst.senders} senders)"]
+    other = next(m for m in MODES if m != mode)
+    if worst.device_extra(other) <= budget:
+        fixes.append(f"use sync.receive={other} ({_gb(worst.device_extra(other))})")
+    return (f"sync.receive={mode}: a weight push needs up to {_gb(need)} of GPU memory on a vLLM rank beside its "
+            f"{_gb(worst.served)} of {dtype} weights, but rollout.gpu_memory_gb={r.gpu_memory_gb:g} x (1 - "
+            f"rollout.gpu_memory_utilization={r.gpu_memory_utilization:g}) less {_gb(CUDA_RESERVE_BYTES)} for CUDA "
+            f"leaves {_gb(max(budget, 0))} beside vLLM's share: " + ", or ".join(fixes))
+
+
 @dataclass(frozen=True)
 class StageSize:
     """What every trainer rank of one pipeline stage holds."""
@@ -126,6 +204,7 @@ class Plan:
     dtype: str
     needs: RankReads  # per vLLM TP rank, the HF blocks one sync sends it (each replica)
     needs_source: str  # where `needs` came from: "table" or "recorded"
+    push_memory: list[ReceiverMemory]  # by vLLM TP rank: its memory during a push
 
     @property
     def rollout_rank_params(self) -> list[int]:
@@ -169,6 +248,7 @@ def make_plan(hf: dict[str, Any], cfg: Config, dtype: str = "bf16", needs: RankR
         total_params=total_params(hf), active_params=active_params(hf), trainer_stages=stages,
         trainer_rank_params=[stages[pipeline_stage_of(rank, t)].params for rank in range(t.world_size)],
         replicas=r.replicas, dtype=dtype, needs=needs, needs_source=source,
+        push_memory=push_memory(hf, cfg, dtype, needs),
     )
 
 
@@ -268,7 +348,36 @@ def format_plan(plan: Plan, cfg: Config, hf: dict[str, Any], link_gbps: float = 
                                       f"average ({_gb(total)} per step with sync.interval=1)"
                                       if every > 1 else f"one sync after every optimizer step, {_gb(total)} per step"),
     ]
-    return "\n".join(lines + _backend_comparison(hf, plan, link_gbps, t.world_size))
+    return "\n".join(lines + _push_memory_lines(plan, cfg) + _backend_comparison(hf, plan, link_gbps, t.world_size))
+
+
+def _push_memory_lines(plan: Plan, cfg: Config) -> list[str]:
+    """Each vLLM rank's memory during a push, per receive mode, against what vLLM leaves free on its GPU."""
+    r, mode, budget = cfg.rollout, cfg.sync.receive, push_budget(cfg)
+    lines = ["", f"push memory per vLLM rank beyond its served weights ({plan.dtype}; megarl.sync.receiver_memory): "
+                 f"{BUCKETS_IN_FLIGHT_PER_SENDER} buckets of sync.bucket_mb={cfg.sync.bucket_mb:g} MiB in flight "
+                 "per sender, the largest module vLLM's reload materialises, streamed: "
+                 f"{LAYERS_ASSEMBLED_PER_STAGE} layers per trainer stage assembling",
+             f"  free beside vLLM: rollout.gpu_memory_gb={r.gpu_memory_gb:g} x (1 - rollout.gpu_memory_utilization="
+             f"{r.gpu_memory_utilization:g}) - {_gb(CUDA_RESERVE_BYTES)} CUDA reserve = {_gb(max(budget, 0))} per GPU"]
+    head = (f"  {'tp rank':>7} {'served':>9} {'senders':>7} {'in flight':>9} {'module':>8} {'staged dev':>10} "
+            f"{'host':>9} {'streamed dev':>12} {'host':>6} {'legacy dev':>10}")
+    lines += [head, "  " + "-" * (len(head) - 2)]
+    for k, m in enumerate(plan.push_memory):
+        lines.append(f"  {k:>7} {_gb(m.served):>9} {m.senders:>7} {_gb(m.in_flight):>9} {_gb(m.largest_module):>8} "
+                     f"{_gb(m.device_extra('staged')):>10} {_gb(m.host_extra('staged')):>9} "
+                     f"{_gb(m.device_extra('streamed')):>12} {_gb(m.host_extra('streamed')):>6} "
+                     f"{_gb(m.legacy_device):>10}")
+    worst = {md: max(m.device_extra(md) for m in plan.push_memory) for md in MODES}
+    legacy = max(m.legacy_device for m in plan.push_memory)
+
+    def verdict(nbytes: int) -> str:
+        return f"{_gb(nbytes)} of {_gb(max(budget, 0))}: " + ("fits" if nbytes <= budget else "does NOT fit")
+
+    lines += [f"  sync.receive={mode} (configured): {verdict(worst[mode])}; "
+              + "; ".join(f"{md}: {verdict(worst[md])}" for md in MODES if md != mode),
+              f"  legacy (a second copy of the shard on the device): {verdict(legacy)}"]
+    return lines
 
 
 def _backend_comparison(hf: dict[str, Any], plan: Plan, link_gbps: float, trainer_ranks: int) -> list[str]:

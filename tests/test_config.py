@@ -112,7 +112,8 @@ def test_valid_layouts_pass():
     check_against_model(validate(_cfg()), {**qwen2, "head_dim": 16}, cuda=False)
     # tied embeddings at PP>1: megatron's shared embedding / output layer copies (tests/test_megatron_vs_hf.py)
     check_against_model(validate(_cfg(trainer={"pp": 2})), {**TINY_DENSE, "tie_word_embeddings": True}, cuda=False)
-    moe = {**TINY_MOE, "moe_intermediate_size": 64}  # the demo's: 32 expert columns per vLLM rank at rollout.tp=2
+    # the demo's: 32 expert columns per vLLM rank at rollout.tp=2; a GPU check also sizes the push (hidden_size)
+    moe = {**TINY_MOE, "moe_intermediate_size": 64, "hidden_size": 64}
     check_against_model(validate(_cfg(trainer={"ep": 2}, rollout={"tp": 2})), moe, cuda=False)
     check_against_model(validate(_cfg(rollout={"tp": 4})), moe, cuda=True)  # GPU vLLM does not pad this way
     check_against_model(validate(_cfg(rollout={"tp": 4, "expert_parallel": True})), moe, cuda=True)

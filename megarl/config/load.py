@@ -108,7 +108,9 @@ VLLM_CPU_MOE_ALIGNMENT = 32
 
 
 def check_against_model(cfg: Config, hf: dict[str, Any], cuda: bool) -> None:
-    """Layout constraints that need the model's shape: raise ConfigError listing every violation."""
+    """Layout constraints that need the model's shape: raise ConfigError listing every violation. With `cuda`, also
+    the memory a weight push needs on each vLLM rank beside vLLM's share of its GPU (`rollout.gpu_memory_gb`,
+    `rollout.gpu_memory_utilization`, `sync.receive`, `sync.bucket_mb`; `megarl.sync.receiver_memory`)."""
     problems: list[str] = []
     heads, kv_heads = hf["num_attention_heads"], hf.get("num_key_value_heads", hf["num_attention_heads"])
     experts = num_experts(hf)
@@ -187,5 +189,11 @@ def check_against_model(cfg: Config, hf: dict[str, Any], cuda: bool) -> None:
             "packing relies on (it needs THD packed-sequence parameters, not implemented yet); set "
             "trainer.pack_sequences=false"
         )
+    if cuda and not problems:  # a layout that is valid otherwise: can each vLLM rank take a push beside vLLM?
+        from megarl.plan_report import push_memory_problem
+
+        memory = push_memory_problem(cfg, hf)
+        if memory is not None:
+            problems.append(memory)
     if problems:
         raise ConfigError("configuration does not fit the model:\n" + "\n".join(f"  {p}" for p in problems))

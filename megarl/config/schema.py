@@ -122,6 +122,17 @@ class RolloutConfig(_Strict):
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass (1.0 keeps engine log-probs = policy).")
     port: int = Field(0, ge=0, description="HTTP port of the first replica; 0 picks a free one.")
     kv_cache_gib: int = Field(1, ge=1, description="KV-cache size per engine on CPU (VLLM_CPU_KVCACHE_SPACE).")
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="Share of each rollout GPU's memory vLLM may fill with weights, activations and "
+        "KV cache (vLLM's --gpu-memory-utilization; 0.9 is vLLM's default). What is left, (1 - this) x "
+        "rollout.gpu_memory_gb less 1 GiB for CUDA's own (megarl.sync.receiver_memory), is what a weight push may use "
+        "beside the served weights: `megarl plan` prints it, `megarl check --gpu` refuses a layout whose push does not "
+        "fit. Passed to GPU fleets only: vLLM's CPU backend would read it as the share of RAM to reserve.",
+    )
+    gpu_memory_gb: float = Field(
+        80.0, gt=0, description="Memory of each rollout GPU in GB (10^9 bytes; 80 for an H100 or A100-80GB), for "
+        "the push's memory budget (`megarl plan`, `megarl check --gpu`); vLLM itself measures the real GPU.",
+    )
     startup_timeout_s: float = Field(600.0, gt=0, description="Seconds to wait for an engine to become healthy.")
     expert_parallel: bool = Field(
         False, description="vLLM expert parallel inside each replica (--enable-expert-parallel): a MoE's experts are "
@@ -155,6 +166,15 @@ class SyncConfig(_Strict):
         "MEGARL_LOADER_READS_CACHE); any model family vLLM serves, with or without expert parallel, and the "
         "trainer needs no vLLM. table: megarl's hand-written vLLM 0.32 layouts (Qwen2, Qwen3, Qwen3-MoE, no expert "
         "parallel), for a fleet that cannot record (e.g. it serves a hub id, not a local checkpoint directory).",
+    )
+    receive: Literal["staged", "streamed"] = Field(
+        "staged", description="How a vLLM rank takes a push. staged (default): every block of the update is "
+        "received (through device buckets on a GPU fleet) into host memory before the model is touched, so a "
+        "transfer that fails leaves the old weights serving; beyond the served weights the device holds a few "
+        "buckets and the layer vLLM's reload is processing, the host this rank's whole shard. streamed: blocks "
+        "are loaded into the model as their buckets arrive; host and device hold a few buckets per sender and the "
+        "layers being assembled, never a shard, but a transfer that fails mid-push leaves the replica paused "
+        "(it serves nothing) until a complete push. `megarl plan` prints each rank's peak for both.",
     )
     push_initial: bool = Field(
         False, description="Push the trainer's weights once before the first batch, for a fleet that did not "

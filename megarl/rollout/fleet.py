@@ -3,8 +3,9 @@
 Each server loads the HF checkpoint with tensor parallel `rollout.tp`, exposes the token-in /
 token-out route (`/inference/v1/generate`, `--enable-scale-out`), the RL weight-update routes and
 `/collective_rpc` (`VLLM_SERVER_DEV_MODE=1`), and uses megarl's partitioned weight-transfer
-backend. The CPU-only settings (thread binding per TP rank, KV-cache size) are applied only when
-no GPU is present. Logs go to `<log_dir>/vllm_replica<i>.log`.
+backend. The device-specific settings are chosen by `on_gpu`: on CPU the thread binding per TP rank and
+the KV-cache size (`_cpu_env`), on GPUs `--gpu-memory-utilization` (`_gpu_args`). Logs go to
+`<log_dir>/vllm_replica<i>.log`.
 
 Every server is guarded (`megarl.rollout.fleet_auth`): all routes but `/health` need the job's secret, read
 from the file in `MEGARL_FLEET_SECRET_FILE`. `FleetSpec.secret_file=None` makes a fresh secret in a private
@@ -55,6 +56,8 @@ class FleetSpec:
     first_replica: int = 0  # index of the first replica started here (logs: vllm_replica<index>.log)
     dtype: str = "float32"  # vLLM --dtype
     kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE on CPU (ignored with a GPU)
+    gpu_memory_utilization: float = 0.9  # vLLM --gpu-memory-utilization, GPU fleets only (vLLM's default)
+    gpu: bool | None = None  # whether the servers run on GPUs; None: whether this machine has one
     startup_timeout_s: float = 600.0  # how long to wait for every /health
     log_dir: Path = Path(".")  # where vllm_replica<i>.log go
     max_model_len: int | None = None  # vLLM --max-model-len; None: the model's max_position_embeddings
@@ -141,13 +144,26 @@ def _stop_fleets_on_sigterm() -> None:
         signal.signal(signal.SIGTERM, _interrupt_on_sigterm)
 
 
-def _cpu_env(tp: int, kv_cache_gib: int) -> dict[str, str]:
-    """vLLM's CPU backend: one OpenMP thread set per TP rank (`"0|1"` for TP 2 on 2 cores; vLLM refuses
-    TP > 1 on one NUMA node without it) and a small KV cache. Nothing when a GPU is present."""
+def on_gpu(spec: FleetSpec) -> bool:
+    """Whether `spec`'s servers run on GPUs: `spec.gpu`, else whether this machine has one."""
+    if spec.gpu is not None:
+        return spec.gpu
     import torch
 
-    if torch.cuda.is_available():
-        return {}
+    return torch.cuda.is_available()
+
+
+def _gpu_args(spec: FleetSpec) -> list[str]:
+    """vLLM's flags for GPU fleets only: `--gpu-memory-utilization` (what is left of each GPU is the weight push's;
+    `megarl.sync.receiver_memory`). Never on CPU: vLLM's CPU backend reads it as the share of the machine's RAM to
+    reserve and refuses to start when that much is not free (`cpu_worker.py`); there VLLM_CPU_KVCACHE_SPACE sizes
+    the cache."""
+    return ["--gpu-memory-utilization", f"{spec.gpu_memory_utilization:g}"] if on_gpu(spec) else []
+
+
+def _cpu_env(tp: int, kv_cache_gib: int) -> dict[str, str]:
+    """vLLM's CPU backend: one OpenMP thread set per TP rank (`"0|1"` for TP 2 on 2 cores; vLLM refuses
+    TP > 1 on one NUMA node without it) and a small KV cache. For CPU fleets only (`server_env`)."""
     cores = os.cpu_count() or 1
     per = max(1, cores // tp)
     binds = "|".join(f"{r * per}-{r * per + per - 1}" if per > 1 else str(r * per % cores) for r in range(tp))
@@ -159,7 +175,7 @@ def server_env(spec: FleetSpec, secret_file: Path) -> dict[str, str]:
     the CPU backend's settings, and the V2 model runner when routed experts are returned (vLLM 0.32 captures them
     there only)."""
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "TOKENIZERS_PARALLELISM": "false",
-           SECRET_ENV: str(secret_file), **_cpu_env(spec.tp, spec.kv_cache_gib)}
+           SECRET_ENV: str(secret_file), **({} if on_gpu(spec) else _cpu_env(spec.tp, spec.kv_cache_gib))}
     if spec.return_routed_experts:
         env["VLLM_USE_V2_MODEL_RUNNER"] = "1"
     return env
@@ -175,7 +191,7 @@ def server_command(spec: FleetSpec, port: int) -> list[str]:
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(spec.model_dir), "--port", str(port), "--host", spec.host,
         "--tensor-parallel-size", str(spec.tp), "--dtype", spec.dtype, "--enforce-eager",
-        "--enable-scale-out", "--seed", "0", *length, *routes, *experts,
+        "--enable-scale-out", "--seed", "0", *length, *routes, *experts, *_gpu_args(spec),
         "--weight-transfer-config", json.dumps({"backend": BACKEND_NAME}),
         "--worker-extension-cls", "megarl.sync.vllm_receiver.MegarlWorkerExtension",
         "--middleware", f"{FleetAuthMiddleware.__module__}.{FleetAuthMiddleware.__name__}",
@@ -260,7 +276,8 @@ def fleet_spec(cfg: Config, **where: Any) -> FleetSpec:
     adds what the config does not know: log directory, host, secret file, which replicas start here."""
     r = cfg.rollout
     spec = FleetSpec(model_dir=Path(cfg.model.hf_dir), tp=r.tp, replicas=r.replicas, port=r.port,
-                     kv_cache_gib=r.kv_cache_gib, startup_timeout_s=r.startup_timeout_s,
+                     kv_cache_gib=r.kv_cache_gib, gpu_memory_utilization=r.gpu_memory_utilization,
+                     startup_timeout_s=r.startup_timeout_s,
                      return_routed_experts=r.return_routed_experts, expert_parallel=r.expert_parallel)
     return replace(spec, **where)
 
