@@ -26,7 +26,7 @@ MEGARL=${MEGARL:-megarl}                   # how to run megarl on the nodes, e.g
 MEGARL_OVERRIDES=${MEGARL_OVERRIDES:-}     # extra section.field=value overrides, space separated
 RUN_DIR=${RUN_DIR:-}                       # run.dir override (a shared filesystem); empty: the recipe's run.dir
 GPUS_PER_NODE=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-0}}  # GPUs per node (default: the job's); 0: CPU nodes
-TRAINER_TASKS_PER_NODE=${TRAINER_TASKS_PER_NODE:-$GPUS_PER_NODE}  # trainer ranks per trainer node
+TRAINER_TASKS_PER_NODE=${TRAINER_TASKS_PER_NODE:-$(( GPUS_PER_NODE > 0 ? GPUS_PER_NODE : 1 ))}  # ranks per trainer node
 CONTAINER_IMAGE=${CONTAINER_IMAGE:-}       # pyxis/enroot image for every step; empty: run on the host
 CONTAINER_MOUNTS=${CONTAINER_MOUNTS:-}     # pyxis mounts, e.g. /lustre:/lustre (the run dir must be visible)
 STOP_GRACE_S=${STOP_GRACE_S:-60}           # how long a stopping step may take before it is killed
