@@ -26,8 +26,9 @@ from megarl.config.schema import OptimizerConfig
 from megarl.models.tiny import make_tiny_checkpoint
 from megarl.parallel.groups import TrainerLayout
 from tests.dist_utils import free_port, run_distributed
+from tests.test_megatron_vs_hf import B, _batch  # the same batch as the megatron-vs-transformers tests
 
-B, S, CHUNK = 4, 7, 5
+CHUNK = 5
 # (name, world size, layout, checkpoint kind)
 LAYOUTS = [
     ("tp1", 1, TrainerLayout(), "dense"),
@@ -38,17 +39,6 @@ LAYOUTS = [
     ("tied-tp2", 2, TrainerLayout(tp=2), "dense-tied"),
 ]
 TOL = dict(atol=1e-6, rtol=1e-6)
-
-
-def _batch(vocab: int):
-    g = torch.Generator().manual_seed(1)
-    tokens = torch.randint(3, vocab, (B, S), generator=g)
-    targets = torch.roll(tokens, -1, dims=1)
-    mask = torch.ones(B, S)
-    mask[:, :2] = 0
-    mask[1, 5:] = 0
-    weights = torch.randn(B, S, generator=g)
-    return tokens, targets, mask, weights
 
 
 def _run(policy, hf, fused: bool) -> dict:
