@@ -41,7 +41,13 @@ def llama_fleet(llama_dir, fleet_secret, tmp_path_factory):
         yield fleet
 
 
-def _push(rank, world, hf_dir, url, sync_port, needs):
+def _push(rank, world, hf_dir, url, sync_port, needs, tp=2, bucket_bytes=256 << 10, receive="staged", digests=True,
+          version=3, fail_after_blocks=None, timeout_s=90):
+    """One trainer rank holding every tensor of `hf_dir` whole pushes it as `version` into the replica at `url`
+    (TP `tp`) with the real plan, wire and transport; returns the needs, the stats or the error, whether the replica
+    is paused and, if not, its log-probs of SEQS and two samples. `needs="stale"` hands the workers a record
+    labelled for another layout; `fail_after_blocks=n`: the sender raises while packing its n-th block (as a failing
+    copy would), after its first buckets are on the wire; `timeout_s`: the sync group's timeout."""
     import json
 
     from megarl.rollout.client import RolloutClient
@@ -56,22 +62,41 @@ def _push(rank, world, hf_dir, url, sync_port, needs):
         record = FleetLifecycle.record_needs
         FleetLifecycle.record_needs = lambda self: dataclasses.replace(record(self), key="0" * 32)
         needs = "recorded"
+    if fail_after_blocks is not None:
+        _fail_packing_after(fail_after_blocks)
     hf = json.loads((Path(hf_dir) / "config.json").read_text())
     tensors = load_file(Path(hf_dir) / "model.safetensors")
     local = [(HFSlice.whole(name, tuple(t.shape)), t) for name, t in tensors.items()]
     client = RolloutClient(url)
-    sync = PartitionedWeightSync(rank, world, hf, [client], rollout_tp=2, rollout_replicas=1, store_host="127.0.0.1",
-                                 store_port=sync_port, bucket_bytes=256 << 10, timeout_s=90, digests=True,
-                                 needs=needs)
+    sync = PartitionedWeightSync(rank, world, hf, [client], rollout_tp=tp, rollout_replicas=1, store_host="127.0.0.1",
+                                 store_port=sync_port, bucket_bytes=bucket_bytes, timeout_s=timeout_s, digests=digests,
+                                 needs=needs, receive=receive)
     out = {"needs": sync.needs}
     try:
-        out["stats"] = sync.push(local, version=3)
+        out["stats"] = sync.push(local, version=version)
     except WeightSyncError as err:
         out["error"] = str(err)
-    out["engine"] = [client.prompt_logprobs(s) for s in SEQS]
-    out["samples"] = client.generate([SEQS[0][:4]], n=2, max_tokens=2, seed=0)[0]
+    out["paused"] = client.is_paused()
+    if not out["paused"]:  # a paused replica would hold these requests until it resumes
+        out["engine"] = [client.prompt_logprobs(s) for s in SEQS]
+        out["samples"] = client.generate([SEQS[0][:4]], n=2, max_tokens=2, seed=0)[0]
     sync.close()
     return out
+
+
+def _fail_packing_after(n: int) -> None:
+    """Failure injection in this (sender) process: packing its n-th block into a bucket raises."""
+    from megarl.sync import stream
+
+    real, packed = stream.to_bytes, [0]
+
+    def to_bytes(t):
+        packed[0] += 1
+        if packed[0] > n:
+            raise RuntimeError(f"injected failure while packing block {packed[0]}")
+        return real(t)
+
+    stream.to_bytes = to_bytes
 
 
 def test_push_into_a_llama_is_planned_from_vllms_loaders(llama_fleet, llama_dir, tmp_path):

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import resource
 import statistics
 import sys
 import time
@@ -41,6 +40,11 @@ import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from megarl.sync.peak_memory import map_large_buffers
+from megarl.sync.peak_memory import peak_rss_bytes as _peak_rss_bytes
+from megarl.sync.peak_memory import reset_peak_rss as _reset_peak_rss
+from megarl.sync.peak_memory import rss_bytes as _rss_bytes
 
 METHODS = ("raw", "partitioned", "broadcast")
 
@@ -87,40 +91,6 @@ def block_values(name: str, box: tuple[tuple[int, int], ...], dtype):
         return torch.sin(seed + 1e-3 * rows).to(dtype)
     cols = torch.arange(*box[1], dtype=torch.float64)
     return torch.sin(seed + 1e-3 * rows[:, None] + 1.7e-2 * cols[None, :]).to(dtype)
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize()
-
-
-def _reset_peak_rss() -> None:
-    """Reset the kernel's resident-set high-water mark (VmHWM) of this process (Linux >= 4.0)."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
-def map_large_buffers() -> None:
-    """Fix glibc's mmap threshold at 1 MiB in this process: every larger buffer is mapped when allocated and unmapped
-    when freed. Otherwise glibc keeps freed heap memory resident and raises its threshold after large frees, so
-    memory freed earlier hides a later allocation from the resident-set peak, by an amount that depends on the
-    process's history (an unbounded sender once measured 0.67x its shard). Set with `mallopt` in the process:
-    the `MALLOC_MMAP_THRESHOLD_` variable is read once, at start-up, and ranks forked from a server that started
-    earlier (`megarl.parallel.spawn`) never read it. Without glibc, nothing is changed."""
-    import ctypes
-
-    try:
-        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD (fixing it also stops its adjustment)
-    except (OSError, AttributeError):
-        pass
-
-
-def _peak_rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def _group(store, rank: int, members: list[int], prefix: str, timeout_s: float):

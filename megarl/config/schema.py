@@ -175,9 +175,7 @@ class SyncConfig(_Strict):
         "are loaded into the model as their buckets arrive; host and device hold a few buckets per sender and the "
         "layers being assembled, never a shard, but a transfer that fails mid-push leaves the replica paused "
         "(it serves nothing) until a complete push. `megarl plan` prints each rank's peak for both and `megarl check "
-        "--gpu` judges the configured one. NOTE: the receiver that implements the two modes is not on main yet "
-        "(branch receiver-modes): today every rank still receives its whole shard before loading (the plan's "
-        "'legacy' row).",
+        "--gpu` judges the configured one.",
     )
     push_initial: bool = Field(
         False, description="Push the trainer's weights once before the first batch, for a fleet that did not "

@@ -10,26 +10,30 @@ one contiguous copy of the block being packed when that block is not contiguous 
 column slice). A block larger than `bucket_bytes` travels alone, so "a bucket" means
 `max(bucket_bytes, largest block)`. The peak is counted exactly (`SendResult.peak_staging_bytes`).
 
-Receiver (`receive_slices`): posts one receive per (sender, bucket) of its plan before waiting for any (so no
-sender can wait on a receive that is never posted: senders and receivers cannot deadlock whatever the
-window); the buckets together are exactly this rank's slices. It then takes the buckets in the order the
-senders send them and turns them into one tensor per HF name: a name received as one piece is a view into
-its bucket (no copy); a name received in pieces from several senders is copied into a new tensor as each
-bucket arrives, and the bucket is dropped. A receiver thus holds its own slices plus the tensors being
-filled, never the full model. A sender that dies (or closes its connections after failing) fails only its own
-buckets, even when it is gone before the receiver posts them: the receiver still takes every other sender's, then
-raises `SenderFailed` naming the failed senders (senders are the trainer ranks: sync-group rank = trainer rank).
+Receiver: posts its receives one bucket index at a time, for every sender at once, at most two indices ahead of
+the bucket being consumed (`take_buckets`, which also says why this cannot deadlock with the sender's order), so
+posting never allocates the shard. The buckets together are exactly this rank's slices. Two ways to take them:
+- `receive_slices` (`sync.receive=staged`): every slice, one tensor per HF name, before the caller uses any: a
+  name received as one piece is a view into its bucket (no copy); a name received in pieces from several senders
+  is copied into a new tensor as each bucket arrives. Each bucket can be moved as it arrives (on a GPU fleet to
+  pinned host memory, `megarl.sync.wire.staged`), so the device holds a few buckets while the host holds the shard.
+- `SliceStream` (`sync.receive=streamed`): an iterator yielding each HF tensor as soon as all its pieces arrived,
+  for a caller that loads them as they come: it holds the buckets posted ahead and what the caller keeps.
+A sender that dies (or closes its connections after failing) fails only its own buckets, even when it is gone
+before the receiver posts them: the receiver still takes every other sender's, then raises `SenderFailed` naming
+the failed senders (senders are the trainer ranks: sync-group rank = trainer rank).
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 
 from megarl.sync.slices import HFSlice
-from megarl.sync.wire import WireEntry, bucket_sizes, device, from_bytes, to_bytes, wait_on_host
+from megarl.sync.wire import WireEntry, device, from_bytes, to_bytes, wait_on_host
 
 
 @dataclass(frozen=True)
@@ -113,19 +117,20 @@ def send_buckets(group, rank: int, entries: list[WireEntry], local: list[tuple[H
     return SendResult(bytes_sent=total, buckets=len(mine), peak_staging_bytes=peak, failed=failed)
 
 
-def post_receives(group, entries: list[WireEntry],
-                  failed: dict[int, str]) -> dict[tuple[int, int], tuple[torch.Tensor, object]]:
-    """Post one receive per (sender, bucket) of this receiver's entries: (sender, bucket) -> (buffer, work).
+def post_bucket(group, entries_of: dict[tuple[int, int], list[WireEntry]], senders: list[int], bucket: int,
+                failed: dict[int, str]) -> dict[tuple[int, int], tuple[torch.Tensor, object]]:
+    """Post the receive of bucket index `bucket` from every sender that has one: (sender, bucket) -> (buffer, work).
 
     Posting a receive from a sender that is already gone raises at once (gloo: the pair is closed): that sender
-    goes into `failed` (sender -> why) and its other buckets are not posted, but every other sender's still are.
-    Giving up at the first failed post would leave the live senders blocked in sends nobody receives until the
-    group's timeout (a sender can die before this receiver even starts: its peers need not be there yet)."""
+    goes into `failed` (sender -> why) and none of its buckets is posted from then on, but every other sender's
+    still are. Giving up at the first failed post would leave the live senders blocked in sends nobody receives
+    until the group's timeout (a sender can die before this receiver even starts: its peers need not be there yet)."""
     posted = {}
-    for (sender, _, bucket), nbytes in sorted(bucket_sizes(entries).items()):
-        if sender in failed:
+    for sender in senders:
+        items = entries_of.get((sender, bucket))
+        if items is None or sender in failed:
             continue
-        buf = torch.empty(nbytes, dtype=torch.uint8, device=device())
+        buf = torch.empty(max(e.offset + e.nbytes for e in items), dtype=torch.uint8, device=device())
         try:
             posted[(sender, bucket)] = (buf, group.recv([buf], sender, bucket))
         except Exception as err:  # noqa: BLE001 - raised as SenderFailed once the live senders' buckets are taken
@@ -133,52 +138,157 @@ def post_receives(group, entries: list[WireEntry],
     return posted
 
 
+def take_buckets(group, entries: list[WireEntry], failed: dict[int, str],
+                 ahead: int | None = 2) -> Iterator[tuple[list[WireEntry], torch.Tensor]]:
+    """Yield this receiver's buckets as they arrive, each with its entries: bucket index 0 of every sender (in
+    sender order), then index 1, ... Receives are posted one bucket index at a time, for every sender at once:
+    indices 0 .. ahead-1 before the first wait, index b + ahead once every sender's bucket b has been consumed (the
+    consumer asked for the next bucket). So at most `ahead` indices (plus the one being consumed) are allocated;
+    `ahead=None` posts every bucket before the first wait.
+
+    A bucket that fails (its sender died or closed its connections) puts its sender in `failed` and is skipped;
+    every other sender's buckets are still taken, so no live sender is left blocked on a receive never posted.
+
+    Why this cannot deadlock with `send_buckets`, whatever its `window` and rotation: a sender issues its sends in
+    non-decreasing bucket index (bucket-major), and a receiver waiting on index c has posted every sender's buckets
+    of index <= c. Suppose every process were blocked, and let b be the smallest index some receiver R waits on,
+    for sender S. R posted (S, b), so if S had issued that send it would complete: S has not issued it, so S is
+    blocked waiting on an older send of its own, (R2, b2), with b2 <= b (bucket-major). R2 has not finished (it
+    has not taken (S, b2)), so it is blocked on some index c >= b (b is the smallest), hence has posted every
+    sender's buckets of index <= c, (S, b2) among them: that send completes, a contradiction. Posting `ahead` > 1
+    indices only lets the next buckets travel while one is consumed (loaded)."""
+    entries_of: dict[tuple[int, int], list[WireEntry]] = {}
+    for e in entries:
+        entries_of.setdefault((e.sender, e.bucket), []).append(e)
+    senders = sorted({s for s, _ in entries_of})
+    last = max((b for _, b in entries_of), default=-1)
+    ahead = last + 1 if ahead is None else ahead
+    posted: dict[tuple[int, int], tuple[torch.Tensor, object]] = {}
+    for b in range(min(ahead, last + 1)):
+        posted.update(post_bucket(group, entries_of, senders, b, failed))
+    for b in range(last + 1):
+        for sender in senders:
+            if (sender, b) not in posted:
+                continue
+            buf, work = posted.pop((sender, b))
+            try:
+                wait_on_host(work, buf)
+            except Exception as err:  # noqa: BLE001 - the other senders' buckets are still taken
+                failed.setdefault(sender, f"bucket {b}: {type(err).__name__}: {err}")
+                continue
+            yield entries_of[(sender, b)], buf
+            del buf, work
+        if b + ahead <= last:
+            posted.update(post_bucket(group, entries_of, senders, b + ahead, failed))
+
+
 class SenderFailed(RuntimeError):
     """Buckets of one or more senders did not arrive (the sender died or closed its connections)."""
 
 
-def receive_slices(group, entries: list[WireEntry]) -> tuple[dict[str, tuple[HFSlice, torch.Tensor]], int]:
-    """Receive and assemble this receiver's slices (see `assemble`), copying each bucket's pieces out as soon as
-    it arrives and dropping it, buckets taken in the order senders send them (bucket 0 of every sender, then
-    bucket 1, ...). Returns the slices and the bytes received.
+def _sender_failed(failed: dict[int, str]) -> SenderFailed:
+    """The error naming every failed sender (sender -> why its first failed bucket failed)."""
+    return SenderFailed("; ".join(f"trainer rank {sender} failed to send {why}"
+                                  for sender, why in sorted(failed.items())))
+
+
+class Assembler:
+    """Turns arriving buckets into one tensor per HF name of this receiver's slices: a name received as one
+    (aligned) piece is a view into its bucket (no copy, the bucket stays alive for it); a name received in pieces
+    (from several senders) is copied into a new tensor as each piece arrives. `add` returns the names completed by
+    a bucket, so a caller can use each tensor as soon as all its pieces are in."""
+
+    def __init__(self, entries: list[WireEntry]) -> None:
+        self.wholes = tile(entries)
+        self.missing: dict[str, int] = {}
+        for e in entries:
+            self.missing[e.block.name] = self.missing.get(e.block.name, 0) + 1
+        self.pieces = dict(self.missing)
+        self.filling: dict[str, torch.Tensor] = {}
+
+    def add(self, items: list[WireEntry], buf: torch.Tensor) -> list[tuple[str, HFSlice, torch.Tensor]]:
+        """Take one bucket's pieces; returns (name, slice, tensor) of each name this bucket completed."""
+        done = []
+        for e in items:
+            raw = buf[e.offset:e.offset + e.nbytes]
+            whole = self.wholes[e.block.name]
+            if self.pieces[e.block.name] == 1 and _aligned(e):
+                tensor = from_bytes(raw, e.dtype, e.block.shape)
+            else:
+                tensor = self.filling.get(e.block.name)
+                if tensor is None:
+                    tensor = torch.empty(whole.shape, dtype=getattr(torch, e.dtype), device=buf.device)
+                    self.filling[e.block.name] = tensor
+                tensor[e.block.index_within(whole)] = from_bytes(raw if _aligned(e) else raw.clone(), e.dtype,
+                                                                 e.block.shape)
+            self.missing[e.block.name] -= 1
+            if self.missing[e.block.name] == 0:
+                self.filling.pop(e.block.name, None)
+                done.append((e.block.name, whole, tensor))
+        return done
+
+
+def receive_slices(group, entries: list[WireEntry],
+                   keep: Callable[[torch.Tensor], torch.Tensor] = lambda buf: buf, ahead: int | None = None,
+                   ) -> tuple[dict[str, tuple[HFSlice, torch.Tensor]], int]:
+    """Receive and assemble all of this receiver's slices (see `Assembler`), buckets taken as `take_buckets` yields
+    them (`ahead` bucket indices posted ahead, None: all before the first wait); each arrived bucket goes through
+    `keep` first (`megarl.sync.wire.staged`: on a GPU, to pinned host memory, so the device holds a few buckets,
+    not the shard). Returns the slices and the bytes received.
 
     A sender whose bucket fails (it died, or closed its connections after failing: `SenderFailed` names it) does
     not stop the receive: every other sender's buckets are still taken, so no live sender is left blocked on a
     receive that was dropped, and then `SenderFailed` is raised naming each failed sender."""
     failed: dict[int, str] = {}  # sender -> why its first failed bucket failed
-    posted = post_receives(group, entries, failed)
-    received = sum(buf.numel() for buf, _ in posted.values())
-    by_bucket: dict[tuple[int, int], list[WireEntry]] = {}
-    pieces: dict[str, int] = {}
-    for e in entries:
-        by_bucket.setdefault((e.sender, e.bucket), []).append(e)
-        pieces[e.block.name] = pieces.get(e.block.name, 0) + 1
-    wholes = tile(entries)
+    assembler = Assembler(entries)
     out: dict[str, tuple[HFSlice, torch.Tensor]] = {}
-    for key in sorted(posted, key=lambda k: (k[1], k[0])):
-        buf, work = posted.pop(key)
-        try:
-            wait_on_host(work, buf)
-        except Exception as err:  # noqa: BLE001 - the other senders' buckets are still taken, then this raises
-            failed.setdefault(key[0], f"bucket {key[1]}: {type(err).__name__}: {err}")
-            continue
+    received = 0
+    for items, buf in take_buckets(group, entries, failed, ahead):
+        received += buf.numel()
         if failed:  # the update is refused anyway: the bucket is taken (its sender is not left waiting), not used
             continue
-        for e in by_bucket[key]:
-            raw = buf[e.offset:e.offset + e.nbytes]
-            whole = wholes[e.block.name]
-            if pieces[e.block.name] == 1 and _aligned(e):  # one piece: a view, the bucket stays alive for it
-                out[e.block.name] = (whole, from_bytes(raw, e.dtype, e.block.shape))
-                continue
-            if e.block.name not in out:
-                out[e.block.name] = (whole, torch.empty(whole.shape, dtype=getattr(torch, e.dtype), device=device()))
-            piece = from_bytes(raw if _aligned(e) else raw.clone(), e.dtype, e.block.shape)
-            out[e.block.name][1][e.block.index_within(whole)] = piece
+        for name, whole, tensor in assembler.add(items, keep(buf)):
+            out[name] = (whole, tensor)
         del buf
     if failed:
-        raise SenderFailed("; ".join(f"trainer rank {sender} failed to send {why}"
-                                     for sender, why in sorted(failed.items())))
+        raise _sender_failed(failed)
     return out, received
+
+
+class SliceStream:
+    """This receiver's slices as an iterator, each HF tensor yielded as soon as all its pieces arrived, for a caller
+    that loads them as they come (`sync.receive=streamed`): it holds the buckets posted ahead (`take_buckets`) and
+    what the caller keeps of the yielded tensors, never the shard.
+
+    A failed sender stops the yielding, not the receiving: every live sender's buckets are still taken, then the
+    iteration raises `SenderFailed`. A caller that stops early (its loader raised) calls `close`, which takes the
+    remaining buckets unused for the same reason. `received` counts the bytes that arrived, `delivered` the
+    slices yielded."""
+
+    def __init__(self, group, entries: list[WireEntry], ahead: int = 2) -> None:
+        self.failed: dict[int, str] = {}
+        self.assembler = Assembler(entries)
+        self.received = 0
+        self.delivered: dict[str, HFSlice] = {}
+        self._buckets = take_buckets(group, entries, self.failed, ahead)
+
+    def __iter__(self) -> Iterator[tuple[str, HFSlice, torch.Tensor]]:
+        for items, buf in self._buckets:
+            self.received += buf.numel()
+            if self.failed:
+                continue
+            done = self.assembler.add(items, buf)
+            del buf
+            for name, whole, tensor in done:
+                self.delivered[name] = whole
+                yield name, whole, tensor
+        if self.failed:
+            raise _sender_failed(self.failed)
+
+    def close(self) -> None:
+        """Take every bucket not taken yet, unused (no-op once the iteration has ended)."""
+        for _, buf in self._buckets:
+            self.received += buf.numel()
 
 
 def tile(entries: list[WireEntry]) -> dict[str, HFSlice]:

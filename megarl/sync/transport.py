@@ -3,7 +3,8 @@
 The plan (`megarl.sync.plan`), the wire format (`megarl.sync.wire`) and the fleet lifecycle
 (`megarl.sync.lifecycle`) do not depend on how bytes travel. A transport joins the sync group (trainer ranks
 `[0, T)`, vLLM workers after them) and moves the planned buckets: `send` on a trainer rank, `receive` on a
-vLLM worker. A second backend (NCCL or NIXL point-to-point, RDMA reads) implements the same three methods.
+vLLM worker, staged (every slice before any is used) or `stream` (each slice as it completes, `sync.receive`). A
+second backend (NCCL or NIXL point-to-point, RDMA reads) implements the same methods.
 
 `TorchGroupTransport`, the default: one torch.distributed process group over a TCPStore hosted by trainer
 rank 0 (gloo on CPU, NCCL on GPU), one point-to-point message per bucket with the bucket index as tag,
@@ -20,8 +21,8 @@ import torch.distributed as dist
 
 from megarl.parallel.stores import tcp_store
 from megarl.sync.slices import HFSlice
-from megarl.sync.stream import SendResult, receive_slices, send_buckets
-from megarl.sync.wire import WireEntry
+from megarl.sync.stream import SendResult, SliceStream, receive_slices, send_buckets
+from megarl.sync.wire import WireEntry, staged, staged_ahead
 
 
 class Transport(Protocol):
@@ -30,7 +31,12 @@ class Transport(Protocol):
         ...
 
     def receive(self, entries: list[WireEntry]) -> tuple[dict[str, tuple[HFSlice, torch.Tensor]], int]:
-        """vLLM worker: receive this worker's `entries`; its slices (one tensor per HF name) and bytes received."""
+        """vLLM worker: receive this worker's `entries`; its slices (one tensor per HF name, in host memory on a GPU
+        fleet) and bytes received."""
+        ...
+
+    def stream(self, entries: list[WireEntry]) -> SliceStream:
+        """vLLM worker: this worker's slices yielded as each completes (`megarl.sync.stream.SliceStream`)."""
         ...
 
     def close(self) -> None:
@@ -68,7 +74,10 @@ class TorchGroupTransport:
         return send_buckets(self.group, self.rank, entries, local, window=self.window)
 
     def receive(self, entries: list[WireEntry]) -> tuple[dict[str, tuple[HFSlice, torch.Tensor]], int]:
-        return receive_slices(self.group, entries)
+        return receive_slices(self.group, entries, keep=staged, ahead=staged_ahead())
+
+    def stream(self, entries: list[WireEntry]) -> SliceStream:
+        return SliceStream(self.group, entries)
 
     def close(self) -> None:
         self.group, self.store = None, None

@@ -3,11 +3,16 @@
 Registered as `megarl_partitioned` by `megarl.sync.vllm_plugin`; select it with
 `--weight-transfer-config '{"backend": "megarl_partitioned"}'`.
 
-One update, on each vLLM worker (tensor-parallel rank):
+One update, on each vLLM worker (tensor-parallel rank), in the mode the trainer sends with it
+(`PartitionedUpdateInfo.receive`, from `sync.receive`):
+
+staged (default), all or nothing:
 1. `receive_weights` gets this worker's part of the plan: which trainer rank sends which HF block
    in which bucket. It receives exactly those buckets over the sync process group (gloo on CPU,
-   NCCL on GPU) and checks that the blocks tile the slices this worker needs (its rank's part of the needs
-   record handed over at `/init_weight_transfer_engine`, used only if made for this worker's own layout).
+   NCCL on GPU; on a GPU each bucket is copied to pinned host memory as it arrives and the device bucket
+   freed, so the device holds a few buckets and the host this rank's shard) and checks that the blocks tile
+   the slices this worker needs (its rank's part of the needs record handed over at
+   `/init_weight_transfer_engine`, used only if made for this worker's own layout).
 2. The replica's TP workers agree (all-gather over vLLM's own CPU TP group): if any of them failed
    to receive or rejected its part, all of them refuse the update, so no replica is left with some
    ranks updated and others not. A refusal is *reported*, not raised (see 4): vLLM 0.32's
@@ -19,13 +24,23 @@ One update, on each vLLM worker (tensor-parallel rank):
    paused, so generation never sees a half-updated model, and a failed transfer leaves the old
    weights serving. (`start_weight_update` / `finish_weight_update` therefore have nothing to do:
    entering the reload there would expose a model whose parameters are placeholders until finish.)
-4. It keeps a report (update id, outcome or error, `model_state`, bytes received, bytes the loaders read,
-   seconds) that the worker extension `MegarlWorkerExtension.megarl_sync_report` returns over
-   `collective_rpc`; the trainer reads it before `finish_weight_update` and raises on any error.
+
+streamed, bounded memory: the plan itself is checked against this rank's slices and the TP workers agree on
+that before any byte moves (a plan outside the slices is refused, model unchanged); then the model's
+`load_weights` is fed each HF tensor as soon as all its pieces arrived (`megarl.sync.stream.SliceStream`),
+and vLLM's layerwise reload processes each layer as soon as it is complete. The worker holds a few buckets per
+sender and the layers being assembled, never its shard. A transfer that fails after loading began leaves the
+model "mixed" (the TP workers agree again at the end, so every one of them says so).
+
+4. It keeps a report (update id, mode, outcome or error, `model_state`, bytes received, bytes the loaders read,
+   seconds, and this process's memory before and at its peak during the update: CPU resident set, or CUDA
+   allocated bytes on a GPU, `megarl.sync.peak_memory`) that the worker extension
+   `MegarlWorkerExtension.megarl_sync_report` returns over `collective_rpc`; the trainer reads it before
+   `finish_weight_update` and raises on any error.
    `model_state` says what is true afterwards: "updated", "unchanged" (refused before the model was
-   touched: the previous weights serve) or "mixed" (vLLM's loaders failed part-way: some parameters may hold
-   new weights and others old ones; the trainer leaves such a replica paused, so it serves nothing until a
-   later push loads completely or it is restarted).
+   touched: the previous weights serve) or "mixed" (vLLM's loaders failed part-way, or a streamed transfer
+   failed after loading began: some parameters may hold new weights and others old ones; the trainer leaves
+   such a replica paused, so it serves nothing until a later push loads completely or it is restarted).
 """
 
 from __future__ import annotations
@@ -37,6 +52,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,8 +65,10 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from megarl.sync.peak_memory import PeakMemory
 from megarl.sync.received_block import ReadLog, sha256_of, wrap
 from megarl.sync.slices import HFSlice
+from megarl.sync.stream import tile
 from megarl.sync.transport import TorchGroupTransport, Transport
 from megarl.sync.wire import WireEntry
 
@@ -78,6 +96,7 @@ class PartitionedUpdateInfo(WeightTransferUpdateInfo):
     entries: list[dict[str, Any]] = field(default_factory=list)  # this worker's WireEntry.to_json() list
     digests: bool = False  # also record sha256 digests of the received blocks and of every loader read (tests)
     fail_loading_after: int | None = None  # failure injection (tests): raise inside load_weights after N tensors
+    receive: str = "staged"  # sync.receive: "staged" (receive all, check, agree, load) or "streamed" (load as it comes)
 
 
 def _reprepack_cpu_moe_experts(model: torch.nn.Module) -> None:
@@ -152,15 +171,28 @@ class PartitionedWeightTransferEngine(WeightTransferEngine[PartitionedInitInfo, 
         return needs.reads[pc.rank % tp]
 
     def start_weight_update(self) -> None:
-        """Nothing to prepare: the model is touched only after every byte of the update has arrived."""
+        """Nothing to prepare: the model is touched only inside `receive_weights`."""
 
     def finish_weight_update(self) -> None:
         """Nothing left: `receive_weights` loads and finalises in one step (see the module docstring)."""
 
     def receive_weights(self, update_info: PartitionedUpdateInfo) -> None:
-        """Receive every planned block, check they are exactly this rank's slices, agree with the other TP
-        ranks, then load (see above). The outcome, success or error, goes to `self.report`."""
-        self.report = {"update_id": update_info.update_id, "version": update_info.version, "rank": self.rank}
+        """Receive this rank's planned blocks and load them, staged or streamed (`update_info.receive`, see the
+        module docstring), measuring this process's memory meanwhile. The outcome goes to `self.report`."""
+        self.report = {"update_id": update_info.update_id, "version": update_info.version, "rank": self.rank,
+                       "receive": update_info.receive}
+        memory = PeakMemory.start(cuda=_on_cuda(self.model))
+        try:
+            if update_info.receive == "streamed":
+                self._receive_streamed(update_info)
+            else:
+                self._receive_staged(update_info)
+        finally:
+            self.report.update(memory.finish())
+
+    def _receive_staged(self, update_info: PartitionedUpdateInfo) -> None:
+        """Receive every planned block (to host memory on a GPU fleet), check they are exactly this rank's
+        slices, agree with the other TP ranks, then load."""
         t0 = time.perf_counter()
         error = None
         try:
@@ -168,7 +200,9 @@ class PartitionedWeightTransferEngine(WeightTransferEngine[PartitionedInitInfo, 
                 raise RuntimeError("megarl sync group not initialised: call /init_weight_transfer_engine first")
             entries = [WireEntry.from_json(self.rank, e) for e in update_info.entries]
             blocks, received = self.transport.receive(entries)
-            self._check_complete(blocks)
+            if update_info.receive != "staged":
+                raise ValueError(f"unknown receive mode {update_info.receive!r} (staged or streamed)")
+            self._check_complete({n: b for n, (b, _) in blocks.items()})
         except Exception as err:  # noqa: BLE001 - shared with the other TP ranks, then reported
             error = f"{type(err).__name__}: {err}"
         failed = self._tp_peer_failures(error)
@@ -180,31 +214,80 @@ class PartitionedWeightTransferEngine(WeightTransferEngine[PartitionedInitInfo, 
         t1 = time.perf_counter()
         reads = ReadLog(digests=update_info.digests)
         try:
-            self._load(blocks, reads, update_info.fail_loading_after)
+            self._load(((n, b, d) for n, (b, d) in blocks.items()), reads, update_info.fail_loading_after)
         except Exception as err:  # noqa: BLE001 - reported; the trainer raises it
             self.report["model_state"] = "mixed"
             self._refuse(f"megarl weight update failed while vLLM's loaders ran on worker {self.rank}, after the "
                          f"model was touched: it may hold a mix of old and new weights: {type(err).__name__}: {err}")
             return
         self.report["model_state"] = "updated"
-        self.report.update(self._make_report(update_info, received, blocks, reads))
+        digests = {n: sha256_of(t) for n, (_, t) in blocks.items()} if update_info.digests else None
+        self.report.update(self._make_report({n: b for n, (b, _) in blocks.items()}, received, reads, digests))
         self.report.update(receive_seconds=t1 - t0, load_seconds=time.perf_counter() - t1)
+
+    def _receive_streamed(self, update_info: PartitionedUpdateInfo) -> None:
+        """Load each HF tensor into the model as soon as all its pieces arrived (`SliceStream`).
+
+        Before any byte moves, the plan itself is checked to tile exactly this rank's slices and the TP ranks agree
+        on that: a plan outside this rank's slices is refused, on every TP rank, before the model is touched (its
+        buckets are still taken, unused, so no sender is left blocked). The blocks that arrive are the plan's, so a
+        complete transfer delivers exactly this rank's slices (checked again at the end). A failure once loading
+        began (a sender failed, a loader raised) leaves the model touched: "mixed", on every TP rank (the TP ranks
+        agree once more at the end), and the trainer leaves the replica paused until a complete push."""
+        t0 = time.perf_counter()
+        stream, error = None, None
+        try:
+            if self.transport is None:
+                raise RuntimeError("megarl sync group not initialised: call /init_weight_transfer_engine first")
+            entries = [WireEntry.from_json(self.rank, e) for e in update_info.entries]
+            stream = self.transport.stream(entries)
+            self._check_complete(tile(entries))
+        except Exception as err:  # noqa: BLE001 - shared with the other TP ranks, then reported
+            error = f"{type(err).__name__}: {err}"
+        failed = self._tp_peer_failures(error)
+        if failed or stream is None:
+            if stream is not None:
+                stream.close()
+            self.report["model_state"] = "unchanged"
+            self._refuse("megarl weight update rejected before any byte was loaded, model left unchanged on every "
+                         f"TP rank of this replica ({len(failed)} failed): " + " | ".join(failed))
+            return
+        reads = ReadLog(digests=update_info.digests)
+        digests: dict[str, str] | None = {} if update_info.digests else None
+        t1 = time.perf_counter()
+        try:
+            self._load(_digested(stream, digests), reads, update_info.fail_loading_after)
+            self._check_complete(stream.delivered)
+        except Exception as err:  # noqa: BLE001 - shared with the other TP ranks, then reported
+            error = f"{type(err).__name__}: {err}"
+        finally:
+            stream.close()
+        failed = self._tp_peer_failures(error)
+        if failed:
+            self.report["model_state"] = "mixed"
+            self._refuse("megarl streamed weight update failed after loading began: the model may hold a mix of old "
+                         f"and new weights on the TP ranks of this replica ({len(failed)} failed): "
+                         + " | ".join(failed))
+            return
+        self.report["model_state"] = "updated"
+        self.report.update(self._make_report(stream.delivered, stream.received, reads, digests))
+        self.report.update(receive_seconds=time.perf_counter() - t0, load_seconds=time.perf_counter() - t1)
 
     def _refuse(self, message: str) -> None:
         """Record (and log) why this update was not applied; the trainer reads it from the report."""
         logger.error("%s", message)
         self.report["error"] = message
 
-    def _make_report(self, update_info: PartitionedUpdateInfo, received: int,
-                     blocks: dict[str, tuple[HFSlice, torch.Tensor]], reads: ReadLog) -> dict[str, Any]:
+    def _make_report(self, blocks: dict[str, HFSlice], received: int, reads: ReadLog,
+                     digests: dict[str, str] | None) -> dict[str, Any]:
         """What this worker received and what vLLM's loaders read of it (JSON-able, for `collective_rpc`)."""
         report: dict[str, Any] = {
             "bytes_received": received,
             "bytes_read_by_loaders": reads.total_bytes,
-            "blocks": {n: [list(b) for b in block.box] for n, (block, _) in blocks.items()},
+            "blocks": {n: [list(b) for b in block.box] for n, block in blocks.items()},
         }
-        if update_info.digests:
-            report["sha256"] = {n: sha256_of(t) for n, (_, t) in blocks.items()}
+        if digests is not None:
+            report["sha256"] = digests
             report["loader_reads"] = [[name, [list(b) for b in box], digest]
                                       for (name, box), digest in sorted(reads.sha256.items())]
         return report
@@ -221,12 +304,11 @@ class PartitionedWeightTransferEngine(WeightTransferEngine[PartitionedInitInfo, 
                     f"workers of its replica (one died?): {type(err).__name__}: {err}"]
         return [f"worker {rank}: {err}" for rank, err in outcomes if err is not None]
 
-    def _check_complete(self, blocks: dict[str, tuple[HFSlice, torch.Tensor]]) -> None:
+    def _check_complete(self, got: dict[str, HFSlice]) -> None:
         """Refuse (before touching the model) an update that is not exactly the slices this rank holds."""
         if self.needs is None:
             raise RuntimeError(f"this worker does not know its slices: {self.needs_error}")
         need = {b.name: b for b in self.needs}
-        got = {n: b for n, (b, _) in blocks.items()}
         missing = sorted(set(need) - set(got))
         extra = sorted(set(got) - set(need))
         wrong = sorted(n for n in set(need) & set(got) if need[n] != got[n])
@@ -237,19 +319,33 @@ class PartitionedWeightTransferEngine(WeightTransferEngine[PartitionedInitInfo, 
                 f"wrong boxes {[(n, got[n].box, need[n].box) for n in wrong[:3]]}"
             )
 
-    def _load(self, blocks: dict[str, tuple[HFSlice, torch.Tensor]], reads: ReadLog,
+    def _load(self, blocks: Iterable[tuple[str, HFSlice, torch.Tensor]], reads: ReadLog,
               fail_after: int | None = None) -> None:
-        """vLLM's layerwise reload around the model's own `load_weights`, fed with received blocks."""
+        """vLLM's layerwise reload around the model's own `load_weights`, fed with received blocks as `blocks`
+        yields them (a layer is processed, and its received tensors dropped, as soon as all of it is loaded).
+
+        If loading fails part-way the reload is still finalised (best effort) before the error is raised: vLLM keeps
+        a layer's buffered tensors, and its progress count, until the layer completes, so an unfinalised reload
+        would hold the received tensors for good and make the next push skip those layers' re-initialisation,
+        process them early with stale tensors and drop the new ones as excess. Finalised, the model is "mixed"
+        (layers loaded part-way hold garbage), and the next complete push reloads every layer from scratch."""
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
         def weights():
-            for i, (name, (block, data)) in enumerate(blocks.items()):
+            for i, (name, block, data) in enumerate(blocks):
                 if fail_after is not None and i == fail_after:
                     raise RuntimeError(f"injected loader failure after {fail_after} tensors (fail_loading_after)")
                 yield name, wrap(block, data, reads)
 
         initialize_layerwise_reload(self.model)
-        self.model.load_weights(weights())
+        try:
+            self.model.load_weights(weights())
+        except BaseException:
+            try:
+                finalize_layerwise_reload(self.model, self.model_config)
+            except Exception as err:  # noqa: BLE001 - the load's own error is the one reported
+                logger.error("megarl could not finalise vLLM's reload after a failed load: %s", err)
+            raise
         finalize_layerwise_reload(self.model, self.model_config)
         _reprepack_cpu_moe_experts(self.model)
 
@@ -257,6 +353,20 @@ class PartitionedWeightTransferEngine(WeightTransferEngine[PartitionedInitInfo, 
         if self.transport is not None:
             self.transport.close()
             self.transport = None
+
+
+def _digested(stream: Iterable[tuple[str, HFSlice, torch.Tensor]],
+              digests: dict[str, str] | None) -> Iterator[tuple[str, HFSlice, torch.Tensor]]:
+    """`stream` unchanged, recording each tensor's sha256 into `digests` as it passes (when `digests` is a dict)."""
+    for name, block, data in stream:
+        if digests is not None:
+            digests[name] = sha256_of(data)
+        yield name, block, data
+
+
+def _on_cuda(model: torch.nn.Module) -> bool:
+    """Whether the served model's weights live on a CUDA device (what a push's memory is measured on)."""
+    return any(p.is_cuda for p in model.parameters())
 
 
 def _model_dir(model: str) -> Path:

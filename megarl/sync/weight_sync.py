@@ -33,7 +33,7 @@ import uuid
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -48,6 +48,8 @@ from megarl.sync.transport import TorchGroupTransport, Transport
 from megarl.sync.wire import WireEntry, layout_buckets
 
 logger = logging.getLogger(__name__)
+
+ReceiveMode = Literal["staged", "streamed"]  # sync.receive (megarl.config.schema.SyncConfig)
 
 
 class WeightSyncError(RuntimeError):
@@ -93,14 +95,17 @@ class PartitionedWeightSync:
     fleet with `clients`, one per replica; other ranks pass no clients), then call `push` on every rank.
 
     `hf_config` is the rollout model's HF config (it decides what each vLLM TP rank holds); `bucket_bytes`
-    bounds one point-to-point message; `digests` makes the workers report sha256 digests (tests)."""
+    bounds one point-to-point message; `digests` makes the workers report sha256 digests (tests); `receive` is how
+    the vLLM workers take each push (`sync.receive`: "staged", all or nothing, or "streamed", loaded as it arrives
+    in bounded memory), sent with every update."""
 
     def __init__(self, rank: int, world_size: int, hf_config: dict[str, Any], clients: list[RolloutClient],
                  rollout_tp: int, rollout_replicas: int, store_host: str, store_port: int, bucket_bytes: int,
-                 timeout_s: float = 600.0, digests: bool = False, needs: NeedsSource = "recorded") -> None:
+                 timeout_s: float = 600.0, digests: bool = False, needs: NeedsSource = "recorded",
+                 receive: ReceiveMode = "staged") -> None:
         self.rank, self.trainers, self.hf = rank, world_size, hf_config
         self.clients, self.tp, self.replicas = clients, rollout_tp, rollout_replicas
-        self.bucket_bytes, self.digests = bucket_bytes, digests
+        self.bucket_bytes, self.digests, self.receive = bucket_bytes, digests, receive
         self.store_host, self.store_port = store_host, store_port
         self.broken: str | None = None  # why this sync group is unusable (a trainer rank failed while sending)
         self.fail_loading_after: int | None = None  # failure injection (tests): the workers' loaders raise after N
@@ -262,7 +267,7 @@ class PartitionedWeightSync:
 
     def _update_infos(self, version: int, update_id: str) -> list[list[dict[str, Any]]]:
         """Per replica, per TP rank: the update info `/update_weights` hands that worker (its part of the plan)."""
-        return [[{"version": version, "update_id": update_id, "digests": self.digests,
+        return [[{"version": version, "update_id": update_id, "digests": self.digests, "receive": self.receive,
                   "fail_loading_after": self.fail_loading_after,
                   "entries": [e.to_json() for e in self.entries or [] if e.receiver == self.worker_rank(rep, r)]}
                  for r in range(self.tp)] for rep in range(self.replicas)]

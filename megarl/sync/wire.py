@@ -68,6 +68,27 @@ def device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
+def staged_ahead() -> int | None:
+    """How many bucket indices a staged receiver keeps posted ahead (`megarl.sync.stream.take_buckets`): on a GPU
+    two, so the device holds a few buckets; on CPU all of them (None), as before `sync.receive` existed: the
+    buckets are the host copy anyway, and with every receive posted before any wait, a sender that fails reaches
+    every one of its receives at once. (A receive posted on a gloo pair just after its peer closed it was once seen
+    to wait for the group's timeout instead of failing: streamed receivers, which post as they go, can meet that.)"""
+    return 2 if torch.cuda.is_available() else None
+
+
+def staged(buf: torch.Tensor) -> torch.Tensor:
+    """Where a staged receiver (`sync.receive=staged`) keeps a bucket that has arrived: NCCL receives into device
+    memory, so on a GPU the bucket is copied to pinned host memory (vLLM's loaders copy host -> device as they load)
+    and the device bucket is freed by the caller dropping it: the device holds a few buckets, the host the shard.
+    On CPU the bucket itself (no copy)."""
+    if not buf.is_cuda:
+        return buf
+    host = torch.empty(buf.shape, dtype=buf.dtype, pin_memory=True)
+    host.copy_(buf)
+    return host
+
+
 def wait_on_host(work, buf: torch.Tensor) -> None:
     """Wait until the point-to-point operation `work` on `buf` has completed, as seen from the host. gloo's `wait`
     blocks until then; NCCL's only makes the current CUDA stream wait for it, so on a GPU the stream is synchronised
