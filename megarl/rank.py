@@ -61,7 +61,7 @@ def run_rank(cfg: Config, place: ProcessPlace, sync_port: int, fleet_urls: Calla
             rank=rank, world_size=t.world_size, hf_config=hf, clients=clients, rollout_tp=cfg.rollout.tp,
             rollout_replicas=cfg.rollout.replicas, store_host=place.master_addr, store_port=sync_port,
             bucket_bytes=int(cfg.sync.bucket_mb * 2**20), timeout_s=t.collective_timeout_s, needs=cfg.sync.needs,
-            receive=cfg.sync.receive,
+            receive=cfg.sync.receive, delta=cfg.sync.delta,
         )
         start_rollout = None
         if rank == 0:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from megarl.data.tokenizer import save_tokenizer
 from megarl.rollout.fleet import FleetSpec, launch
@@ -139,3 +139,110 @@ def test_a_record_for_another_layout_is_refused_by_the_workers(llama_fleet, llam
     assert "model left unchanged on every TP rank" in out["error"]
     for now, then in zip(out["engine"], before["engine"], strict=True):  # still the weights of the previous push
         torch.testing.assert_close(torch.tensor(now), torch.tensor(then), atol=1e-6, rtol=0)
+
+
+def _sparsely_changed(src: Path, out: Path, fraction: float, seed: int) -> Path:
+    """A copy of checkpoint `src` in `out` where a `fraction` of each tensor's elements moved (as a small optimizer
+    step leaves most bits alone), except: the final norm unchanged, the first layer's q_proj changed everywhere."""
+    import shutil
+
+    out.mkdir()
+    for f in src.iterdir():
+        shutil.copy(f, out / f.name)
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, t in load_file(src / "model.safetensors").items():
+        share = 0.0 if name == "model.norm.weight" else 1.0 if name.endswith("0.self_attn.q_proj.weight") else fraction
+        mask = torch.rand(t.shape, generator=g) < share
+        tensors[name] = torch.where(mask, t + 0.01 * torch.randn(t.shape, generator=g), t)
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+def _push_versions(rank, world, dirs, url, sync_port, delta, inject=None):
+    """One trainer rank pushes each checkpoint of `dirs` in turn (versions 1, 2, ...) into the replica at `url`
+    through one sync group (`sync.delta=delta`); returns per push its stats or error, and the engine's log-probs of
+    SEQS after it. `inject`: push index -> "mismatch" (the senders' base version is not the replica's) or
+    "tamper" (one element of the senders' base copy altered: the fingerprints disagree)."""
+    import json
+
+    from megarl.rollout.client import RolloutClient
+    from megarl.sync.delta import fingerprint
+    from megarl.sync.slices import HFSlice
+    from megarl.sync.weight_sync import PartitionedWeightSync, WeightSyncError
+
+    hf = json.loads((Path(dirs[0]) / "config.json").read_text())
+    client = RolloutClient(url)
+    sync = PartitionedWeightSync(rank, world, hf, [client], rollout_tp=2, rollout_replicas=1, store_host="127.0.0.1",
+                                 store_port=sync_port, bucket_bytes=64 << 10, timeout_s=90, delta=delta)
+    pushes, engine = [], []
+    for i, d in enumerate(dirs):
+        if (inject or {}).get(i) == "mismatch":
+            sync.base.version = 99
+        if (inject or {}).get(i) == "tamper":
+            key = next(k for k in sync.base.blocks if k[0].endswith("1.mlp.down_proj.weight"))
+            copy, _ = sync.base.blocks[key]
+            copy.view(-1)[7] += 1.0  # a base that drifted from what the replica holds
+            sync.base.blocks[key] = (copy, fingerprint(copy))
+        tensors = load_file(Path(d) / "model.safetensors")
+        local = [(HFSlice.whole(name, tuple(t.shape)), t) for name, t in tensors.items()]
+        try:
+            pushes.append(sync.push(local, version=i + 1))
+        except WeightSyncError as err:
+            pushes.append(str(err))
+        engine.append([client.prompt_logprobs(s) for s in SEQS])
+    sync.close()
+    return {"pushes": pushes, "engine": engine}
+
+
+def _delta_bytes(old: dict, new: dict, tp_rank: int) -> tuple[int, int]:
+    """What a delta push from checkpoint `old` to `new` puts on the wire for Llama TP rank `tp_rank` (the layout
+    derived by hand), by the rule of docs/sync.md, from the two checkpoints' bits: (bytes, elements changed)."""
+    from tests.test_sync_delta import _wire_size
+
+    total = changed = 0
+    for name, box in _llama_expected(2, tp_rank).items():
+        index = tuple(slice(a, b) for a, b in box)
+        a, b = old[name][index].contiguous(), new[name][index].contiguous()
+        c = int((a.view(torch.int32) != b.view(torch.int32)).sum())
+        total += _wire_size(a.numel(), c, 4)
+        changed += c
+    return total, changed
+
+
+def test_delta_pushes_serve_what_a_full_push_serves(llama_fleet, llama_dir, tmp_path):
+    """Versions 1..3 pushed with sync.delta (1 full: nothing held yet; 2 and 3 as deltas) leave the engine with
+    exactly the log-probs one full push of version 3 gives; each delta's bytes per worker are those the rule
+    gives from the two checkpoints' differing bits in that worker's hand-derived slices. Then the fallbacks: a
+    replica that does not hold the senders' base version gets a full push; a base whose bits drifted is refused by
+    the workers before the model is touched (the old weights serve), and the next push is full again."""
+    (tmp_path / "v1").mkdir()
+    v1 = perturbed_checkpoint(llama_dir, tmp_path / "v1", seed=21)
+    v2 = _sparsely_changed(v1, tmp_path / "v2", 0.02, seed=22)
+    v3 = _sparsely_changed(v2, tmp_path / "v3", 0.1, seed=23)
+    v5 = _sparsely_changed(v3, tmp_path / "v5", 0.02, seed=25)
+    full = run_distributed(_push_versions, 1, [v3], llama_fleet.urls[0], free_port(), False)[0]
+    assert all(not isinstance(p, str) for p in full["pushes"]), full["pushes"]
+    run = run_distributed(_push_versions, 1, [v1, v2, v3, v5, v2, v3], llama_fleet.urls[0], free_port(), True,
+                          {3: "mismatch", 4: "tamper"})[0]
+    first, *deltas = run["pushes"][:3]
+    assert not isinstance(first, str) and first.delta == {}  # nothing held yet: full
+    assert first.bytes_received == first.bytes_needed
+    ckpt = {d: load_file(d / "model.safetensors") for d in (v1, v2, v3)}
+    for (old, new), push in zip([(v1, v2), (v2, v3)], deltas, strict=True):
+        assert not isinstance(push, str), push
+        for tp_rank, worker in enumerate((1, 2)):
+            want, changed = _delta_bytes(ckpt[old], ckpt[new], tp_rank)
+            assert push.bytes_received[worker] == want, (tp_rank, push.bytes_received, want)
+            assert push.delta[worker][0] == changed
+            assert want < push.bytes_needed[worker] / 3  # the point of it
+    assert run["engine"][2] == full["engine"][0]  # bit-exact: the same floats, not merely close
+
+    pushes = run["pushes"]
+    assert pushes[3].delta == {}  # base version 99 is not what the replica holds: full
+    assert pushes[3].bytes_received == pushes[3].bytes_needed
+    assert isinstance(pushes[4], str) and "is not the one the delta was computed against" in pushes[4]
+    assert "model left unchanged" in pushes[4]
+    assert run["engine"][4] == run["engine"][3]  # the refused delta left version 4 serving
+    assert pushes[5].delta == {} and pushes[5].bytes_received == pushes[5].bytes_needed  # full after a refusal
+    assert run["engine"][5] == full["engine"][0]

@@ -177,6 +177,23 @@ class SyncConfig(_Strict):
         "(it serves nothing) until a complete push. `megarl plan` prints each rank's peak for both and `megarl check "
         "--gpu` judges the configured one.",
     )
+    delta: bool = Field(
+        False, description="Delta pushes: a replica whose vLLM workers all hold the previous pushed version gets, "
+        "per block, only the elements whose wire-dtype bits changed (int32 positions or a bitmap, whichever is "
+        "smaller, then the new values; the whole block where that is not smaller), written into the worker's copy "
+        "of what it last loaded, which then equals bit for bit what a full push would deliver. Costs host memory "
+        "on both ends: each trainer rank keeps a copy of every block it sends, each vLLM worker a copy of its shard "
+        "(`megarl plan` prints both). A new, restarted or failed replica gets a full push. Needs "
+        "sync.receive=staged. Off by default until `megarl bench savings` shows it pays at your learning rate "
+        "(docs/sync.md).",
+    )
+
+    @model_validator(mode="after")
+    def _delta_needs_staged(self) -> SyncConfig:
+        if self.delta and self.receive != "staged":
+            raise ValueError("sync.delta=true needs sync.receive=staged: a delta is written into the worker's copy "
+                             "of what it last loaded, which a streamed receiver does not keep")
+        return self
     push_initial: bool = Field(
         False, description="Push the trainer's weights once before the first batch, for a fleet that did not "
         "start from the trainer's checkpoint (a reused fleet, a resumed run). Counted in step 0's sync metrics.",

@@ -59,11 +59,18 @@ def cut(by_name: dict[str, list[tuple[HFSlice, torch.Tensor]]], block: HFSlice) 
     raise ValueError(f"the sync plan asks this rank for {block.name} {block.box}, which it does not hold")
 
 
+def raw_bytes(entry: WireEntry, block: torch.Tensor) -> torch.Tensor:
+    """A block's bytes as a full push sends them."""
+    return to_bytes(block)
+
+
 def send_buckets(group, rank: int, entries: list[WireEntry], local: list[tuple[HFSlice, torch.Tensor]],
-                 window: int = 2) -> SendResult:
+                 window: int = 2, pack: Callable[[WireEntry, torch.Tensor], torch.Tensor] = raw_bytes) -> SendResult:
     """Send every bucket `entries` assigns to sender `rank`, at most `window` in flight; returns the accounting.
     A receiver whose send fails (its process died) is recorded in `SendResult.failed` and skipped from then on;
-    the other receivers still get all their buckets."""
+    the other receivers still get all their buckets. `pack(entry, block)` gives an entry's `entry.nbytes` bytes
+    from its block of this rank's tensors (a delta push encodes it, `megarl.sync.delta`); a bucket of 0 bytes (a
+    delta where nothing changed) is not sent."""
     if window < 1:
         raise ValueError(f"window={window}: at least one bucket must be in flight")
     mine: dict[tuple[int, int], list[WireEntry]] = {}
@@ -92,20 +99,23 @@ def send_buckets(group, rank: int, entries: list[WireEntry], local: list[tuple[H
             return 0
         return buf.numel()
 
+    sent_buckets = 0
     for receiver, bucket in sorted(mine, key=order):
-        if receiver in failed:
-            continue
         items = mine[(receiver, bucket)]
+        if receiver in failed or bucket_nbytes(items) == 0:
+            continue
+        sent_buckets += 1
         while len(in_flight) >= window:
             work, done, to = in_flight.popleft()
             total += settle(work, done, to)
             live -= done.numel()
             del work, done  # the buffer is freed here, before the next one is allocated (a Work holds its tensor)
-        buf = torch.empty(max(e.offset + e.nbytes for e in items), dtype=torch.uint8, device=device())
+        buf = torch.empty(bucket_nbytes(items), dtype=torch.uint8, device=device())
         live += buf.numel()
         peak = max(peak, live)
         for e in items:  # each block at the offset the receiver reads it from
-            buf[e.offset:e.offset + e.nbytes] = to_bytes(cut(by_name, e.block))
+            if e.nbytes:
+                buf[e.offset:e.offset + e.nbytes] = pack(e, cut(by_name, e.block))
         try:
             in_flight.append((group.send([buf], receiver, bucket), buf, receiver))
         except Exception as err:  # noqa: BLE001 - as in settle()
@@ -114,7 +124,12 @@ def send_buckets(group, rank: int, entries: list[WireEntry], local: list[tuple[H
     while in_flight:
         work, done, to = in_flight.popleft()
         total += settle(work, done, to)
-    return SendResult(bytes_sent=total, buckets=len(mine), peak_staging_bytes=peak, failed=failed)
+    return SendResult(bytes_sent=total, buckets=sent_buckets, peak_staging_bytes=peak, failed=failed)
+
+
+def bucket_nbytes(items: list[WireEntry]) -> int:
+    """The size of the bucket holding `items` (all of one bucket)."""
+    return max(e.offset + e.nbytes for e in items)
 
 
 def post_bucket(group, entries_of: dict[tuple[int, int], list[WireEntry]], senders: list[int], bucket: int,
@@ -130,7 +145,10 @@ def post_bucket(group, entries_of: dict[tuple[int, int], list[WireEntry]], sende
         items = entries_of.get((sender, bucket))
         if items is None or sender in failed:
             continue
-        buf = torch.empty(max(e.offset + e.nbytes for e in items), dtype=torch.uint8, device=device())
+        if bucket_nbytes(items) == 0:  # a delta bucket where nothing changed: not sent
+            posted[(sender, bucket)] = (torch.empty(0, dtype=torch.uint8), None)
+            continue
+        buf = torch.empty(bucket_nbytes(items), dtype=torch.uint8, device=device())
         try:
             posted[(sender, bucket)] = (buf, group.recv([buf], sender, bucket))
         except Exception as err:  # noqa: BLE001 - raised as SenderFailed once the live senders' buckets are taken
@@ -172,7 +190,8 @@ def take_buckets(group, entries: list[WireEntry], failed: dict[int, str],
                 continue
             buf, work = posted.pop((sender, b))
             try:
-                wait_on_host(work, buf)
+                if work is not None:
+                    wait_on_host(work, buf)
             except Exception as err:  # noqa: BLE001 - the other senders' buckets are still taken
                 failed.setdefault(sender, f"bucket {b}: {type(err).__name__}: {err}")
                 continue
@@ -206,21 +225,29 @@ class Assembler:
         self.pieces = dict(self.missing)
         self.filling: dict[str, torch.Tensor] = {}
 
-    def add(self, items: list[WireEntry], buf: torch.Tensor) -> list[tuple[str, HFSlice, torch.Tensor]]:
-        """Take one bucket's pieces; returns (name, slice, tensor) of each name this bucket completed."""
+    def add(self, items: list[WireEntry], buf: torch.Tensor,
+            decode: Callable[[WireEntry, torch.Tensor], torch.Tensor] | None = None,
+            ) -> list[tuple[str, HFSlice, torch.Tensor]]:
+        """Take one bucket's pieces; returns (name, slice, tensor) of each name this bucket completed. `decode(entry,
+        bytes)` turns a delta-encoded piece into its block (`megarl.sync.delta`); raw pieces are viewed as they are."""
         done = []
         for e in items:
             raw = buf[e.offset:e.offset + e.nbytes]
             whole = self.wholes[e.block.name]
-            if self.pieces[e.block.name] == 1 and _aligned(e):
-                tensor = from_bytes(raw, e.dtype, e.block.shape)
+            if e.encoding != "raw":
+                if decode is None:
+                    raise ValueError(f"{e.block.name}: a {e.encoding} delta piece, but this receiver has no base")
+                piece = decode(e, raw)
+            else:
+                piece = from_bytes(raw if _aligned(e) else raw.clone(), e.dtype, e.block.shape)
+            if self.pieces[e.block.name] == 1:
+                tensor = piece
             else:
                 tensor = self.filling.get(e.block.name)
                 if tensor is None:
                     tensor = torch.empty(whole.shape, dtype=getattr(torch, e.dtype), device=buf.device)
                     self.filling[e.block.name] = tensor
-                tensor[e.block.index_within(whole)] = from_bytes(raw if _aligned(e) else raw.clone(), e.dtype,
-                                                                 e.block.shape)
+                tensor[e.block.index_within(whole)] = piece
             self.missing[e.block.name] -= 1
             if self.missing[e.block.name] == 0:
                 self.filling.pop(e.block.name, None)
@@ -230,6 +257,7 @@ class Assembler:
 
 def receive_slices(group, entries: list[WireEntry],
                    keep: Callable[[torch.Tensor], torch.Tensor] = lambda buf: buf, ahead: int | None = None,
+                   decode: Callable[[WireEntry, torch.Tensor], torch.Tensor] | None = None,
                    ) -> tuple[dict[str, tuple[HFSlice, torch.Tensor]], int]:
     """Receive and assemble all of this receiver's slices (see `Assembler`), buckets taken as `take_buckets` yields
     them (`ahead` bucket indices posted ahead, None: all before the first wait); each arrived bucket goes through
@@ -238,20 +266,28 @@ def receive_slices(group, entries: list[WireEntry],
 
     A sender whose bucket fails (it died, or closed its connections after failing: `SenderFailed` names it) does
     not stop the receive: every other sender's buckets are still taken, so no live sender is left blocked on a
-    receive that was dropped, and then `SenderFailed` is raised naming each failed sender."""
+    receive that was dropped, and then `SenderFailed` is raised naming each failed sender. Delta-encoded pieces go
+    through `decode` (`Assembler.add`); an error there is raised once every bucket has been taken, for the same
+    reason."""
     failed: dict[int, str] = {}  # sender -> why its first failed bucket failed
     assembler = Assembler(entries)
     out: dict[str, tuple[HFSlice, torch.Tensor]] = {}
     received = 0
+    broken: Exception | None = None  # decoding failed: the rest is taken, unused, then this is raised
     for items, buf in take_buckets(group, entries, failed, ahead):
         received += buf.numel()
-        if failed:  # the update is refused anyway: the bucket is taken (its sender is not left waiting), not used
+        if failed or broken:  # the update is refused anyway: the bucket is taken (its sender is not left waiting)
             continue
-        for name, whole, tensor in assembler.add(items, keep(buf)):
-            out[name] = (whole, tensor)
+        try:
+            for name, whole, tensor in assembler.add(items, keep(buf), decode):
+                out[name] = (whole, tensor)
+        except Exception as err:  # noqa: BLE001 - raised below, once no sender is left waiting
+            broken = err
         del buf
     if failed:
         raise _sender_failed(failed)
+    if broken is not None:
+        raise broken
     return out, received
 
 

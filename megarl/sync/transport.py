@@ -13,6 +13,7 @@ streamed by `megarl.sync.stream`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Protocol
 
@@ -21,18 +22,24 @@ import torch.distributed as dist
 
 from megarl.parallel.stores import tcp_store
 from megarl.sync.slices import HFSlice
-from megarl.sync.stream import SendResult, SliceStream, receive_slices, send_buckets
+from megarl.sync.stream import SendResult, SliceStream, raw_bytes, receive_slices, send_buckets
 from megarl.sync.wire import WireEntry, staged, staged_ahead
+
+Pack = Callable[[WireEntry, torch.Tensor], torch.Tensor]  # (entry, its block) -> the entry's wire bytes
+Decode = Callable[[WireEntry, torch.Tensor], torch.Tensor]  # (delta entry, its wire bytes) -> the block
 
 
 class Transport(Protocol):
-    def send(self, entries: list[WireEntry], local: list[tuple[HFSlice, torch.Tensor]]) -> SendResult:
-        """Trainer rank: send every bucket `entries` assigns to this rank, cut from its `local` tensors."""
+    def send(self, entries: list[WireEntry], local: list[tuple[HFSlice, torch.Tensor]],
+             pack: Pack = raw_bytes) -> SendResult:
+        """Trainer rank: send every bucket `entries` assigns to this rank, cut from its `local` tensors (each
+        entry's bytes made by `pack`: raw, or delta-encoded by `megarl.sync.delta`)."""
         ...
 
-    def receive(self, entries: list[WireEntry]) -> tuple[dict[str, tuple[HFSlice, torch.Tensor]], int]:
+    def receive(self, entries: list[WireEntry],
+                decode: Decode | None = None) -> tuple[dict[str, tuple[HFSlice, torch.Tensor]], int]:
         """vLLM worker: receive this worker's `entries`; its slices (one tensor per HF name, in host memory on a GPU
-        fleet) and bytes received."""
+        fleet) and bytes received. Delta-encoded entries are turned into blocks by `decode`."""
         ...
 
     def stream(self, entries: list[WireEntry]) -> SliceStream:
@@ -70,11 +77,13 @@ class TorchGroupTransport:
         self.rank, self.window = rank, window
         self.store, self.group = make_sync_group(host, port, rank, world_size, timeout_s)
 
-    def send(self, entries: list[WireEntry], local: list[tuple[HFSlice, torch.Tensor]]) -> SendResult:
-        return send_buckets(self.group, self.rank, entries, local, window=self.window)
+    def send(self, entries: list[WireEntry], local: list[tuple[HFSlice, torch.Tensor]],
+             pack: Pack = raw_bytes) -> SendResult:
+        return send_buckets(self.group, self.rank, entries, local, window=self.window, pack=pack)
 
-    def receive(self, entries: list[WireEntry]) -> tuple[dict[str, tuple[HFSlice, torch.Tensor]], int]:
-        return receive_slices(self.group, entries, keep=staged, ahead=staged_ahead())
+    def receive(self, entries: list[WireEntry],
+                decode: Decode | None = None) -> tuple[dict[str, tuple[HFSlice, torch.Tensor]], int]:
+        return receive_slices(self.group, entries, keep=staged, ahead=staged_ahead(), decode=decode)
 
     def stream(self, entries: list[WireEntry]) -> SliceStream:
         return SliceStream(self.group, entries)

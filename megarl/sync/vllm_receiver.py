@@ -65,6 +65,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from megarl.sync.delta import apply, fingerprint
 from megarl.sync.peak_memory import PeakMemory
 from megarl.sync.received_block import ReadLog, sha256_of, wrap
 from megarl.sync.slices import HFSlice
@@ -73,6 +74,11 @@ from megarl.sync.transport import TorchGroupTransport, Transport
 from megarl.sync.wire import WireEntry
 
 logger = logging.getLogger(__name__)
+
+
+class DeltaRefused(ValueError):
+    """A delta push this worker cannot apply: its base is not the version, or the bits, the delta was computed
+    against (the update is refused before the model is touched)."""
 
 
 @dataclass
@@ -97,6 +103,8 @@ class PartitionedUpdateInfo(WeightTransferUpdateInfo):
     digests: bool = False  # also record sha256 digests of the received blocks and of every loader read (tests)
     fail_loading_after: int | None = None  # failure injection (tests): raise inside load_weights after N tensors
     receive: str = "staged"  # sync.receive: "staged" (receive all, check, agree, load) or "streamed" (load as it comes)
+    keep_base: bool = False  # sync.delta: keep the loaded slices (host memory) as the base of the next delta
+    delta_base: int | None = None  # the version this update's delta entries were computed against
 
 
 def _reprepack_cpu_moe_experts(model: torch.nn.Module) -> None:
@@ -135,6 +143,9 @@ class PartitionedWeightTransferEngine(WeightTransferEngine[PartitionedInitInfo, 
         self.report: dict[str, Any] = {}
         self.needs: list[HFSlice] | None = None  # this rank's blocks, from the trainer's record (checked)
         self.needs_error: str | None = None  # why the record handed over cannot be used: every update is refused
+        # sync.delta: the slices this worker last loaded (wire dtype, host memory) and their version
+        self.base: dict[str, tuple[HFSlice, torch.Tensor]] | None = None
+        self.base_version: int | None = None
 
     def init_transfer_engine(self, init_info: PartitionedInitInfo) -> None:
         """Join the sync group at rank `rank_offset + dp_index * world + tp_rank` (blocks until all joined)."""
@@ -143,6 +154,7 @@ class PartitionedWeightTransferEngine(WeightTransferEngine[PartitionedInitInfo, 
         self.transport = TorchGroupTransport(init_info.host, init_info.port, self.rank, init_info.world_size,
                                              init_info.timeout_s)
         self.needs, self.needs_error = None, None  # a new sync group brings its own record: nothing is kept
+        self._drop_base()  # a new trainer starts with full pushes
         try:  # after joining: a refusal is reported with each update, the group's rendezvous never waits on it
             self.needs = self._own_needs(init_info.needs)
         except Exception as err:  # noqa: BLE001 - reported by every update
@@ -199,7 +211,15 @@ class PartitionedWeightTransferEngine(WeightTransferEngine[PartitionedInitInfo, 
             if self.transport is None:
                 raise RuntimeError("megarl sync group not initialised: call /init_weight_transfer_engine first")
             entries = [WireEntry.from_json(self.rank, e) for e in update_info.entries]
-            blocks, received = self.transport.receive(entries)
+            delta = [e for e in entries if e.encoding != "raw"]
+            if delta:
+                self.report["delta"] = {"base_version": update_info.delta_base,
+                                        "changed": sum(e.changed for e in delta),
+                                        "elements": sum(e.block.numel for e in delta)}
+            else:  # a full push: the old base is not needed, and must not sit beside the new shard
+                self._drop_base()
+            decode = (lambda e, raw: self._decode(e, raw, update_info.delta_base)) if delta else None
+            blocks, received = self.transport.receive(entries, decode)
             if update_info.receive != "staged":
                 raise ValueError(f"unknown receive mode {update_info.receive!r} (staged or streamed)")
             self._check_complete({n: b for n, (b, _) in blocks.items()})
@@ -207,6 +227,7 @@ class PartitionedWeightTransferEngine(WeightTransferEngine[PartitionedInitInfo, 
             error = f"{type(err).__name__}: {err}"
         failed = self._tp_peer_failures(error)
         if failed:
+            self._drop_base()  # a delta may have been written into it part-way
             self.report["model_state"] = "unchanged"
             self._refuse("megarl weight update rejected, model left unchanged on every TP rank of this replica "
                          f"({len(failed)} failed): " + " | ".join(failed))
@@ -216,14 +237,40 @@ class PartitionedWeightTransferEngine(WeightTransferEngine[PartitionedInitInfo, 
         try:
             self._load(((n, b, d) for n, (b, d) in blocks.items()), reads, update_info.fail_loading_after)
         except Exception as err:  # noqa: BLE001 - reported; the trainer raises it
+            self._drop_base()
             self.report["model_state"] = "mixed"
             self._refuse(f"megarl weight update failed while vLLM's loaders ran on worker {self.rank}, after the "
                          f"model was touched: it may hold a mix of old and new weights: {type(err).__name__}: {err}")
             return
         self.report["model_state"] = "updated"
+        if update_info.keep_base:  # what a full push of this version delivers, bit for bit: the next delta's base
+            self.base, self.base_version = blocks, update_info.version
         digests = {n: sha256_of(t) for n, (_, t) in blocks.items()} if update_info.digests else None
         self.report.update(self._make_report({n: b for n, (b, _) in blocks.items()}, received, reads, digests))
         self.report.update(receive_seconds=t1 - t0, load_seconds=time.perf_counter() - t1)
+
+    def _drop_base(self) -> None:
+        self.base, self.base_version = None, None
+
+    def _decode(self, entry: WireEntry, raw: torch.Tensor, delta_base: int | None) -> torch.Tensor:
+        """A delta-encoded piece (`megarl.sync.delta`) made whole: written into this worker's base in place, after
+        checking that the base is the version, and each block the bits, the delta was computed against."""
+        shape, dtype = entry.block.shape, getattr(torch, entry.dtype)
+        if entry.encoding == "dense":  # the new values themselves (a delta would not have been smaller)
+            return raw[:entry.block.numel * dtype.itemsize].view(dtype).reshape(shape)
+        if self.base is None or self.base_version != delta_base:
+            raise DeltaRefused(f"a delta against version {delta_base}, but this worker holds "
+                               f"{'no base' if self.base is None else f'version {self.base_version}'}: the trainer "
+                               "sends a full push to a worker that does not report the senders' base version")
+        held = self.base.get(entry.block.name)
+        if held is None or not held[0].contains(entry.block):
+            raise DeltaRefused(f"a delta for {entry.block.name} {entry.block.box}, which this worker's base lacks")
+        view = held[1][entry.block.index_within(held[0])]
+        if fingerprint(view) != entry.base_sum:
+            raise DeltaRefused(f"the base of {entry.block.name} {entry.block.box} is not the one the delta was "
+                               f"computed against (fingerprint {fingerprint(view)}, the sender's {entry.base_sum})")
+        apply(view, raw, entry.encoding, entry.changed)
+        return view
 
     def _receive_streamed(self, update_info: PartitionedUpdateInfo) -> None:
         """Load each HF tensor into the model as soon as all its pieces arrived (`SliceStream`).
@@ -236,6 +283,7 @@ class PartitionedWeightTransferEngine(WeightTransferEngine[PartitionedInitInfo, 
         agree once more at the end), and the trainer leaves the replica paused until a complete push."""
         t0 = time.perf_counter()
         stream, error = None, None
+        self._drop_base()  # sync.delta needs sync.receive=staged (the config says so): no base is kept here
         try:
             if self.transport is None:
                 raise RuntimeError("megarl sync group not initialised: call /init_weight_transfer_engine first")
@@ -420,6 +468,12 @@ class MegarlWorkerExtension:
         except Exception as err:  # noqa: BLE001 - a raising worker would desynchronise vLLM's replies
             logger.error("megarl could not close a stale weight-update session: %s", err)
         return True
+
+    def megarl_delta_base(self) -> dict[str, Any]:
+        """The version this worker's delta base holds (None: none), asked before each delta push: a replica gets a
+        delta only if every worker holds the senders' base version (`megarl.sync.delta`)."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        return {"rank": getattr(engine, "rank", -1), "version": getattr(engine, "base_version", None)}
 
     def megarl_sync_report(self) -> dict[str, Any]:
         engine = getattr(self, "weight_transfer_engine", None)

@@ -39,11 +39,12 @@ import torch
 import torch.distributed as dist
 
 from megarl.rollout.client import RolloutClient
+from megarl.sync.delta import BlockCount, SenderBase, block_key, delta_layout, encode
 from megarl.sync.lifecycle import FleetLifecycle
 from megarl.sync.needs import NeedsSource, RolloutNeeds, table_needs
 from megarl.sync.plan import plan_transfers
 from megarl.sync.slices import HFSlice
-from megarl.sync.stream import SendResult
+from megarl.sync.stream import SendResult, cut, holders_by_name, raw_bytes
 from megarl.sync.transport import TorchGroupTransport, Transport
 from megarl.sync.wire import WireEntry, layout_buckets
 
@@ -70,6 +71,9 @@ class SyncStats:
     bytes_read_by_loaders: dict[int, int] = field(default_factory=dict)  # vLLM worker -> bytes its loaders read
     bytes_needed: dict[int, int] = field(default_factory=dict)  # vLLM worker -> bytes of the slices it holds
     reports: list[dict[str, Any]] = field(default_factory=list)  # the workers' own reports
+    # sync.delta: vLLM worker -> (elements changed, elements) of the blocks it took as a delta (absent: full push)
+    delta: dict[int, tuple[int, int]] = field(default_factory=dict)
+    sender_base_bytes: dict[int, int] = field(default_factory=dict)  # trainer rank -> host bytes of its delta base
     # where the push's seconds went (rank 0's clock unless said): needs_s (first push only: obtaining the vLLM
     # ranks' needs, i.e. the fleet's loader-read recording, done once per run in the constructor), plan_s (first
     # push only), open_s (pause and open
@@ -97,15 +101,20 @@ class PartitionedWeightSync:
     `hf_config` is the rollout model's HF config (it decides what each vLLM TP rank holds); `bucket_bytes`
     bounds one point-to-point message; `digests` makes the workers report sha256 digests (tests); `receive` is how
     the vLLM workers take each push (`sync.receive`: "staged", all or nothing, or "streamed", loaded as it arrives
-    in bounded memory), sent with every update."""
+    in bounded memory), sent with every update; `delta` (`sync.delta`): send a replica that holds the previous
+    version only the elements that changed (`megarl.sync.delta`)."""
 
     def __init__(self, rank: int, world_size: int, hf_config: dict[str, Any], clients: list[RolloutClient],
                  rollout_tp: int, rollout_replicas: int, store_host: str, store_port: int, bucket_bytes: int,
                  timeout_s: float = 600.0, digests: bool = False, needs: NeedsSource = "recorded",
-                 receive: ReceiveMode = "staged") -> None:
+                 receive: ReceiveMode = "staged", delta: bool = False) -> None:
         self.rank, self.trainers, self.hf = rank, world_size, hf_config
         self.clients, self.tp, self.replicas = clients, rollout_tp, rollout_replicas
         self.bucket_bytes, self.digests, self.receive = bucket_bytes, digests, receive
+        if delta and receive != "staged":
+            raise ValueError("sync.delta needs sync.receive=staged (a streamed receiver keeps no base to apply a "
+                             "delta to)")
+        self.base = SenderBase() if delta else None  # sync.delta: the blocks this rank last sent, their version
         self.store_host, self.store_port = store_host, store_port
         self.broken: str | None = None  # why this sync group is unusable (a trainer rank failed while sending)
         self.fail_loading_after: int | None = None  # failure injection (tests): the workers' loaders raise after N
@@ -188,11 +197,33 @@ class PartitionedWeightSync:
         with self._trainer_ranks_answer(version):
             self._raise_everywhere(self.fleet.open() if self.fleet else None, version)
         phases["open_s"] = lap()
+        try:
+            stats = self._push_open(local, version, phases, clock, lap)
+        except BaseException:
+            if self.base is not None:  # what each replica holds is not known: the next push is a full one
+                self.base.invalidate()
+            raise
+        if self.base is not None:
+            stats.phases["delta_store_s"] = self._keep_base(local, version)
+            stats.sender_base_bytes = self._gather_int(self.base.nbytes)
+            stats.seconds = time.perf_counter() - clock[0]
+        return stats
+
+    def _push_open(self, local: list[tuple[HFSlice, torch.Tensor]], version: int, phases: dict[str, float],
+                   clock: list[float], lap) -> SyncStats:
+        """The push once every replica is paused and open: deltas counted, update infos sent, bytes moved, fleet
+        closed, outcome raised everywhere."""
+        entries, delta_base = self.entries or [], None
+        receivers = self._delta_receivers()
+        if receivers:
+            entries, delta_base = self._delta_entries(local, receivers), self.base.version
+        phases["delta_count_s"] = lap()
         update_id = uuid.uuid4().hex
-        updates = self.fleet.start_updates(self._update_infos(version, update_id)) if self.fleet else []
+        infos = self._update_infos(version, update_id, entries, receivers, delta_base)
+        updates = self.fleet.start_updates(infos) if self.fleet else []
         send_error = None
         try:
-            sent = self.transport.send(self.entries, local)
+            sent = self.transport.send(entries, local, self._pack if receivers else raw_bytes)
         except Exception as err:  # noqa: BLE001 - this rank still reports it and takes part in the collectives
             sent, send_error = SendResult(bytes_sent=0, buckets=0, peak_staging_bytes=0), f"{type(err).__name__}: {err}"
             logger.error("trainer rank %d failed while sending the weight sync to version %d: %s", self.rank,
@@ -218,7 +249,7 @@ class PartitionedWeightSync:
             self._raise_everywhere(failure, version)
         phases["send_s"] = max(g[2] for g in gathered)  # the slowest sender
         # rank 0 pauses the fleet at the start of `open` and resumes it at the end of `close`
-        phases["fleet_paused_s"] = clock[4] - clock[1]
+        phases["fleet_paused_s"] = clock[5] - clock[1]
         for key in ("receive_seconds", "load_seconds"):  # the workers' own figures: the slowest worker
             phases[f"worker_{key.removesuffix('onds')}"] = max((r.get(key, 0.0) for r in reports), default=0.0)
         return SyncStats(
@@ -228,7 +259,66 @@ class PartitionedWeightSync:
             bytes_received={r["rank"]: r["bytes_received"] for r in reports},
             bytes_read_by_loaders={r["rank"]: r["bytes_read_by_loaders"] for r in reports},
             bytes_needed=dict(self.bytes_needed), reports=reports, phases=phases,
+            delta={w: (sum(e.changed for e in entries if e.receiver == w),
+                       sum(e.block.numel for e in entries if e.receiver == w)) for w in receivers},
         )
+
+    def _delta_receivers(self) -> set[int]:
+        """The vLLM workers this push sends deltas to (collective): every worker of each replica whose workers all
+        report holding the senders' base version (`megarl_delta_base`); a replica that is new, restarted, failed a
+        push or does not answer the question gets a full push."""
+        if self.base is None:  # sync.delta off, on every rank
+            return set()
+        box: list[Any] = [set()]
+        if self.rank == 0 and self.base.version is not None:
+            for rep, client in enumerate(self.clients):
+                try:
+                    held = {w.get("version") for w in client.collective_rpc("megarl_delta_base")}
+                except Exception as err:  # noqa: BLE001 - a full push is always correct
+                    logger.warning("replica %d did not say which version its delta base holds (%s): full push",
+                                   rep, err)
+                    continue
+                if held == {self.base.version}:
+                    box[0] |= {self.worker_rank(rep, r) for r in range(self.tp)}
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _delta_entries(self, local: list[tuple[HFSlice, torch.Tensor]], receivers: set[int]) -> list[WireEntry]:
+        """Every sender counts the changed elements of the blocks it sends to `receivers` (once per block), the
+        counts are all-gathered, and every rank lays out the same delta wire (`megarl.sync.delta.delta_layout`)."""
+        by_name = holders_by_name(local)
+        mine: dict[Any, BlockCount] = {}
+        for e in self.entries or []:
+            key = block_key(e.block)
+            if e.sender == self.rank and e.receiver in receivers and key not in mine:
+                mine[key] = self.base.count(e.block, cut(by_name, e.block))
+        gathered: list[Any] = [None] * self.trainers
+        dist.all_gather_object(gathered, mine)
+        counts = {k: v for g in gathered for k, v in g.items()}
+        return delta_layout(self.entries or [], receivers, counts, self.bucket_bytes)
+
+    def _pack(self, entry: WireEntry, block: torch.Tensor) -> torch.Tensor:
+        """An entry's wire bytes: raw for a full push's receiver, else encoded against this rank's base."""
+        if entry.encoding == "raw":
+            return raw_bytes(entry, block)
+        base = self.base.base_of(entry.block) if entry.encoding != "dense" else block
+        return encode(block, base, entry.encoding, entry.nbytes)
+
+    def _keep_base(self, local: list[tuple[HFSlice, torch.Tensor]], version: int) -> float:
+        """After a push every replica took: keep this rank's copy of every block it sends as the next delta's base
+        (the blocks were not changed while the push ran: training waits for it). Returns the seconds it took."""
+        start = time.perf_counter()
+        by_name = holders_by_name(local)
+        for e in self.entries or []:
+            if e.sender == self.rank:
+                self.base.store(e.block, cut(by_name, e.block))
+        self.base.version = version
+        return time.perf_counter() - start
+
+    def _gather_int(self, value: int) -> dict[int, int]:
+        gathered: list[Any] = [None] * self.trainers
+        dist.all_gather_object(gathered, value)
+        return dict(enumerate(gathered))
 
     def _leave_sync_group(self, why: str) -> None:
         """Close this rank's connections in the sync group now: on the rank that failed while sending, the vLLM
@@ -265,11 +355,13 @@ class PartitionedWeightSync:
         if box[0] is not None:
             raise WeightSyncError(f"weight sync to version {version} failed: {box[0]}")
 
-    def _update_infos(self, version: int, update_id: str) -> list[list[dict[str, Any]]]:
+    def _update_infos(self, version: int, update_id: str, entries: list[WireEntry], receivers: set[int],
+                      delta_base: int | None) -> list[list[dict[str, Any]]]:
         """Per replica, per TP rank: the update info `/update_weights` hands that worker (its part of the plan)."""
         return [[{"version": version, "update_id": update_id, "digests": self.digests, "receive": self.receive,
-                  "fail_loading_after": self.fail_loading_after,
-                  "entries": [e.to_json() for e in self.entries or [] if e.receiver == self.worker_rank(rep, r)]}
+                  "fail_loading_after": self.fail_loading_after, "keep_base": self.base is not None,
+                  "delta_base": delta_base if self.worker_rank(rep, r) in receivers else None,
+                  "entries": [e.to_json() for e in entries if e.receiver == self.worker_rank(rep, r)]}
                  for r in range(self.tp)] for rep in range(self.replicas)]
 
     def close(self) -> None:

@@ -28,16 +28,25 @@ class WireEntry:
     nbytes: int
     block: HFSlice
     dtype: str  # torch dtype name, e.g. "float32"
+    # a delta push (`megarl.sync.delta`): "raw" (the block's bytes, a full push), or the block re-encoded against
+    # the receiver's base: "dense", "indices", "bitmap", "nothing"; `changed` elements; the base's fingerprint
+    encoding: str = "raw"
+    changed: int = 0
+    base_sum: int | None = None
 
     def to_json(self) -> dict:
-        return {"sender": self.sender, "bucket": self.bucket, "offset": self.offset, "nbytes": self.nbytes,
-                "name": self.block.name, "full_shape": list(self.block.full_shape),
-                "box": [list(b) for b in self.block.box], "dtype": self.dtype}
+        out = {"sender": self.sender, "bucket": self.bucket, "offset": self.offset, "nbytes": self.nbytes,
+               "name": self.block.name, "full_shape": list(self.block.full_shape),
+               "box": [list(b) for b in self.block.box], "dtype": self.dtype}
+        if self.encoding != "raw":
+            out.update(encoding=self.encoding, changed=self.changed, base_sum=self.base_sum)
+        return out
 
     @classmethod
     def from_json(cls, receiver: int, d: dict) -> WireEntry:
         block = HFSlice(d["name"], tuple(d["full_shape"]), tuple(tuple(b) for b in d["box"]))
-        return cls(d["sender"], receiver, d["bucket"], d["offset"], d["nbytes"], block, d["dtype"])
+        return cls(d["sender"], receiver, d["bucket"], d["offset"], d["nbytes"], block, d["dtype"],
+                   d.get("encoding", "raw"), d.get("changed", 0), d.get("base_sum"))
 
 
 def layout_buckets(plan: list[Transfer], dtypes: dict[str, torch.dtype], bucket_bytes: int) -> list[WireEntry]:
