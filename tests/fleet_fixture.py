@@ -40,6 +40,28 @@ def perturbed_checkpoint(src: Path, out: Path, seed: int) -> Path:
     return out
 
 
+def sparsely_changed(src: Path, out: Path, fraction: float, seed: int) -> Path:
+    """A copy of checkpoint `src` in `out` where a `fraction` of each tensor's elements moved (as a small optimizer
+    step leaves most bits alone), except: the final norm unchanged, the first layer's q_proj changed everywhere
+    (every encoding of a delta push meets a block)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir()
+    for f in src.iterdir():
+        shutil.copy(f, out / f.name)
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, t in load_file(src / "model.safetensors").items():
+        share = 0.0 if name == "model.norm.weight" else 1.0 if name.endswith("0.self_attn.q_proj.weight") else fraction
+        mask = torch.rand(t.shape, generator=g) < share
+        tensors[name] = torch.where(mask, t + 0.01 * torch.randn(t.shape, generator=g), t)
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
 @pytest.fixture(scope="session")
 def tiny_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "moe", kind="moe")

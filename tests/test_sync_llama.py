@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from megarl.data.tokenizer import save_tokenizer
 from megarl.rollout.fleet import FleetSpec, launch
 from tests.dist_utils import free_port, run_distributed
-from tests.fleet_fixture import perturbed_checkpoint
+from tests.fleet_fixture import perturbed_checkpoint, sparsely_changed
 from tests.test_loader_reads import LLAMA, _llama_expected, _save
 from tests.test_weight_sync import SEQS, _sha256, _transformers_logprobs
 
@@ -141,24 +141,6 @@ def test_a_record_for_another_layout_is_refused_by_the_workers(llama_fleet, llam
         torch.testing.assert_close(torch.tensor(now), torch.tensor(then), atol=1e-6, rtol=0)
 
 
-def _sparsely_changed(src: Path, out: Path, fraction: float, seed: int) -> Path:
-    """A copy of checkpoint `src` in `out` where a `fraction` of each tensor's elements moved (as a small optimizer
-    step leaves most bits alone), except: the final norm unchanged, the first layer's q_proj changed everywhere."""
-    import shutil
-
-    out.mkdir()
-    for f in src.iterdir():
-        shutil.copy(f, out / f.name)
-    g = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for name, t in load_file(src / "model.safetensors").items():
-        share = 0.0 if name == "model.norm.weight" else 1.0 if name.endswith("0.self_attn.q_proj.weight") else fraction
-        mask = torch.rand(t.shape, generator=g) < share
-        tensors[name] = torch.where(mask, t + 0.01 * torch.randn(t.shape, generator=g), t)
-    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
-    return out
-
-
 def _push_versions(rank, world, dirs, url, sync_port, delta, inject=None):
     """One trainer rank pushes each checkpoint of `dirs` in turn (versions 1, 2, ...) into the replica at `url`
     through one sync group (`sync.delta=delta`); returns per push its stats or error, and the engine's log-probs of
@@ -218,9 +200,9 @@ def test_delta_pushes_serve_what_a_full_push_serves(llama_fleet, llama_dir, tmp_
     the workers before the model is touched (the old weights serve), and the next push is full again."""
     (tmp_path / "v1").mkdir()
     v1 = perturbed_checkpoint(llama_dir, tmp_path / "v1", seed=21)
-    v2 = _sparsely_changed(v1, tmp_path / "v2", 0.02, seed=22)
-    v3 = _sparsely_changed(v2, tmp_path / "v3", 0.1, seed=23)
-    v5 = _sparsely_changed(v3, tmp_path / "v5", 0.02, seed=25)
+    v2 = sparsely_changed(v1, tmp_path / "v2", 0.02, seed=22)
+    v3 = sparsely_changed(v2, tmp_path / "v3", 0.1, seed=23)
+    v5 = sparsely_changed(v3, tmp_path / "v5", 0.02, seed=25)
     full = run_distributed(_push_versions, 1, [v3], llama_fleet.urls[0], free_port(), False)[0]
     assert all(not isinstance(p, str) for p in full["pushes"]), full["pushes"]
     run = run_distributed(_push_versions, 1, [v1, v2, v3, v5, v2, v3], llama_fleet.urls[0], free_port(), True,

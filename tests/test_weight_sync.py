@@ -29,7 +29,7 @@ from megarl.config.schema import OptimizerConfig
 from megarl.models.qwen_provider import read_hf_config
 from megarl.sync.plan import vllm_rank_slices
 from tests.dist_utils import free_port, run_distributed
-from tests.fleet_fixture import perturbed_checkpoint
+from tests.fleet_fixture import perturbed_checkpoint, sparsely_changed
 
 SEQS = [[6, 23, 7, 24, 13, 2], [5, 23, 5, 24, 11], [12, 23, 3, 24, 17, 2, 9]]
 
@@ -199,3 +199,64 @@ def test_loader_failure_leaves_the_replica_paused_until_a_complete_push(moe_flee
     for engine, ref in zip(again[0]["engine"], reference, strict=True):
         torch.testing.assert_close(torch.tensor(engine), ref, atol=1e-4, rtol=0)
     assert {s.policy_version for s in again[0]["samples"]} == {5}
+
+
+def _trainer_delta(rank, world, dirs, url, port, sync_ports):
+    """A megatron trainer (EP 2) built from each checkpoint of `dirs` in turn pushes it through one sync group with
+    sync.delta (versions 1, 2, ...), then a second sync group without deltas pushes the last one again in full.
+    Rank 0 returns each push's stats and the engine's log-probs after each."""
+    from megarl.parallel.groups import TrainerLayout, destroy_trainer_groups, init_trainer_groups
+    from megarl.rollout.client import RolloutClient
+    from megarl.sync.weight_sync import PartitionedWeightSync
+    from megarl.trainer.policy import MegatronPolicy
+
+    init_trainer_groups(TrainerLayout(1, 1, 2), rank, world, "127.0.0.1", port)
+    try:
+        hf = read_hf_config(dirs[0])
+        clients = [RolloutClient(url)] if rank == 0 else []
+        out = {"stats": [], "engine": []}
+        for delta, versions in ((True, list(enumerate(dirs, start=1))), (False, [(len(dirs) + 1, dirs[-1])])):
+            sync = PartitionedWeightSync(rank, world, hf, clients, rollout_tp=2, rollout_replicas=1,
+                                         store_host="127.0.0.1", store_port=sync_ports[int(not delta)],
+                                         bucket_bytes=256 << 10, digests=True, timeout_s=90, delta=delta)
+            for version, d in versions:
+                policy = MegatronPolicy(d, hf, OptimizerConfig())
+                out["stats"].append(sync.push(policy.iter_local_hf_slices(), version=version))
+                if rank == 0:
+                    out["engine"].append([clients[0].prompt_logprobs(s) for s in SEQS])
+            sync.close()
+        return out
+    finally:
+        destroy_trainer_groups()
+
+
+def test_delta_pushes_from_an_expert_parallel_trainer(moe_fleet, new_checkpoint, tmp_path):
+    """sync.delta through the real trainer (megatron, EP 2) into vLLM TP 2 serving the MoE (whose CPU experts are
+    re-packed after every reload): after a full push and a delta, every block the workers hold is, bit for bit
+    (sha256), the new checkpoint's; each worker received the bytes the rule gives from the two checkpoints'
+    differing bits in its slices (the hand-written table); the engine's log-probs equal those of a full push of
+    the same weights exactly, and transformers' for that checkpoint."""
+    from tests.test_sync_delta import _wire_size
+
+    v2 = sparsely_changed(new_checkpoint, tmp_path / "v2", 0.03, seed=31)
+    out = run_distributed(_trainer_delta, 2, [new_checkpoint, v2], moe_fleet.urls[0], free_port(),
+                          (free_port(), free_port()), init_dist=False)[0]
+    first, delta, full = out["stats"]
+    assert first.delta == {} and full.delta == {} and sorted(delta.delta) == [2, 3]
+    hf = read_hf_config(v2)
+    old, new = (load_file(d / "model.safetensors") for d in (new_checkpoint, v2))
+    for tp_rank, worker in enumerate((2, 3)):
+        want = changed = 0
+        for block in vllm_rank_slices(hf, 2, tp_rank):
+            index = tuple(slice(a, b) for a, b in block.box)
+            c = int((old[block.name][index].contiguous().view(torch.int32)
+                     != new[block.name][index].contiguous().view(torch.int32)).sum())
+            want, changed = want + _wire_size(block.numel, c, 4), changed + c
+        assert delta.bytes_received[worker] == want < delta.bytes_needed[worker] / 3
+        assert delta.delta[worker][0] == changed
+        report = next(r for r in delta.reports if r["rank"] == worker)
+        for name, box in report["blocks"].items():  # what the worker holds and loaded after the delta
+            assert report["sha256"][name] == _sha256(_cut(new, name, box)), name
+    assert out["engine"][1] == out["engine"][2]  # delta vs full push of the same weights: identical floats
+    for engine, ref in zip(out["engine"][1], _transformers_logprobs(v2), strict=True):
+        torch.testing.assert_close(torch.tensor(engine), ref, atol=1e-4, rtol=0)
