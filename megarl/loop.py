@@ -56,7 +56,7 @@ def _broadcast(obj: Any, rank: int) -> Any:
 
 REWARD_FLAGS = (UNPARSABLE, GOLD_UNPARSABLE)  # recorded every step (0 when the reward flags nothing)
 SYNC_PHASES = ("needs_s", "plan_s", "open_s", "send_s", "close_s", "fleet_paused_s", "worker_receive_s",
-               "worker_load_s")
+               "worker_load_s", "delta_count_s", "delta_store_s")
 
 
 def _sync_metrics(stats: list[SyncStats]) -> dict[str, float]:
@@ -69,6 +69,13 @@ def _sync_metrics(stats: list[SyncStats]) -> dict[str, float]:
         "sync/staging_peak_bytes": max((max(s.staging_peak_bytes.values(), default=0) for s in stats), default=0),
         # where the seconds went (SyncStats.phases): the fixed part (open, close, vLLM reload) against the send
         **{f"sync/{k}": sum(s.phases.get(k, 0.0) for s in stats) for k in SYNC_PHASES},
+        # sync.delta: what full pushes would have moved (each worker's slices), and the changed elements of the
+        # blocks sent as deltas out of all their elements (changed fraction = delta_changed / delta_elements)
+        "sync/bytes_full": sum(sum(s.bytes_needed.values()) for s in stats),
+        "sync/delta_pushes": sum(bool(s.delta) for s in stats),
+        "sync/delta_changed": sum(c for s in stats for c, _ in s.delta.values()),
+        "sync/delta_elements": sum(n for s in stats for _, n in s.delta.values()),
+        "sync/sender_base_bytes": max((max(s.sender_base_bytes.values(), default=0) for s in stats), default=0),
     }
 
 

@@ -36,6 +36,8 @@ def run_rank(cfg: Config, place: ProcessPlace, sync_port: int, fleet_urls: Calla
     """Train as rank `place.rank`. Rank 0 calls `fleet_urls()` once its model is built (it may wait for the
     fleet there) and drives the rollout side; the other ranks never call it."""
     quiet_cpu_warnings()
+    import torch
+
     from megarl.config.load import read_hf_config
     from megarl.loop import run_loop
     from megarl.parallel.cpu_threads import apply_trainer_cpu_threads
@@ -61,7 +63,7 @@ def run_rank(cfg: Config, place: ProcessPlace, sync_port: int, fleet_urls: Calla
             rank=rank, world_size=t.world_size, hf_config=hf, clients=clients, rollout_tp=cfg.rollout.tp,
             rollout_replicas=cfg.rollout.replicas, store_host=place.master_addr, store_port=sync_port,
             bucket_bytes=int(cfg.sync.bucket_mb * 2**20), timeout_s=t.collective_timeout_s, needs=cfg.sync.needs,
-            receive=cfg.sync.receive, delta=cfg.sync.delta,
+            receive=cfg.sync.receive, delta=cfg.sync.delta, wire_dtype=getattr(torch, cfg.rollout.dtype),
         )
         start_rollout = None
         if rank == 0:

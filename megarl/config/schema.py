@@ -133,6 +133,12 @@ class RolloutConfig(_Strict):
         80.0, gt=0, description="Memory of each rollout GPU in GB (10^9 bytes; 80 for an H100 or A100-80GB), for "
         "the push's memory budget (`megarl plan`, `megarl check --gpu`); vLLM itself measures the real GPU.",
     )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="The dtype the fleet serves (vLLM --dtype) and so the weight sync's wire dtype: the "
+        "trainer casts each block to it before sending (round to nearest even, as vLLM's own load would), and "
+        "sync.delta compares bits in it. float32 (default) is what the CPU tests and demo serve; GPU recipes serve "
+        "bfloat16 (a bf16 fleet fed from the trainer's fp32 weights).",
+    )
     startup_timeout_s: float = Field(600.0, gt=0, description="Seconds to wait for an engine to become healthy.")
     expert_parallel: bool = Field(
         False, description="vLLM expert parallel inside each replica (--enable-expert-parallel): a MoE's experts are "

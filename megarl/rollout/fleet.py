@@ -277,7 +277,7 @@ def fleet_spec(cfg: Config, **where: Any) -> FleetSpec:
     r = cfg.rollout
     spec = FleetSpec(model_dir=Path(cfg.model.hf_dir), tp=r.tp, replicas=r.replicas, port=r.port,
                      kv_cache_gib=r.kv_cache_gib, gpu_memory_utilization=r.gpu_memory_utilization,
-                     startup_timeout_s=r.startup_timeout_s,
+                     startup_timeout_s=r.startup_timeout_s, dtype=r.dtype,
                      return_routed_experts=r.return_routed_experts, expert_parallel=r.expert_parallel)
     return replace(spec, **where)
 

@@ -102,12 +102,13 @@ class PartitionedWeightSync:
     bounds one point-to-point message; `digests` makes the workers report sha256 digests (tests); `receive` is how
     the vLLM workers take each push (`sync.receive`: "staged", all or nothing, or "streamed", loaded as it arrives
     in bounded memory), sent with every update; `delta` (`sync.delta`): send a replica that holds the previous
-    version only the elements that changed (`megarl.sync.delta`)."""
+    version only the elements that changed (`megarl.sync.delta`); `wire_dtype` (`rollout.dtype`): the dtype the
+    fleet serves, each block is cast to it before it is sent (None: sent as the trainer holds it)."""
 
     def __init__(self, rank: int, world_size: int, hf_config: dict[str, Any], clients: list[RolloutClient],
                  rollout_tp: int, rollout_replicas: int, store_host: str, store_port: int, bucket_bytes: int,
                  timeout_s: float = 600.0, digests: bool = False, needs: NeedsSource = "recorded",
-                 receive: ReceiveMode = "staged", delta: bool = False) -> None:
+                 receive: ReceiveMode = "staged", delta: bool = False, wire_dtype: torch.dtype | None = None) -> None:
         self.rank, self.trainers, self.hf = rank, world_size, hf_config
         self.clients, self.tp, self.replicas = clients, rollout_tp, rollout_replicas
         self.bucket_bytes, self.digests, self.receive = bucket_bytes, digests, receive
@@ -115,6 +116,7 @@ class PartitionedWeightSync:
             raise ValueError("sync.delta needs sync.receive=staged (a streamed receiver keeps no base to apply a "
                              "delta to)")
         self.base = SenderBase() if delta else None  # sync.delta: the blocks this rank last sent, their version
+        self.wire_dtype = wire_dtype  # rollout.dtype: blocks are cast to it before sending (None: as held)
         self.store_host, self.store_port = store_host, store_port
         self.broken: str | None = None  # why this sync group is unusable (a trainer rank failed while sending)
         self.fail_loading_after: int | None = None  # failure injection (tests): the workers' loaders raise after N
@@ -164,7 +166,7 @@ class PartitionedWeightSync:
         gathered: list[Any] = [None] * self.trainers
         dist.all_gather_object(gathered, meta)
         holdings = {r: blocks for r, (blocks, _) in enumerate(gathered)}
-        dtypes = {k: v for _, d in gathered for k, v in d.items()}
+        dtypes = {k: self.wire_dtype or v for _, d in gathered for k, v in d.items()}
         needs = {self.worker_rank(rep, r): self.needs.reads[r] for rep in range(self.replicas) for r in range(self.tp)}
         missing = sorted({b.name for blocks in needs.values() for b in blocks} - set(dtypes))
         if missing:
@@ -223,7 +225,7 @@ class PartitionedWeightSync:
         updates = self.fleet.start_updates(infos) if self.fleet else []
         send_error = None
         try:
-            sent = self.transport.send(entries, local, self._pack if receivers else raw_bytes)
+            sent = self.transport.send(entries, local, self._pack)
         except Exception as err:  # noqa: BLE001 - this rank still reports it and takes part in the collectives
             sent, send_error = SendResult(bytes_sent=0, buckets=0, peak_staging_bytes=0), f"{type(err).__name__}: {err}"
             logger.error("trainer rank %d failed while sending the weight sync to version %d: %s", self.rank,
@@ -291,14 +293,20 @@ class PartitionedWeightSync:
         for e in self.entries or []:
             key = block_key(e.block)
             if e.sender == self.rank and e.receiver in receivers and key not in mine:
-                mine[key] = self.base.count(e.block, cut(by_name, e.block))
+                mine[key] = self.base.count(e.block, self._wire(cut(by_name, e.block)))
         gathered: list[Any] = [None] * self.trainers
         dist.all_gather_object(gathered, mine)
         counts = {k: v for g in gathered for k, v in g.items()}
         return delta_layout(self.entries or [], receivers, counts, self.bucket_bytes)
 
+    def _wire(self, block: torch.Tensor) -> torch.Tensor:
+        """`block` in the wire dtype (itself when it already is)."""
+        return block if self.wire_dtype is None else block.to(self.wire_dtype)
+
     def _pack(self, entry: WireEntry, block: torch.Tensor) -> torch.Tensor:
-        """An entry's wire bytes: raw for a full push's receiver, else encoded against this rank's base."""
+        """An entry's wire bytes: raw (in the wire dtype) for a full push's receiver, else encoded against this rank's
+        base."""
+        block = self._wire(block)
         if entry.encoding == "raw":
             return raw_bytes(entry, block)
         base = self.base.base_of(entry.block) if entry.encoding != "dense" else block
@@ -311,7 +319,7 @@ class PartitionedWeightSync:
         by_name = holders_by_name(local)
         for e in self.entries or []:
             if e.sender == self.rank:
-                self.base.store(e.block, cut(by_name, e.block))
+                self.base.store(e.block, self._wire(cut(by_name, e.block)))
         self.base.version = version
         return time.perf_counter() - start
 
