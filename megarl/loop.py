@@ -73,6 +73,8 @@ def _sync_metrics(stats: list[SyncStats]) -> dict[str, float]:
         # blocks sent as deltas out of all their elements (changed fraction = delta_changed / delta_elements)
         "sync/bytes_full": sum(sum(s.bytes_needed.values()) for s in stats),
         "sync/delta_pushes": sum(bool(s.delta) for s in stats),
+        "sync/bytes_sent_delta": sum(sum(s.bytes_sent.values()) for s in stats if s.delta),
+        "sync/seconds_delta": sum(s.seconds for s in stats if s.delta),
         "sync/delta_changed": sum(c for s in stats for c, _ in s.delta.values()),
         "sync/delta_elements": sum(n for s in stats for _, n in s.delta.values()),
         "sync/sender_base_bytes": max((max(s.sender_base_bytes.values(), default=0) for s in stats), default=0),

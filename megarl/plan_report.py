@@ -348,7 +348,8 @@ def format_plan(plan: Plan, cfg: Config, hf: dict[str, Any], link_gbps: float = 
                                       f"average ({_gb(total)} per step with sync.interval=1)"
                                       if every > 1 else f"one sync after every optimizer step, {_gb(total)} per step"),
     ]
-    return "\n".join(lines + _push_memory_lines(plan, cfg) + _backend_comparison(hf, plan, link_gbps, t.world_size))
+    return "\n".join(lines + _push_memory_lines(plan, cfg) + _backend_comparison(hf, plan, link_gbps, t.world_size)
+                     + _delta_lines(plan, cfg, link_gbps, t.world_size))
 
 
 def _push_memory_lines(plan: Plan, cfg: Config) -> list[str]:
@@ -396,6 +397,30 @@ def _backend_comparison(hf: dict[str, Any], plan: Plan, link_gbps: float, traine
     lines.append(f"  megarl's senders: the {trainer_ranks} trainer ranks share all {plan.replicas} replicas' bytes, "
                  f"about {_gb(each)} each = {each / (link_gbps * GB):.3f} s on their own links (the plan spreads "
                  "replicated blocks over their holders)")
+    return lines
+
+
+DELTA_FRACTIONS = (0.01, 0.03, 0.1, 0.3)  # changed fractions per sync to project (docs/sync.md: measured vs m)
+
+
+def _delta_lines(plan: Plan, cfg: Config, link_gbps: float, trainer_ranks: int) -> list[str]:
+    """What a delta push (`sync.delta`) would move per vLLM rank at a few changed fractions, and the host memory
+    both ends keep for it."""
+    from megarl.sync.delta import bytes_per_element
+
+    most = max(plan.rollout_rank_params)
+    full = most * plan.bytes_per_param
+    on = "true" if cfg.sync.delta else "false"
+    lines = ["", f"sync.delta={on}: bytes per vLLM rank per sync if this fraction of "
+                 f"the elements changed since the previous push ({plan.dtype} bits; docs/sync.md measures it against "
+                 f"sync.interval); seconds at {link_gbps:g} GB/s:"]
+    for f in DELTA_FRACTIONS:
+        nbytes = int(most * bytes_per_element(f, plan.bytes_per_param))
+        lines.append(f"  {f:>5.0%} changed: {_gb(nbytes):>10} per rank  {nbytes / (link_gbps * GB):7.3f} s  "
+                     f"{full / max(nbytes, 1):5.1f}x fewer bytes than the full push ({_gb(full)})")
+    each = sum(plan.rollout_rank_params) * plan.bytes_per_param * plan.replicas // trainer_ranks
+    lines.append(f"  host memory it keeps: each vLLM rank a copy of its slices ({_gb(full)}), each trainer rank a "
+                 f"copy of the blocks it sends (about {_gb(each)})")
     return lines
 
 

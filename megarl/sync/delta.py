@@ -58,6 +58,14 @@ def encoded_nbytes(n: int, changed: int, itemsize: int) -> tuple[str, int]:
     return enc, pad8(size)
 
 
+def bytes_per_element(fraction: float, itemsize: int) -> float:
+    """Wire bytes per element of a large block where `fraction` of the elements changed (`encoded_nbytes` without
+    the padding): for projections (`megarl plan`)."""
+    if fraction <= 0:
+        return 0.0
+    return min(fraction * (4 + itemsize), 1 / 8 + fraction * itemsize, float(itemsize))
+
+
 def fingerprint(t: torch.Tensor) -> int:
     """A cheap fingerprint of `t`'s bits (sum of the elements' bit patterns and of every other one, as int64,
     combined): equal bits give equal fingerprints; a different version of a block gives another one unless its
