@@ -7,8 +7,10 @@ it calls:
   (all ones except where an algorithm masks whole groups, e.g. off-policy GRPO's zero-variance groups);
 - `loss(PolicyLossInput, cfg) -> (loss, metrics)` per microbatch (global-batch contributions).
 A train-inference correction (`algorithm.correction`, `corrections.py`) reaches every loss the same way, as
-`PolicyLossInput.token_weight`; an algorithm with `reweightable=False` (OAPL) is refused with one at config time.
-Add an algorithm by registering it here; `config_keys` lists the `AlgorithmConfig` fields it reads.
+`PolicyLossInput.token_weight`; an algorithm that is not `reweightable` (OAPL, `catalog.NOT_REWEIGHTABLE`) is
+refused with one at config time. Add an algorithm by registering it here and naming it in `catalog.py` (which the
+config validates against without importing torch); `config_keys` lists the `AlgorithmConfig` fields it reads.
+Layers: this module imports the config schema, which imports only the torch-free catalogue.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 from megarl.algorithms import advantages as adv
 from megarl.algorithms import filters, losses
 from megarl.algorithms.aggregation import Aggregation
+from megarl.algorithms.catalog import ALGORITHM_NAMES, NOT_REWEIGHTABLE
 from megarl.algorithms.clipping import CLIP_MASKS, ClipParams
 from megarl.config.schema import AlgorithmConfig
 
@@ -44,8 +47,11 @@ class Algorithm:
     sequence_mask: AdvantageFn = _keep_all  # rewards [G, K] -> 0/1 [G, K] for PolicyLossInput.seq_mask
     config_keys: tuple[str, ...] = ()  # AlgorithmConfig fields this algorithm reads (besides `name`)
     reference: str = ""  # paper and section of the formula
-    # the loss takes a train-inference correction (`PolicyLossInput.token_weight`, `algorithm.correction`)
-    reweightable: bool = True
+
+    @property
+    def reweightable(self) -> bool:
+        """The loss takes a train-inference correction (`PolicyLossInput.token_weight`, `algorithm.correction`)."""
+        return self.name not in NOT_REWEIGHTABLE
 
 
 def _clip(cfg: AlgorithmConfig) -> ClipParams:
@@ -201,7 +207,6 @@ ALGORITHMS: dict[str, Algorithm] = {
             lambda inp, cfg: losses.oapl_loss(inp, cfg.oapl_beta2),
             config_keys=("oapl_beta1", "oapl_beta2"),
             reference="OAPL section 3 (eq. 2-3); A*-PO (Brantley et al. 2025)",
-            reweightable=False,  # regresses beta2 log(pi / pi_vllm) to the advantage: an IS weight breaks the target
         ),
         Algorithm(
             "off_policy_grpo",
@@ -217,6 +222,12 @@ ALGORITHMS: dict[str, Algorithm] = {
         ),
     )
 }
+
+if tuple(ALGORITHMS) != ALGORITHM_NAMES:
+    raise ImportError(
+        f"megarl/algorithms/registry.py registers {sorted(ALGORITHMS)} but megarl/algorithms/catalog.py names "
+        f"{sorted(ALGORITHM_NAMES)}: name every registered algorithm in catalog.ALGORITHM_NAMES, in registry order"
+    )
 
 
 def get_algorithm(name: str) -> Algorithm:

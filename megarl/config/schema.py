@@ -7,17 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from megarl.algorithms.catalog import ALGORITHM_NAMES, NOT_REWEIGHTABLE
 from megarl.rewards.registry import check_reward_name
-
-# Validation context key: the algorithm's name was already checked against the registry (which imports torch) by
-# the step that wrote this config (`megarl prepare --preflight`); the preflight check steps must not import torch.
-ALGORITHM_CHECKED = "algorithm_checked"
-
-
-def _algorithm_checked(info: ValidationInfo) -> bool:
-    return bool((info.context or {}).get(ALGORITHM_CHECKED))
 
 
 class _Strict(BaseModel):
@@ -303,35 +296,19 @@ class AlgorithmConfig(_Strict):
 
     @field_validator("name")
     @classmethod
-    def _registered(cls, name: str, info: ValidationInfo) -> str:
-        if _algorithm_checked(info):
-            return name
-        try:
-            from megarl.algorithms.registry import ALGORITHMS
-        except ModuleNotFoundError as err:  # the registry needs torch: a launch-side environment without it
-            if err.name != "torch":  # (launchers/) leaves the name to `megarl prepare` on the nodes
-                raise
-            return name
-        if name not in ALGORITHMS:
-            raise ValueError(f"{name!r} is not a registered algorithm; choose one of: {', '.join(sorted(ALGORITHMS))}")
+    def _registered(cls, name: str) -> str:
+        if name not in ALGORITHM_NAMES:
+            known = ", ".join(sorted(ALGORITHM_NAMES))
+            raise ValueError(f"{name!r} is not a registered algorithm; choose one of: {known}")
         return name
 
     @model_validator(mode="after")
-    def _correctable(self, info: ValidationInfo) -> AlgorithmConfig:
-        if self.correction.kind == "none" or _algorithm_checked(info):
-            return self
-        try:
-            from megarl.algorithms.registry import ALGORITHMS
-        except ModuleNotFoundError as err:  # launch side without torch: `megarl prepare` on the nodes checks it
-            if err.name != "torch":
-                raise
-            return self
-        algorithm = ALGORITHMS.get(self.name)
-        if algorithm is not None and not algorithm.reweightable:
+    def _correctable(self) -> AlgorithmConfig:
+        if self.correction.kind != "none" and self.name in NOT_REWEIGHTABLE:
             raise ValueError(
                 f"algorithm.correction.kind={self.correction.kind!r} cannot be combined with algorithm.name="
-                f"{self.name!r}: {algorithm.name} regresses the log-ratio to the engine directly and must not be "
-                "reweighted (docs/algorithms.md); set algorithm.correction.kind=none or choose another algorithm"
+                f"{self.name!r}: {NOT_REWEIGHTABLE[self.name]} (docs/algorithms.md); set "
+                "algorithm.correction.kind=none or choose another algorithm"
             )
         return self
 
