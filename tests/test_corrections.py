@@ -181,14 +181,15 @@ def test_grpo_gradient_and_value(kind):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_rec_gspo_is_gradient(kind):
-    """dL/dlogp_i^t = -(1/N) A_i s_i M_i w_i^t / |y_i|, s_i = exp(mean_t log ratio); the value stays unweighted."""
+    """dL/dlogp_i^t = -(1/N) A_i s_i M_i w_i^t / |y_i|, s_i = exp(mean_t log ratio); the value stays unweighted:
+    GSPO's objective -(1/N) min(s_i A_i, clip(s_i) A_i)."""
     loss, grad, w, (_, _, mask, _) = _autograd(losses.rec_gspo_is_loss, kind, CLIP)
     expected = [[0.0] * mask.shape[1] for _ in range(4)]
     value = 0.0
     for i, row in enumerate(TOKENS):
         s = math.exp(sum(math.log(r) for _, r in row) / len(row))
         m = _one_side(ADV[i], s)
-        value += -ADV[i] * s * m / N_GLOBAL
+        value += -min(s * ADV[i], min(max(s, 1 - CLIP.eps_low), 1 + CLIP.eps_high) * ADV[i]) / N_GLOBAL
         for t in range(len(row)):
             expected[i][t] = -ADV[i] * s * m * w[i][t] / (N_GLOBAL * len(row))
     _assert_grad(grad, expected)

@@ -192,12 +192,16 @@ def _seq_clip_metrics(seq_mask: torch.Tensor, ratio: torch.Tensor, inp: PolicyLo
 
 
 def rec_gspo_is_loss(inp: PolicyLossInput, clip: ClipParams) -> LossOutput:
-    """REC-GSPO-IS: `L = -(1/N) sum_i A_i * s_i * M_i`, `s_i = exp(mean_t(logp - oldlogp))`, `M_i` the
-    one-side mask on `s_i` (REC appendix B.7; GSPO without std-normalised advantages).
-    Gradient: `-(1/N) A_i s_i M_i / |y_i|` on each response token of sequence i."""
+    """REC-GSPO-IS: `L = -(1/N) sum_i min(s_i A_i, clip(s_i, 1-eps_low, 1+eps_high) A_i)`,
+    `s_i = exp(mean_t(logp - oldlogp))` (REC appendix B.7; GSPO without std-normalised advantages). Written as
+    `s_i A_i` where the one-side mask `M_i` on `s_i` keeps the gradient and the constant `clip(s_i) A_i` elsewhere:
+    the value is GSPO's objective (comparable with GSPO's and verl's logged loss; a clipped sequence adds
+    `-clip(s_i) A_i`, not 0), the gradient `-(1/N) A_i s_i M_i / |y_i|` on each response token of sequence i."""
     ratio = _sequence_ratio(inp)
     seq_mask = one_side_mask(ratio, inp.advantages, clip)
-    loss = -(inp.advantages * ratio * seq_mask * inp.kept()).sum() / inp.num_seqs
+    clipped = torch.clamp(ratio.detach(), 1 - clip.eps_low, 1 + clip.eps_high) * inp.advantages
+    objective = torch.where(seq_mask.bool(), ratio * inp.advantages, clipped)
+    loss = -(objective * inp.kept()).sum() / inp.num_seqs
     return loss, _seq_clip_metrics(seq_mask, ratio, inp)
 
 
@@ -214,7 +218,7 @@ def rec_gspo_nois_loss(inp: PolicyLossInput, clip: ClipParams) -> LossOutput:
 
 def gspo_loss(inp: PolicyLossInput, clip: ClipParams) -> LossOutput:
     """GSPO (Zheng et al. 2025) is REC-GSPO-IS fed with std-normalised advantages (the registry pairs them):
-    `L = -(1/N) sum_i A_i s_i M_i`, gradient `-(1/N) A_i s_i M_i / |y_i|` per response token."""
+    `L = -(1/N) sum_i min(s_i A_i, clip(s_i) A_i)`, gradient `-(1/N) A_i s_i M_i / |y_i|` per response token."""
     return rec_gspo_is_loss(inp, clip)
 
 
