@@ -137,39 +137,57 @@ def rec_loss(
     )
 
 
-def _grpo_surrogate(inp: PolicyLossInput, clip: ClipParams) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _grpo_surrogate(
+    inp: PolicyLossInput, clip: ClipParams, dual_clip: float | None
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO/GRPO clipped surrogate `min(ratio A, clip(ratio, 1-eps_low, 1+eps_high) A)` `[B, S]`, written as
     `ratio A` where the one-side mask `M` keeps the gradient and the (constant) clipped value elsewhere:
-    the same value as the `min`, and exactly the gradient `A ratio M` of REC Table 3 (boundaries inclusive)."""
+    the same value as the `min`, and exactly the gradient `A ratio M` of REC Table 3 (boundaries inclusive).
+    Dual-clip PPO (Ye et al. 2020; verl's and Trinity-RFT's `clip_ratio_c`), when `dual_clip = c` is given: for
+    `A < 0` the objective is `max(min(ratio A, clip(ratio) A), c A)`, i.e. the constant `c A` (no gradient) where
+    `ratio > c` (boundary inclusive: `ratio = c` keeps its gradient); `A >= 0` is unchanged. Returns the surrogate
+    and the metric contributions (`clip_frac`, `ratio_mean`, and `dual_clip_frac` when the dual clip is on)."""
     ratio = _token_ratio(inp)
     adv = inp.advantages[:, None]
     m = one_side_mask(ratio, adv, clip)
     clipped = torch.clamp(ratio.detach(), 1 - clip.eps_low, 1 + clip.eps_high) * adv
-    return torch.where(m.bool(), ratio * adv, clipped), m, ratio
+    surrogate = torch.where(m.bool(), ratio * adv, clipped)
+    metrics = _token_clip_metrics(m, ratio, adv, inp)
+    if dual_clip is not None:
+        lower = (adv < 0) & (ratio.detach() > dual_clip)  # where max(., c A) = c A
+        surrogate = torch.where(lower, dual_clip * adv, surrogate)
+        metrics["dual_clip_frac"] = _token_mean_metric(lower.to(ratio.dtype), inp)
+    return surrogate, metrics
 
 
-def grpo_loss(inp: PolicyLossInput, clip: ClipParams, agg: Aggregation) -> LossOutput:
+def grpo_loss(inp: PolicyLossInput, clip: ClipParams, agg: Aggregation, dual_clip: float | None = None) -> LossOutput:
     """GRPO (Shao et al. 2024; REC section 4.1): `l_i^t = -min(ratio A_i, clip(ratio, 1-eps_low, 1+eps_high) A_i)`
-    with std-normalised advantages and no KL term (as REC runs it). Gradient per token: `-A_i ratio_i^t M_i^t`."""
-    surrogate, m, ratio = _grpo_surrogate(inp, clip)
+    with std-normalised advantages and no KL term (as REC runs it). Gradient per token: `-A_i ratio_i^t M_i^t`.
+    `dual_clip = c` (off by default: neither GRPO nor REC uses it): for `A_i < 0`,
+    `l_i^t = -max(min(ratio A_i, clip(ratio) A_i), c A_i)`, no gradient where `ratio > c`."""
+    surrogate, metrics = _grpo_surrogate(inp, clip, dual_clip)
     per_token = inp.weigh(-surrogate * inp.kept()[:, None])
-    metrics = _token_clip_metrics(m, ratio, inp.advantages[:, None], inp)
     return aggregate_tokens(per_token, inp.mask, agg, inp.num_seqs, inp.num_tokens), metrics
 
 
 def off_policy_grpo_loss(
-    inp: PolicyLossInput, clip: ClipParams, beta: float, estimator: KLEstimator, agg: Aggregation
+    inp: PolicyLossInput,
+    clip: ClipParams,
+    beta: float,
+    estimator: KLEstimator,
+    agg: Aggregation,
+    dual_clip: float | None = None,
 ) -> LossOutput:
     """Off-policy GRPO (Mroueh et al., eq. 6-8) with `pi_k / alpha ~ 1` (their practical choice):
     `l_i^t = z_i * ( -min(ratio A_i, clip(ratio) A_i) + beta * KL_hat(logp_i^t, ref_i^t) )`, ratio against the
     lagged server policy `alpha` (`old_logprobs`), `A_i` from `advantages.off_policy_grpo_advantages`, `z_i` the
     zero-variance mask (`seq_mask`) and `KL_hat` the k1/k2/k3 estimator against `ref_logprobs` (default: the
     behaviour policy, i.e. a reference swapped at every weight sync). Gradient per token:
-    `z_i (-A_i ratio M + beta dKL_hat/dlogp)` (k1: 1, k2: `logp - ref`, k3: `1 - exp(ref - logp)`)."""
-    surrogate, m, ratio = _grpo_surrogate(inp, clip)
+    `z_i (-A_i ratio M + beta dKL_hat/dlogp)` (k1: 1, k2: `logp - ref`, k3: `1 - exp(ref - logp)`).
+    `dual_clip = c` as in `grpo_loss` (off by default: the paper does not use it)."""
+    surrogate, metrics = _grpo_surrogate(inp, clip, dual_clip)
     kl = kl_estimate(inp.logprobs, inp.reference(), estimator)
     per_token = inp.weigh((-surrogate + beta * kl) * inp.kept()[:, None])
-    metrics = _token_clip_metrics(m, ratio, inp.advantages[:, None], inp)
     metrics["kl"] = _token_mean_metric(kl, inp)
     return aggregate_tokens(per_token, inp.mask, agg, inp.num_seqs, inp.num_tokens), metrics
 

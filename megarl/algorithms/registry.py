@@ -129,8 +129,8 @@ ALGORITHMS: dict[str, Algorithm] = {
             "grpo",
             "GRPO: std-normalised group advantages, token PPO clipped surrogate, no KL",
             _norm_adv,
-            lambda inp, cfg: losses.grpo_loss(inp, _clip(cfg), _agg(cfg)),
-            config_keys=_CLIP_KEYS + ("adv_eps",) + _AGG_KEYS,
+            lambda inp, cfg: losses.grpo_loss(inp, _clip(cfg), _agg(cfg), cfg.dual_clip),
+            config_keys=_CLIP_KEYS + ("dual_clip", "adv_eps") + _AGG_KEYS,
             reference="Shao et al. 2024; REC section 4.1, Table 3",
         ),
         *(_rec(mask, is_) for mask in ("onesided", "twosided", "ring") for is_ in (True, False)),
@@ -213,11 +213,13 @@ ALGORITHMS: dict[str, Algorithm] = {
             "Off-policy GRPO: A = (r - mean)/sqrt(var + eps) of the server-policy group, zero-variance groups "
             "masked, token clipped surrogate + beta * KL(pi || pi_ref)",
             lambda rewards, cfg: adv.off_policy_grpo_advantages(rewards, eps=cfg.adv_eps),
-            lambda inp, cfg: losses.off_policy_grpo_loss(inp, _clip(cfg), cfg.beta, cfg.kl_estimator, _agg(cfg)),
+            lambda inp, cfg: losses.off_policy_grpo_loss(
+                inp, _clip(cfg), cfg.beta, cfg.kl_estimator, _agg(cfg), cfg.dual_clip
+            ),
             sequence_mask=lambda rewards, cfg: filters.nonzero_variance_groups(rewards)[:, None]
             .expand_as(rewards)
             .to(rewards.dtype),
-            config_keys=_CLIP_KEYS + ("adv_eps", "beta", "kl_estimator") + _AGG_KEYS,
+            config_keys=_CLIP_KEYS + ("dual_clip", "adv_eps", "beta", "kl_estimator") + _AGG_KEYS,
             reference="Mroueh et al., Revisiting GRPO, eq. 2, 6-8 and Algorithm 1",
         ),
     )

@@ -234,6 +234,12 @@ class AlgorithmConfig(_Strict):
     eps_high: float = Field(
         0.2, ge=0, description="Upper clip margin: ratio <= 1 + eps_high (GRPO, REC-*, GSPO family)."
     )
+    dual_clip: float | None = Field(
+        None, gt=1, description="Dual-clip PPO's lower bound c (grpo, off_policy_grpo): for a negative advantage "
+        "the token objective is max(min(ratio A, clip(ratio) A), c A), so a token with ratio > c carries no "
+        "gradient. None (default): off, as in the GRPO, REC and off-policy GRPO papers; verl and Trinity-RFT "
+        "use c = 3 (their clip_ratio_c). Must be > 1.",
+    )
     eps_low_outer: float = Field(
         0.6, ge=0, description="REC-Ring outer margin eps'_low >= eps_low: a token with A>0 regains its gradient when "
         "ratio <= 1 - eps'_low. Default 0.6 = REC appendix B.3 (with inner 0.2/0.2).",
