@@ -176,8 +176,8 @@ def test_kl_estimators():
 
 def test_registry_names_and_config_keys():
     required = {
-        "reinforce", "grpo", "gspo", "rec_gspo_is", "rec_gspo_nois", "opmd", "asymre", "pairwise_reinforce",
-        "red_drop", "red_weight", "oapl", "off_policy_grpo",
+        "reinforce", "grpo", "gspo", "rec_gspo_is", "rec_gspo_nois", "opmd_sequence", "opmd_token", "asymre",
+        "pairwise_reinforce", "red_drop", "red_weight", "oapl", "off_policy_grpo",
         *(f"rec_{m}_{w}" for m in ("onesided", "twosided", "ring") for w in ("is", "nois")),
     }
     assert required <= set(ALGORITHMS)

@@ -241,9 +241,9 @@ def _seq(values, mask, i):
     return sum(float(values[i, t]) for t in range(values.shape[1]) if mask[i, t])
 
 
-def test_opmd():
+def test_opmd_sequence():
     beta = 0.4
-    grad, metrics, (logp, old, mask, *_) = _grad(losses.opmd_loss, beta)
+    grad, metrics, (logp, old, mask, *_) = _grad(losses.opmd_sequence_loss, beta)
     expected = torch.zeros_like(logp)
     sq = 0.0
     for i in range(logp.shape[0]):
@@ -254,6 +254,47 @@ def test_opmd():
                 expected[i, t] = (-ADV[i] + beta * delta) / N_GLOBAL
     torch.testing.assert_close(grad, expected, rtol=1e-12, atol=1e-14)
     assert metrics["opmd/sq_logratio"].item() == pytest.approx(sq / N_GLOBAL)
+
+
+@pytest.mark.parametrize("agg", LOSS_AGGS)
+def test_opmd_token(agg):
+    """l_i^t = -A_i logp_i^t + beta (logp_i^t - oldlogp_i^t)^2 (the REC authors' code): gradient
+    -A_i + 2 beta (logp - old) per token, value and metric written out."""
+    beta = 0.4
+    grad, metrics, (logp, old, mask, adv, *_) = _grad(losses.opmd_token_loss, beta, Aggregation(agg, C))
+
+    def g(i, t, r):
+        return -ADV[i] + 2 * beta * float(logp[i, t] - old[i, t])
+
+    torch.testing.assert_close(grad, _reference(g, agg, logp, old, mask), rtol=1e-12, atol=1e-14)
+    loss, _ = losses.opmd_token_loss(_inp(logp, old, mask, adv), beta, Aggregation(agg, C))
+    value, sq = 0.0, 0.0
+    for i, rs in enumerate(RATIOS):
+        for t in range(len(rs)):
+            d = float(logp[i, t] - old[i, t])
+            value += (-ADV[i] * float(logp[i, t]) + beta * d * d) * _agg_weight(agg, i, mask)
+            sq += d * d
+    assert loss.item() == pytest.approx(value, rel=1e-12)
+    assert metrics["opmd/sq_token_logratio"].item() == pytest.approx(sq / _num_tokens(mask), rel=1e-12)
+
+
+def test_opmd_recipe_defaults_are_the_rec_authors_runs():
+    """REC Fig. 10's OPMD ran the authors' Trinity-RFT REC loss with `regularizer: k2, regularizer_coef: 0.1`: the
+    mean over the batch's response tokens of `-A logp + 0.1 (logp - old)^2`. `opmd_token` with the config defaults
+    (beta 0.1, token-mean) is that loss; `opmd_sequence` (the paper's formula over summed log-probs) is not."""
+    from megarl.algorithms.registry import get_algorithm
+    from megarl.config.schema import AlgorithmConfig
+
+    logp, old, mask, adv, *_ = _case()
+    tokens = int(mask.sum())
+    per_token = [(-ADV[i] * float(logp[i, t]) + 0.1 * float(logp[i, t] - old[i, t]) ** 2)
+                 for i, rs in enumerate(RATIOS) for t in range(len(rs))]
+    theirs = sum(per_token) / tokens
+    inp = losses.PolicyLossInput(logp, old, mask, adv, num_seqs=len(RATIOS), num_tokens=tokens)
+    ours, _ = get_algorithm("opmd_token").loss(inp, AlgorithmConfig(name="opmd_token"))
+    assert ours.item() == pytest.approx(theirs, rel=1e-12)
+    seq, _ = get_algorithm("opmd_sequence").loss(inp, AlgorithmConfig(name="opmd_sequence"))
+    assert seq.item() != pytest.approx(theirs, rel=1e-3)
 
 
 def test_oapl_uses_engine_logprobs():

@@ -258,7 +258,9 @@ def _split_case():
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("name", ["reinforce", "grpo", "rec_onesided_is", "rec_gspo_is", "opmd", "off_policy_grpo"])
+@pytest.mark.parametrize(
+    "name", ["reinforce", "grpo", "rec_onesided_is", "rec_gspo_is", "opmd_sequence", "opmd_token", "off_policy_grpo"]
+)
 def test_microbatch_split_invariance_with_a_correction(name, kind):
     """1 x 8, 2 x 4 and 4 x 2 microbatches give the same loss, gradient and metrics (correction/* included)."""
     algo = get_algorithm(name)

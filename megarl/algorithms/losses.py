@@ -15,9 +15,9 @@ log-probs through `PolicyLossInput.weighted_logprobs()` (value unchanged, gradie
 and ratios keep their definitions and their reported loss value is the unweighted one. OAPL refuses a weight.
 
 Two kinds of loss:
-- token-level losses (REINFORCE and the advantage-reweighted variants, GRPO, REC-*, off-policy GRPO)
+- token-level losses (REINFORCE and the advantage-reweighted variants, GRPO, REC-*, off-policy GRPO, OPMD-token)
   build a per-token loss `l_i^t` and reduce it with `aggregation.aggregate_tokens` (`algorithm.loss_agg`);
-- sequence-level losses (REC-GSPO-*, GSPO, OPMD, OAPL) are defined per whole response (`s_i`, `M_i`,
+- sequence-level losses (REC-GSPO-*, GSPO, OPMD-sequence, OAPL) are defined per whole response (`s_i`, `M_i`,
   `mean_t`, sequence log-prob `logp_i = sum_t logp_i^t`) and are averaged over sequences: `/ N`.
 
 References: REC = "Group-relative REINFORCE is secretly an off-policy algorithm" (Table 3, appendix
@@ -38,9 +38,22 @@ from megarl.algorithms.clipping import ClipParams, one_side_mask
 from megarl.algorithms.kl import KLEstimator, kl_estimate
 
 __all__ = [
-    "ClipParams", "LossOutput", "PolicyLossInput", "asymre_loss", "gspo_loss", "grpo_loss", "oapl_loss",
-    "off_policy_grpo_loss", "one_side_mask", "opmd_loss", "rec_gspo_is_loss", "rec_gspo_nois_loss", "rec_loss",
-    "reinforce_loss", "sequence_mean",
+    "ClipParams",
+    "LossOutput",
+    "PolicyLossInput",
+    "asymre_loss",
+    "grpo_loss",
+    "gspo_loss",
+    "oapl_loss",
+    "off_policy_grpo_loss",
+    "one_side_mask",
+    "opmd_sequence_loss",
+    "opmd_token_loss",
+    "rec_gspo_is_loss",
+    "rec_gspo_nois_loss",
+    "rec_loss",
+    "reinforce_loss",
+    "sequence_mean",
 ]
 
 LossOutput = tuple[torch.Tensor, dict[str, torch.Tensor]]
@@ -240,15 +253,27 @@ def gspo_loss(inp: PolicyLossInput, clip: ClipParams) -> LossOutput:
     return rec_gspo_is_loss(inp, clip)
 
 
-def opmd_loss(inp: PolicyLossInput, beta: float) -> LossOutput:
-    """Kimi's OPMD as REC reads it (section 4.2, Table 3), per sequence with `logp_i = sum_t logp_i^t`:
+def opmd_sequence_loss(inp: PolicyLossInput, beta: float) -> LossOutput:
+    """Kimi's OPMD as the REC paper writes it (section 4.2, Table 3), per sequence with `logp_i = sum_t logp_i^t`:
     `L = (1/N) sum_i [ -A_i logp_i + beta/2 (logp_i - oldlogp_i)^2 ]`, `A_i = r_i - rbar`.
-    Gradient on each response token of i: `(1/N) (-A_i + beta (logp_i - oldlogp_i))`."""
+    Gradient on each response token of i: `(1/N) (-A_i + beta (logp_i - oldlogp_i))`. The regulariser grows with
+    the square of the response length, so REC's beta (Fig. 10, run with `opmd_token_loss`) does not carry over."""
     logp, old = sequence_sum(inp.weighted_logprobs(), inp.mask), sequence_sum(inp.old_logprobs, inp.mask)
     kept = inp.kept()
     delta = logp - old
     loss = ((-inp.advantages * logp + 0.5 * beta * delta**2) * kept).sum() / inp.num_seqs
     return loss, {"opmd/sq_logratio": (delta.detach() ** 2 * kept).sum() / inp.num_seqs}
+
+
+def opmd_token_loss(inp: PolicyLossInput, beta: float, agg: Aggregation) -> LossOutput:
+    """Kimi's OPMD as the REC authors' code runs it (Trinity-RFT's REC loss with its `k2` regulariser; the runs of
+    REC Fig. 10), per token: `l_i^t = -A_i logp_i^t + beta (logp_i^t - oldlogp_i^t)^2` (the 1/2 of the sequence
+    form is absorbed into beta), reduced by `agg` (token-mean in their code). Gradient per token:
+    `-A_i + 2 beta (logp_i^t - oldlogp_i^t)`, times the aggregation weight."""
+    delta = inp.logprobs - inp.old_logprobs
+    per_token = inp.weigh((-inp.advantages[:, None] * inp.logprobs + beta * delta**2) * inp.kept()[:, None])
+    metrics = {"opmd/sq_token_logratio": _token_mean_metric(delta**2 * inp.kept()[:, None], inp)}
+    return aggregate_tokens(per_token, inp.mask, agg, inp.num_seqs, inp.num_tokens), metrics
 
 
 def oapl_loss(inp: PolicyLossInput, beta2: float) -> LossOutput:

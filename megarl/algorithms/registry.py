@@ -159,12 +159,20 @@ ALGORITHMS: dict[str, Algorithm] = {
             reference="Zheng et al. 2025; REC appendix B.7",
         ),
         Algorithm(
-            "opmd",
-            "OPMD: REINFORCE on sequence log-probs + beta/2 (logp - oldlogp)^2 per sequence",
+            "opmd_sequence",
+            "OPMD as the REC paper writes it: REINFORCE on sequence log-probs + beta/2 (logp - oldlogp)^2 per sequence",
             _mean_adv,
-            lambda inp, cfg: losses.opmd_loss(inp, cfg.beta),
+            lambda inp, cfg: losses.opmd_sequence_loss(inp, cfg.beta),
             config_keys=("beta",),
             reference="Kimi k1.5; REC section 4.2, Table 3",
+        ),
+        Algorithm(
+            "opmd_token",
+            "OPMD as the REC authors' code runs it: -A logp + beta (logp - oldlogp)^2 per token (REC Fig. 10's runs)",
+            _mean_adv,
+            lambda inp, cfg: losses.opmd_token_loss(inp, cfg.beta, _agg(cfg)),
+            config_keys=("beta",) + _AGG_KEYS,
+            reference="Kimi k1.5; REC section 4.2, Fig. 10 (Trinity-RFT's REC loss, regularizer k2)",
         ),
         Algorithm(
             "asymre",

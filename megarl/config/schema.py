@@ -253,9 +253,11 @@ class AlgorithmConfig(_Strict):
         "GRPO: added to the variance, A = (r - mean) / sqrt(var + adv_eps).",
     )
     beta: float = Field(
-        0.1, ge=0, description="OPMD: weight of the (logp - oldlogp)^2 / 2 regulariser; AsymRE: baseline shift "
-        "(A = r - (mean - beta)); off_policy_grpo: weight of the KL term. Default 0.1: REC Fig. 10 (OPMD and "
-        "AsymRE) and off-policy GRPO on GSM8K.",
+        0.1, ge=0, description="opmd_token: weight of the per-token (logp_t - oldlogp_t)^2 regulariser; "
+        "opmd_sequence: weight of the per-sequence (logp - oldlogp)^2 / 2 one, over summed log-probs (about "
+        "length^2 times larger: REC's value does not carry over); AsymRE: baseline shift (A = r - (mean - beta)); "
+        "off_policy_grpo: weight of the KL term. Default 0.1: REC Fig. 10 (its OPMD runs used opmd_token with 0.1, "
+        "and AsymRE 0.1) and off-policy GRPO on GSM8K.",
     )
     temperature: float = Field(
         1.0, gt=0, description="RED-Weight and pairwise_reinforce: weight w_i = exp(A_i / temperature) with "
@@ -281,7 +283,8 @@ class AlgorithmConfig(_Strict):
         "token-mean", description="Reduction of token-level losses over the GLOBAL batch: token-mean (/ response "
         "tokens; REC's choice), seq-mean-token-mean (mean over tokens, then over sequences), seq-mean-token-sum "
         "(sum over tokens, mean over sequences: REC Table 3's response-wise form), constant (sum / (sequences * "
-        "loss_agg_constant), Dr. GRPO). Sequence-level losses (GSPO family, OPMD, OAPL) always average over sequences.",
+        "loss_agg_constant), Dr. GRPO). Sequence-level losses (GSPO family, opmd_sequence, OAPL) always average over "
+        "sequences.",
     )
     loss_agg_constant: float = Field(
         1.0, gt=0, description="C of loss_agg=constant: loss = sum_{i,t} l / (num_seqs * C). Dr. GRPO uses the "
