@@ -69,6 +69,19 @@ def test_weights_and_fractions_by_hand(kind):
     assert metrics["correction/weight_mean"].item() == pytest.approx(float(want.sum()) / num_tokens, rel=1e-15)
 
 
+@pytest.mark.parametrize("kind", ["mis_token", "mis_seq", "icepop"])
+def test_band_lower_edge_is_inside(kind):
+    """A ratio exactly on the band's lower edge (rho = 0.5 = lower, exact in binary) is kept, like one exactly on the
+    upper edge; a ratio just below it is not. One-token sequences, so the sequence product is the token's rho."""
+    rho = [0.5, 0.5 * (1 - 2**-20), 2.0]  # on the lower edge, just below it, on the upper edge
+    log_rho = torch.tensor([[math.log(r)] for r in rho], dtype=torch.float64)
+    assert [math.exp(x) for x in log_rho.flatten().tolist()] == rho  # the edges are hit exactly
+    weight, metrics = corrections.CORRECTIONS[kind](log_rho, torch.ones(3, 1, dtype=torch.float64), CFG, 3)
+    kept = [0.5, 0.0, 2.0] if kind == "icepop" else [1.0, 0.0, 1.0]  # IcePop keeps rho, MIS keeps 1
+    assert weight.flatten().tolist() == kept
+    assert metrics["correction/masked_frac"].item() == 1 / 3
+
+
 def test_correction_weights_reads_trainer_minus_engine():
     """rho = exp(logp_trainer - logp_engine) on response tokens; `none` gives no weight and no metrics."""
     log_rho, mask, num_tokens = _rho_case()
