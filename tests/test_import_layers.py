@@ -1,6 +1,7 @@
-"""Import layering: no module of the config and algorithm layers sits on an import circle. Every import counts,
-including those inside functions (a lazy import is still an edge of the dependency graph), read with `ast` from the
-source, so the test needs no import of the package itself."""
+"""Import layering: neither the config schema nor any algorithm module sits on an import circle (the schema
+validates names against the torch-free `megarl.algorithms.catalog`, the registry imports the schema). Every import
+counts, including those inside functions (a lazy import is still an edge of the dependency graph), read with `ast`
+from the source, so the test needs no import of the package itself."""
 
 from __future__ import annotations
 
