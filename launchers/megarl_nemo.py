@@ -38,9 +38,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def load_recipe(recipe: Path, overrides: list[str]) -> Config:
-    """The recipe with its overrides, validated as `megarl train` does. Without torch (the launch environment)
-    algorithm.name cannot be looked up in the registry (it imports torch): the config leaves it to
-    `megarl prepare`, which checks it on the nodes; every other field is checked here."""
+    """The recipe with its overrides, validated as `megarl train` does, every field included (the algorithm names
+    come from the torch-free `megarl/algorithms/catalog.py`, so the launch environment needs no torch)."""
     return load_config(recipe, overrides)
 
 

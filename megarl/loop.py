@@ -116,6 +116,14 @@ def _algorithm_state(algorithm: Algorithm) -> dict[str, Any] | None:
     return state_dict() if state_dict is not None else None
 
 
+def push_point(schedule: SyncSchedule, step: int, steps: int) -> int | None:
+    """The batch that the push at the start of step `step` of a `steps`-step run precedes, or None when the step
+    pushes nothing: the schedule's push, unless it precedes only batches the run never trains on (`>= steps`).
+    With `sync.offset` 0 the push before the last batch is made at the final step itself."""
+    before = schedule.push_at_step(step)
+    return before if before is not None and before < steps else None
+
+
 def _span(timeline: Timeline | None, lane: str, kind: str, label: str) -> AbstractContextManager:
     return timeline.span(lane, kind, label) if timeline is not None else nullcontext()
 
@@ -164,8 +172,8 @@ def run_loop(cfg: Config, rank: int, policy, weight_sync,
             with _span(timeline, "trainer", "startup", "rollout worker"):
                 rollout = start_rollout(timeline, start, saved, data_position)
         for step in bar:
-            before = schedule.push_at_step(step)  # the batch a push of the trainer's weights precedes now
-            if before is not None and before < cfg.run.steps:  # (a push for batches never trained on is skipped)
+            before = push_point(schedule, step, cfg.run.steps)  # the batch a push of the weights precedes now
+            if before is not None:
                 if rollout is not None:
                     with _span(timeline, "trainer", "wait", f"push point {before}"):
                         rollout.quiesce(before)  # no replica is still generating with the older weights

@@ -82,6 +82,19 @@ def test_red_drop_filter_balances_and_is_seeded():
     assert any(not torch.equal(keep, o) for o in others)  # and actually random
 
 
+def test_red_drop_counts_a_reward_at_the_mean_as_positive():
+    """The REC authors' code (Trinity-RFT, drop="balance") splits at `r >= mean`: in [0.75, 0.25, 0, 0] (mean 0.25,
+    exact in binary) the tie is a positive, so 2 positives balance 2 negatives and nothing is dropped (a strict
+    `r > mean` would see 1 positive and drop a negative). Group 2, [1, 0.25, 0, 0, 0, 0.25] (mean 0.25): 3 positives
+    against 3 negatives, nothing dropped; group 3, [1, 0, 0, 0] (no tie): 1 positive, 2 of 3 negatives dropped."""
+    for row in ([0.75, 0.25, 0.0, 0.0], [1.0, 0.25, 0.0, 0.0, 0.0, 0.25], [1.0, 0.0, 0.0, 0.0]):
+        mean = sum(row) / len(row)
+        positives = sum(r >= mean for r in row)
+        keep = red_drop_keep_mask(torch.tensor([row]), torch.Generator().manual_seed(0))[0]
+        assert int(keep.sum()) == min(len(row), 2 * positives)
+        assert all(keep[i] for i, r in enumerate(row) if r >= mean)
+
+
 def test_red_drop_advantages_are_eq10_and_eq9_with_sqrtK_over_S():
     rewards = torch.tensor([[1.0, 0, 0, 0, 0, 0], [1, 1, 0, 0.5, 0, 0]], dtype=torch.float64)
     keep = torch.tensor([[1, 1, 0, 0, 0, 0], [1, 1, 0, 1, 1, 0]], dtype=torch.bool)
@@ -163,8 +176,8 @@ def test_kl_estimators():
 
 def test_registry_names_and_config_keys():
     required = {
-        "reinforce", "grpo", "gspo", "rec_gspo_is", "rec_gspo_nois", "opmd", "asymre", "pairwise_reinforce",
-        "red_drop", "red_weight", "oapl", "off_policy_grpo",
+        "reinforce", "grpo", "gspo", "rec_gspo_is", "rec_gspo_nois", "opmd_sequence", "opmd_token", "asymre",
+        "pairwise_reinforce", "red_drop", "red_weight", "oapl", "off_policy_grpo",
         *(f"rec_{m}_{w}" for m in ("onesided", "twosided", "ring") for w in ("is", "nois")),
     }
     assert required <= set(ALGORITHMS)

@@ -143,6 +143,63 @@ def test_grpo_gradient_and_value(agg):
     assert loss.item() == pytest.approx(value, rel=1e-12)
 
 
+def _dual_clip_objective(a, r, c):
+    """Dual-clip PPO per token, as verl and Trinity-RFT write it: `min(r A, clip(r) A)`, and for `A < 0` its max with
+    `c A`; its derivative in logp (dr/dlogp = r): `r A` where the `r A` branch is the one taken, else 0."""
+    clipped = min(max(r, 1 - CLIP.eps_low), 1 + CLIP.eps_high)
+    value = min(r * a, clipped * a)
+    takes_ratio = r * a <= clipped * a  # the min picks r A (r = clip(r) included, where both pieces agree)
+    if a < 0:
+        takes_ratio = takes_ratio and value >= c * a  # the max keeps the min (r = c included)
+        value = max(value, c * a)
+    return value, (r * a if takes_ratio else 0.0)
+
+
+@pytest.mark.parametrize("agg", LOSS_AGGS)
+@pytest.mark.parametrize("c", [3.0, 4.0])  # 4.0: sequence 1's ratio-4 token sits exactly on the dual bound
+def test_grpo_dual_clip_against_the_formula(agg, c):
+    """l = -max(min(rA, clip(r)A), cA) for A<0 (sequences 1 and 3 have ratios 4 and 5 above c = 3), -min(rA, clip(r)A)
+    for A>=0 (sequence 5's ratio 5 with A>0 is untouched): value and gradient against the formula written out."""
+    grad, metrics, (logp, old, mask, adv, *_) = _grad(losses.grpo_loss, CLIP, Aggregation(agg, C), c)
+    expected = _reference(lambda i, t, r: -_dual_clip_objective(ADV[i], r, c)[1], agg, logp, old, mask)
+    torch.testing.assert_close(grad, expected, rtol=1e-12, atol=1e-14)
+    loss, _ = losses.grpo_loss(_inp(logp, old, mask, adv), CLIP, Aggregation(agg, C), c)
+    value = sum(-_dual_clip_objective(ADV[i], r, c)[0] * _agg_weight(agg, i, mask)
+                for i, rs in enumerate(RATIOS) for r in rs)
+    assert loss.item() == pytest.approx(value, rel=1e-12)
+    capped = sum(ADV[i] < 0 and r > c for i, rs in enumerate(RATIOS) for r in rs)
+    assert capped == (2 if c == 3.0 else 1)  # the test reaches the bound: ratios 4 and 5 above 3; 5 only above 4
+    assert metrics["dual_clip_frac"].item() == pytest.approx(capped / _num_tokens(mask))
+    if c == 4.0:
+        assert grad[1, 3] != 0  # ratio exactly c with A<0 keeps its gradient
+    plain, plain_metrics, _ = _grad(losses.grpo_loss, CLIP, Aggregation(agg, C))
+    assert not torch.equal(plain, grad) and "dual_clip_frac" not in plain_metrics  # off by default
+
+
+def test_off_policy_grpo_dual_clip():
+    """The same bound in off-policy GRPO's surrogate, its KL term untouched (k1: gradient beta per token)."""
+    beta, c = 0.3, 3.0
+    grad, _, (logp, old, mask, *_) = _grad(losses.off_policy_grpo_loss, CLIP, beta, "k1", Aggregation("token-mean"),
+                                           c)
+    expected = _reference(lambda i, t, r: -_dual_clip_objective(ADV[i], r, c)[1] + beta, "token-mean", logp, old,
+                          mask)
+    torch.testing.assert_close(grad, expected, rtol=1e-12, atol=1e-14)
+
+
+def test_dual_clip_is_configured_off_and_above_one():
+    from megarl.algorithms.registry import get_algorithm
+    from megarl.config.schema import AlgorithmConfig
+
+    assert AlgorithmConfig(name="grpo").dual_clip is None
+    with pytest.raises(ValueError, match="dual_clip"):
+        AlgorithmConfig(name="grpo", dual_clip=1.0)
+    logp, old, mask, adv, *_ = _case()
+    cfg = AlgorithmConfig(name="grpo", eps_low=CLIP.eps_low, eps_high=CLIP.eps_high, dual_clip=3.0)
+    registered, _ = get_algorithm("grpo").loss(_inp(logp, old, mask, adv), cfg)
+    direct, _ = losses.grpo_loss(_inp(logp, old, mask, adv), CLIP, Aggregation("token-mean"), 3.0)
+    assert registered.item() == direct.item()
+
+
 @pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-sum"])
 def test_off_policy_grpo(estimator, agg):
@@ -184,9 +241,9 @@ def _seq(values, mask, i):
     return sum(float(values[i, t]) for t in range(values.shape[1]) if mask[i, t])
 
 
-def test_opmd():
+def test_opmd_sequence():
     beta = 0.4
-    grad, metrics, (logp, old, mask, *_) = _grad(losses.opmd_loss, beta)
+    grad, metrics, (logp, old, mask, *_) = _grad(losses.opmd_sequence_loss, beta)
     expected = torch.zeros_like(logp)
     sq = 0.0
     for i in range(logp.shape[0]):
@@ -197,6 +254,47 @@ def test_opmd():
                 expected[i, t] = (-ADV[i] + beta * delta) / N_GLOBAL
     torch.testing.assert_close(grad, expected, rtol=1e-12, atol=1e-14)
     assert metrics["opmd/sq_logratio"].item() == pytest.approx(sq / N_GLOBAL)
+
+
+@pytest.mark.parametrize("agg", LOSS_AGGS)
+def test_opmd_token(agg):
+    """l_i^t = -A_i logp_i^t + beta (logp_i^t - oldlogp_i^t)^2 (the REC authors' code): gradient
+    -A_i + 2 beta (logp - old) per token, value and metric written out."""
+    beta = 0.4
+    grad, metrics, (logp, old, mask, adv, *_) = _grad(losses.opmd_token_loss, beta, Aggregation(agg, C))
+
+    def g(i, t, r):
+        return -ADV[i] + 2 * beta * float(logp[i, t] - old[i, t])
+
+    torch.testing.assert_close(grad, _reference(g, agg, logp, old, mask), rtol=1e-12, atol=1e-14)
+    loss, _ = losses.opmd_token_loss(_inp(logp, old, mask, adv), beta, Aggregation(agg, C))
+    value, sq = 0.0, 0.0
+    for i, rs in enumerate(RATIOS):
+        for t in range(len(rs)):
+            d = float(logp[i, t] - old[i, t])
+            value += (-ADV[i] * float(logp[i, t]) + beta * d * d) * _agg_weight(agg, i, mask)
+            sq += d * d
+    assert loss.item() == pytest.approx(value, rel=1e-12)
+    assert metrics["opmd/sq_token_logratio"].item() == pytest.approx(sq / _num_tokens(mask), rel=1e-12)
+
+
+def test_opmd_recipe_defaults_are_the_rec_authors_runs():
+    """REC Fig. 10's OPMD ran the authors' Trinity-RFT REC loss with `regularizer: k2, regularizer_coef: 0.1`: the
+    mean over the batch's response tokens of `-A logp + 0.1 (logp - old)^2`. `opmd_token` with the config defaults
+    (beta 0.1, token-mean) is that loss; `opmd_sequence` (the paper's formula over summed log-probs) is not."""
+    from megarl.algorithms.registry import get_algorithm
+    from megarl.config.schema import AlgorithmConfig
+
+    logp, old, mask, adv, *_ = _case()
+    tokens = int(mask.sum())
+    per_token = [(-ADV[i] * float(logp[i, t]) + 0.1 * float(logp[i, t] - old[i, t]) ** 2)
+                 for i, rs in enumerate(RATIOS) for t in range(len(rs))]
+    theirs = sum(per_token) / tokens
+    inp = losses.PolicyLossInput(logp, old, mask, adv, num_seqs=len(RATIOS), num_tokens=tokens)
+    ours, _ = get_algorithm("opmd_token").loss(inp, AlgorithmConfig(name="opmd_token"))
+    assert ours.item() == pytest.approx(theirs, rel=1e-12)
+    seq, _ = get_algorithm("opmd_sequence").loss(inp, AlgorithmConfig(name="opmd_sequence"))
+    assert seq.item() != pytest.approx(theirs, rel=1e-3)
 
 
 def test_oapl_uses_engine_logprobs():

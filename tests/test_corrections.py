@@ -69,6 +69,19 @@ def test_weights_and_fractions_by_hand(kind):
     assert metrics["correction/weight_mean"].item() == pytest.approx(float(want.sum()) / num_tokens, rel=1e-15)
 
 
+@pytest.mark.parametrize("kind", ["mis_token", "mis_seq", "icepop"])
+def test_band_lower_edge_is_inside(kind):
+    """A ratio exactly on the band's lower edge (rho = 0.5 = lower, exact in binary) is kept, like one exactly on the
+    upper edge; a ratio just below it is not. One-token sequences, so the sequence product is the token's rho."""
+    rho = [0.5, 0.5 * (1 - 2**-20), 2.0]  # on the lower edge, just below it, on the upper edge
+    log_rho = torch.tensor([[math.log(r)] for r in rho], dtype=torch.float64)
+    assert [math.exp(x) for x in log_rho.flatten().tolist()] == rho  # the edges are hit exactly
+    weight, metrics = corrections.CORRECTIONS[kind](log_rho, torch.ones(3, 1, dtype=torch.float64), CFG, 3)
+    kept = [0.5, 0.0, 2.0] if kind == "icepop" else [1.0, 0.0, 1.0]  # IcePop keeps rho, MIS keeps 1
+    assert weight.flatten().tolist() == kept
+    assert metrics["correction/masked_frac"].item() == 1 / 3
+
+
 def test_correction_weights_reads_trainer_minus_engine():
     """rho = exp(logp_trainer - logp_engine) on response tokens; `none` gives no weight and no metrics."""
     log_rho, mask, num_tokens = _rho_case()
@@ -181,14 +194,15 @@ def test_grpo_gradient_and_value(kind):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_rec_gspo_is_gradient(kind):
-    """dL/dlogp_i^t = -(1/N) A_i s_i M_i w_i^t / |y_i|, s_i = exp(mean_t log ratio); the value stays unweighted."""
+    """dL/dlogp_i^t = -(1/N) A_i s_i M_i w_i^t / |y_i|, s_i = exp(mean_t log ratio); the value stays unweighted:
+    GSPO's objective -(1/N) min(s_i A_i, clip(s_i) A_i)."""
     loss, grad, w, (_, _, mask, _) = _autograd(losses.rec_gspo_is_loss, kind, CLIP)
     expected = [[0.0] * mask.shape[1] for _ in range(4)]
     value = 0.0
     for i, row in enumerate(TOKENS):
         s = math.exp(sum(math.log(r) for _, r in row) / len(row))
         m = _one_side(ADV[i], s)
-        value += -ADV[i] * s * m / N_GLOBAL
+        value += -min(s * ADV[i], min(max(s, 1 - CLIP.eps_low), 1 + CLIP.eps_high) * ADV[i]) / N_GLOBAL
         for t in range(len(row)):
             expected[i][t] = -ADV[i] * s * m * w[i][t] / (N_GLOBAL * len(row))
     _assert_grad(grad, expected)
@@ -257,7 +271,9 @@ def _split_case():
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("name", ["reinforce", "grpo", "rec_onesided_is", "rec_gspo_is", "opmd", "off_policy_grpo"])
+@pytest.mark.parametrize(
+    "name", ["reinforce", "grpo", "rec_onesided_is", "rec_gspo_is", "opmd_sequence", "opmd_token", "off_policy_grpo"]
+)
 def test_microbatch_split_invariance_with_a_correction(name, kind):
     """1 x 8, 2 x 4 and 4 x 2 microbatches give the same loss, gradient and metrics (correction/* included)."""
     algo = get_algorithm(name)

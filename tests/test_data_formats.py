@@ -41,6 +41,14 @@ def test_gsm8k_gold_is_the_last_hash_number_without_commas():
     assert "," in read_rows(SAMPLES_DIR / "gsm8k_sample.jsonl")[3]["answer"].rsplit("####")[1]
 
 
+def test_gsm8k_gold_after_the_last_of_two_hash_markers(tmp_path):
+    """A solution with two `####` (an intermediate line, then the final answer): the gold is after the LAST one."""
+    rows = [{"question": "q", "answer": "Half of it: #### 7 is not it.\n3 * 404 = 1,212\n#### 1,212"}]
+    path = tmp_path / "two_markers.jsonl"
+    path.write_text(json.dumps(rows[0]) + "\n")
+    assert [r.answer for r in load_records([path], "gsm8k")] == ["1212"]
+
+
 def _expected_gold(problem: str) -> Fraction:
     """The answer of a sample problem, recomputed from its text."""
     if m := re.search(r"\\frac\{(\d+)\}\{(\d+)\} \+ \\frac\{(\d+)\}\{(\d+)\}", problem):

@@ -186,6 +186,7 @@ def test_slurm_dryrun_overrides_container_and_options(launch_python: Path, tmp_p
     (["rollout.tp=16"], "rollout.tp=16 exceeds --gpus-per-node=8"),
     (["--trainer-tasks-per-node", "16"], "16 trainer ranks per node exceed --gpus-per-node=8"),
     (["trainer.bogus=1"], "trainer.bogus: unknown key"),
+    (["algorithm.name=ppo"], "algorithm.name: 'ppo' is not a registered algorithm"),  # no torch needed for names
 ])
 def test_bad_config_is_refused_before_anything_is_built(launch_python: Path, tmp_path: Path, args: list[str],
                                                         message: str) -> None:

@@ -11,6 +11,7 @@ import torch
 from megarl.algorithms.advantages import group_mean_advantages, group_normalized_advantages
 from megarl.algorithms.losses import ClipParams, PolicyLossInput, rec_gspo_is_loss, rec_gspo_nois_loss
 from megarl.algorithms.registry import ALGORITHMS, get_algorithm
+from megarl.config.schema import AlgorithmConfig
 
 CLIP = ClipParams(eps_low=0.2, eps_high=0.3)
 
@@ -124,3 +125,20 @@ def test_advantages_by_hand():
     norm = group_normalized_advantages(r, eps=0.0)
     torch.testing.assert_close(norm[0], torch.tensor([-1.0, 1.0, 1.0, -1.0]))  # population std = 0.5
     assert torch.all(group_normalized_advantages(r)[1] == 0)  # zero-variance group gives zero advantage
+
+
+@pytest.mark.parametrize("name", ["rec_gspo_is", "gspo"])
+def test_gspo_loss_value_is_the_clipped_objective(name):
+    """The logged loss is GSPO's objective `-(1/N) sum_i min(s_i A_i, clip(s_i, 1-eps_low, 1+eps_high) A_i)`,
+    written out here per sequence: the clipped sequences 1 (A>0, s=1.5) and 2 (A<0, s=0.7) add `-clip(s) A`, not 0."""
+    logp, old, mask, lengths, adv = _case()
+    loss, _ = rec_gspo_is_loss(PolicyLossInput(logp, old, mask, adv, num_seqs=4, num_tokens=9), CLIP)
+    expected = 0.0
+    for i in range(4):
+        s = math.exp(float(((logp[i] - old[i]) * mask[i]).sum() / lengths[i]))
+        a = float(adv[i])
+        expected -= min(s * a, min(max(s, 1 - CLIP.eps_low), 1 + CLIP.eps_high) * a) / 4
+    assert loss.item() == pytest.approx(expected, rel=1e-6)
+    cfg = AlgorithmConfig(name=name, eps_low=CLIP.eps_low, eps_high=CLIP.eps_high)
+    registered, _ = get_algorithm(name).loss(PolicyLossInput(logp, old, mask, adv, num_seqs=4, num_tokens=9), cfg)
+    assert registered.item() == pytest.approx(expected, rel=1e-6)

@@ -85,6 +85,8 @@ def test_last_boxed_and_think_split():
     ("#### -7", "-7", 1.0, 1.0),
     ("#### 2.50", "2.5", 1.0, 1.0),
     ("no number", "3", (0.0, UNPARSABLE), (0.0, UNPARSABLE)),
+    ("First try:\n#### 5\nThat was wrong, 3 * 4 = 12.\n#### 12", "12", 1.0, 1.0),  # the LAST `#### N` counts
+    ("#### 12\nNo wait, 12 + 1 = 13.\n#### 13", "12", 0.0, 0.0),
 ])
 def test_gsm8k_extractors(response, gold, strict, flexible):
     assert gsm8k_strict(response, gold) == strict

@@ -2,6 +2,8 @@
 function stops the run with an error naming the replica / batch (no hang), the controller's calls refuse a
 push point that is not the window's end, and a resume whose saved batches reach the run's end generates nothing."""
 
+import time
+
 import pytest
 
 from megarl.data.arithmetic import problem_batch
@@ -14,12 +16,20 @@ from megarl.rollout.worker import RolloutWorker, RolloutWorkerError
 from megarl.sync.schedule import SyncSchedule
 
 
-def _worker(urls, schedule, end, reward="megarl.rewards.exact_match:exact_match", decode=None, **kw):
+def _worker(urls, schedule, end, reward="megarl.rewards.exact_match:exact_match", decode=None, asked=None, **kw):
+    """`asked`: a list that records every batch index whose problems a replica asks for (it is about to generate
+    that batch)."""
     pool = RewardPool(reward, workers=1, timeout_s=10)
+
+    def problems(j):
+        if asked is not None:
+            asked.append(j)
+        return problem_batch(j, 2, 4, seed=0)
+
     try:
         return RolloutWorker(
             [RolloutClient(u, timeout_s=30) for u in urls], schedule,
-            problems=lambda j: problem_batch(j, 2, 4, seed=0), encode=lambda text: [1, 2, 3],
+            problems=problems, encode=lambda text: [1, 2, 3],
             sampling={"n": 2, "max_tokens": 1}, seed=lambda j: 10 * j,
             score=BatchScorer(pool, decode or (lambda ids: "7")), timeline=Timeline(), end=end, **kw)
     except BaseException:
@@ -49,20 +59,28 @@ def test_a_failing_reward_function_is_named(moe_fleet):
 
 def test_window_and_resume_edges(moe_fleet):
     # (2, 1): the initial weights generate batches 0 and 1; a push point anywhere else is a controller bug
-    worker = _worker(moe_fleet.urls, SyncSchedule(2, 1), end=4)
+    asked = []
+    worker = _worker(moe_fleet.urls, SyncSchedule(2, 1), end=4, asked=asked)
     try:
         with pytest.raises(RuntimeError, match="window ends at batch 2"):
             worker.quiesce(4)
         assert worker.take(0).index == 0 and worker.take(1).index == 1
         worker.quiesce(2)
         assert worker.batches_generated() == 2  # the window's end: nothing generated past it before the push
+        # and nothing STARTED past it: a replica that went on would ask for batch 2's problems at once (it has
+        # nothing else to wait for); a second is ample for that, and a correct worker asks for nothing more
+        time.sleep(1.0)
+        assert sorted(asked) == [0, 1], f"batches begun before the push that precedes batch 2: {asked}"
     finally:
         worker.close()
     # a checkpoint after step 3 of a 5-step (2, 2) run saved batch 4, the run's last: nothing is left to make
     saved = scored_batch(4, [[Sample([1], [2], [-0.1], "length", 2)] * 2], [[1.0, 0.0]])
-    worker = _worker(moe_fleet.urls, SyncSchedule(2, 2), end=5, start=4, ready={4: saved})
+    asked = []
+    worker = _worker(moe_fleet.urls, SyncSchedule(2, 2), end=5, start=4, ready={4: saved}, asked=asked)
     try:
         assert worker.take(4) is saved and worker.batches_generated() == 5
+        time.sleep(0.5)
+        assert asked == [], f"batches begun past the run's end: {asked}"
     finally:
         worker.close()
     with pytest.raises(ValueError, match="no push precedes it"):  # batch 3 of (2, 2) follows no push

@@ -32,6 +32,7 @@ from tests.dist_utils import free_port, run_distributed
 from tests.fleet_fixture import perturbed_checkpoint, sparsely_changed
 
 SEQS = [[6, 23, 7, 24, 13, 2], [5, 23, 5, 24, 11], [12, 23, 3, 24, 17, 2, 9]]
+BUCKET = 256 << 10  # sync bucket size of these pushes
 
 
 def _hand_bytes_per_rank(hf: dict, tp: int) -> list[int]:
@@ -65,7 +66,7 @@ def _trainer(rank, world, hf_dir, url, port, sync_port, drop):
         policy = MegatronPolicy(hf_dir, hf, OptimizerConfig())
         clients = [RolloutClient(url)] if rank == 0 else []
         sync = PartitionedWeightSync(rank, world, hf, clients, rollout_tp=2, rollout_replicas=1,
-                                     store_host="127.0.0.1", store_port=sync_port, bucket_bytes=256 << 10,
+                                     store_host="127.0.0.1", store_port=sync_port, bucket_bytes=BUCKET,
                                      digests=True, timeout_s=90)
         out = {}
         if drop == "fail_load":  # vLLM's loaders raise after 3 tensors, once the model is being reloaded
@@ -141,6 +142,10 @@ def test_sync_moves_exactly_each_ranks_slices(moe_fleet, new_checkpoint):
         assert stats.receive_ratio[sync_rank] == 1.0
         assert expected[tp_rank] < 0.55 * full_model
     assert sum(stats.bytes_sent.values()) == sum(stats.bytes_received.values())
+    # memory: the transport's default send window keeps at most two buckets in flight per trainer rank (no block
+    # here is larger than a 256 KiB bucket, so two buckets bound it); this push sends six nearly full buckets per
+    # rank, so a window of three would stage ~0.75 MB and more than one bucket is really in flight at a time
+    assert all(BUCKET < peak <= 2 * BUCKET for peak in stats.staging_peak_bytes.values()), stats.staging_peak_bytes
 
     # bits: what each worker received, and every block its loaders read, is the new checkpoint's block
     new = load_file(new_checkpoint / "model.safetensors")

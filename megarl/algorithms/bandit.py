@@ -47,8 +47,8 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("REC-Ring-NOIS (0.2, 0.2 | 0.6, 2.0)", "rec_ring_nois"),
     Variant("GRPO (0.2, 0.2)", "grpo"),
     Variant("REC-GSPO-NOIS (0.2, 0.2)", "rec_gspo_nois"),
-    Variant("OPMD (beta 0.1)", "opmd"),
-    Variant("OPMD (beta 1)", "opmd", {"beta": 1.0}),
+    Variant("OPMD-sequence (beta 0.1)", "opmd_sequence"),
+    Variant("OPMD-sequence (beta 1)", "opmd_sequence", {"beta": 1.0}),
     Variant("AsymRE (beta 0.1)", "asymre"),
     Variant("pairwise REINFORCE (T 1)", "pairwise_reinforce"),
     Variant("RED-Drop", "red_drop"),
@@ -122,7 +122,7 @@ def plot(results: dict[str, torch.Tensor], out: Path, window: int = 20) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax_traj, ax_bar) = plt.subplots(1, 2, figsize=(16, 7.5), gridspec_kw={"width_ratios": [1, 1.1]})
-    shown = ("REINFORCE", "REC-OneSide-NOIS (0.2, 0.2)", "REC-OneSide-NOIS (0.6, 2.0)", "OPMD (beta 0.1)",
+    shown = ("REINFORCE", "REC-OneSide-NOIS (0.2, 0.2)", "REC-OneSide-NOIS (0.6, 2.0)", "OPMD-sequence (beta 0.1)",
              "AsymRE (beta 0.1)", "RED-Weight (T 1)", "RED-Weight (T 0.1, lr x0.1)",
              "OAPL (beta1 0.1, beta2 0.1, lr x5)")
     colors = plt.get_cmap("tab10")

@@ -17,11 +17,12 @@ def nonzero_variance_groups(rewards: torch.Tensor) -> torch.Tensor:
 
 def red_drop_keep_mask(rewards: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """RED-Drop (REC section 4.3 and appendix B.6): in each group with more negatives (`r_i < rbar`)
-    than positives (`r_i > rbar`), keep all positives (and any `r_i == rbar`) and a uniformly random
-    subset of `#positives` negatives, drawn with `generator` (seeded by the caller, so the drop is
-    reproducible). Returns the keep mask `S` as bool `[G, K]`; groups with no excess keep everyone."""
+    than positives (`r_i >= rbar`: a reward exactly at the mean counts as a positive, as in the REC authors' code,
+    Trinity-RFT's `drop="balance"`), keep all positives and a uniformly random subset of `#positives` negatives,
+    drawn with `generator` (seeded by the caller, so the drop is reproducible). Returns the keep mask `S` as bool
+    `[G, K]`; groups with no excess keep everyone."""
     rbar = rewards.mean(dim=-1, keepdim=True)
-    negative, positive = rewards < rbar, rewards > rbar
+    negative, positive = rewards < rbar, rewards >= rbar
     keep = torch.ones_like(rewards, dtype=torch.bool)
     for g in range(rewards.shape[0]):
         neg_idx = negative[g].nonzero().flatten()

@@ -15,9 +15,9 @@ log-probs through `PolicyLossInput.weighted_logprobs()` (value unchanged, gradie
 and ratios keep their definitions and their reported loss value is the unweighted one. OAPL refuses a weight.
 
 Two kinds of loss:
-- token-level losses (REINFORCE and the advantage-reweighted variants, GRPO, REC-*, off-policy GRPO)
+- token-level losses (REINFORCE and the advantage-reweighted variants, GRPO, REC-*, off-policy GRPO, OPMD-token)
   build a per-token loss `l_i^t` and reduce it with `aggregation.aggregate_tokens` (`algorithm.loss_agg`);
-- sequence-level losses (REC-GSPO-*, GSPO, OPMD, OAPL) are defined per whole response (`s_i`, `M_i`,
+- sequence-level losses (REC-GSPO-*, GSPO, OPMD-sequence, OAPL) are defined per whole response (`s_i`, `M_i`,
   `mean_t`, sequence log-prob `logp_i = sum_t logp_i^t`) and are averaged over sequences: `/ N`.
 
 References: REC = "Group-relative REINFORCE is secretly an off-policy algorithm" (Table 3, appendix
@@ -38,9 +38,22 @@ from megarl.algorithms.clipping import ClipParams, one_side_mask
 from megarl.algorithms.kl import KLEstimator, kl_estimate
 
 __all__ = [
-    "ClipParams", "LossOutput", "PolicyLossInput", "asymre_loss", "gspo_loss", "grpo_loss", "oapl_loss",
-    "off_policy_grpo_loss", "one_side_mask", "opmd_loss", "rec_gspo_is_loss", "rec_gspo_nois_loss", "rec_loss",
-    "reinforce_loss", "sequence_mean",
+    "ClipParams",
+    "LossOutput",
+    "PolicyLossInput",
+    "asymre_loss",
+    "grpo_loss",
+    "gspo_loss",
+    "oapl_loss",
+    "off_policy_grpo_loss",
+    "one_side_mask",
+    "opmd_sequence_loss",
+    "opmd_token_loss",
+    "rec_gspo_is_loss",
+    "rec_gspo_nois_loss",
+    "rec_loss",
+    "reinforce_loss",
+    "sequence_mean",
 ]
 
 LossOutput = tuple[torch.Tensor, dict[str, torch.Tensor]]
@@ -137,39 +150,57 @@ def rec_loss(
     )
 
 
-def _grpo_surrogate(inp: PolicyLossInput, clip: ClipParams) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _grpo_surrogate(
+    inp: PolicyLossInput, clip: ClipParams, dual_clip: float | None
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO/GRPO clipped surrogate `min(ratio A, clip(ratio, 1-eps_low, 1+eps_high) A)` `[B, S]`, written as
     `ratio A` where the one-side mask `M` keeps the gradient and the (constant) clipped value elsewhere:
-    the same value as the `min`, and exactly the gradient `A ratio M` of REC Table 3 (boundaries inclusive)."""
+    the same value as the `min`, and exactly the gradient `A ratio M` of REC Table 3 (boundaries inclusive).
+    Dual-clip PPO (Ye et al. 2020; verl's and Trinity-RFT's `clip_ratio_c`), when `dual_clip = c` is given: for
+    `A < 0` the objective is `max(min(ratio A, clip(ratio) A), c A)`, i.e. the constant `c A` (no gradient) where
+    `ratio > c` (boundary inclusive: `ratio = c` keeps its gradient); `A >= 0` is unchanged. Returns the surrogate
+    and the metric contributions (`clip_frac`, `ratio_mean`, and `dual_clip_frac` when the dual clip is on)."""
     ratio = _token_ratio(inp)
     adv = inp.advantages[:, None]
     m = one_side_mask(ratio, adv, clip)
     clipped = torch.clamp(ratio.detach(), 1 - clip.eps_low, 1 + clip.eps_high) * adv
-    return torch.where(m.bool(), ratio * adv, clipped), m, ratio
+    surrogate = torch.where(m.bool(), ratio * adv, clipped)
+    metrics = _token_clip_metrics(m, ratio, adv, inp)
+    if dual_clip is not None:
+        lower = (adv < 0) & (ratio.detach() > dual_clip)  # where max(., c A) = c A
+        surrogate = torch.where(lower, dual_clip * adv, surrogate)
+        metrics["dual_clip_frac"] = _token_mean_metric(lower.to(ratio.dtype), inp)
+    return surrogate, metrics
 
 
-def grpo_loss(inp: PolicyLossInput, clip: ClipParams, agg: Aggregation) -> LossOutput:
+def grpo_loss(inp: PolicyLossInput, clip: ClipParams, agg: Aggregation, dual_clip: float | None = None) -> LossOutput:
     """GRPO (Shao et al. 2024; REC section 4.1): `l_i^t = -min(ratio A_i, clip(ratio, 1-eps_low, 1+eps_high) A_i)`
-    with std-normalised advantages and no KL term (as REC runs it). Gradient per token: `-A_i ratio_i^t M_i^t`."""
-    surrogate, m, ratio = _grpo_surrogate(inp, clip)
+    with std-normalised advantages and no KL term (as REC runs it). Gradient per token: `-A_i ratio_i^t M_i^t`.
+    `dual_clip = c` (off by default: neither GRPO nor REC uses it): for `A_i < 0`,
+    `l_i^t = -max(min(ratio A_i, clip(ratio) A_i), c A_i)`, no gradient where `ratio > c`."""
+    surrogate, metrics = _grpo_surrogate(inp, clip, dual_clip)
     per_token = inp.weigh(-surrogate * inp.kept()[:, None])
-    metrics = _token_clip_metrics(m, ratio, inp.advantages[:, None], inp)
     return aggregate_tokens(per_token, inp.mask, agg, inp.num_seqs, inp.num_tokens), metrics
 
 
 def off_policy_grpo_loss(
-    inp: PolicyLossInput, clip: ClipParams, beta: float, estimator: KLEstimator, agg: Aggregation
+    inp: PolicyLossInput,
+    clip: ClipParams,
+    beta: float,
+    estimator: KLEstimator,
+    agg: Aggregation,
+    dual_clip: float | None = None,
 ) -> LossOutput:
     """Off-policy GRPO (Mroueh et al., eq. 6-8) with `pi_k / alpha ~ 1` (their practical choice):
     `l_i^t = z_i * ( -min(ratio A_i, clip(ratio) A_i) + beta * KL_hat(logp_i^t, ref_i^t) )`, ratio against the
     lagged server policy `alpha` (`old_logprobs`), `A_i` from `advantages.off_policy_grpo_advantages`, `z_i` the
     zero-variance mask (`seq_mask`) and `KL_hat` the k1/k2/k3 estimator against `ref_logprobs` (default: the
     behaviour policy, i.e. a reference swapped at every weight sync). Gradient per token:
-    `z_i (-A_i ratio M + beta dKL_hat/dlogp)` (k1: 1, k2: `logp - ref`, k3: `1 - exp(ref - logp)`)."""
-    surrogate, m, ratio = _grpo_surrogate(inp, clip)
+    `z_i (-A_i ratio M + beta dKL_hat/dlogp)` (k1: 1, k2: `logp - ref`, k3: `1 - exp(ref - logp)`).
+    `dual_clip = c` as in `grpo_loss` (off by default: the paper does not use it)."""
+    surrogate, metrics = _grpo_surrogate(inp, clip, dual_clip)
     kl = kl_estimate(inp.logprobs, inp.reference(), estimator)
     per_token = inp.weigh((-surrogate + beta * kl) * inp.kept()[:, None])
-    metrics = _token_clip_metrics(m, ratio, inp.advantages[:, None], inp)
     metrics["kl"] = _token_mean_metric(kl, inp)
     return aggregate_tokens(per_token, inp.mask, agg, inp.num_seqs, inp.num_tokens), metrics
 
@@ -192,12 +223,16 @@ def _seq_clip_metrics(seq_mask: torch.Tensor, ratio: torch.Tensor, inp: PolicyLo
 
 
 def rec_gspo_is_loss(inp: PolicyLossInput, clip: ClipParams) -> LossOutput:
-    """REC-GSPO-IS: `L = -(1/N) sum_i A_i * s_i * M_i`, `s_i = exp(mean_t(logp - oldlogp))`, `M_i` the
-    one-side mask on `s_i` (REC appendix B.7; GSPO without std-normalised advantages).
-    Gradient: `-(1/N) A_i s_i M_i / |y_i|` on each response token of sequence i."""
+    """REC-GSPO-IS: `L = -(1/N) sum_i min(s_i A_i, clip(s_i, 1-eps_low, 1+eps_high) A_i)`,
+    `s_i = exp(mean_t(logp - oldlogp))` (REC appendix B.7; GSPO without std-normalised advantages). Written as
+    `s_i A_i` where the one-side mask `M_i` on `s_i` keeps the gradient and the constant `clip(s_i) A_i` elsewhere:
+    the value is GSPO's objective (comparable with GSPO's and verl's logged loss; a clipped sequence adds
+    `-clip(s_i) A_i`, not 0), the gradient `-(1/N) A_i s_i M_i / |y_i|` on each response token of sequence i."""
     ratio = _sequence_ratio(inp)
     seq_mask = one_side_mask(ratio, inp.advantages, clip)
-    loss = -(inp.advantages * ratio * seq_mask * inp.kept()).sum() / inp.num_seqs
+    clipped = torch.clamp(ratio.detach(), 1 - clip.eps_low, 1 + clip.eps_high) * inp.advantages
+    objective = torch.where(seq_mask.bool(), ratio * inp.advantages, clipped)
+    loss = -(objective * inp.kept()).sum() / inp.num_seqs
     return loss, _seq_clip_metrics(seq_mask, ratio, inp)
 
 
@@ -214,19 +249,31 @@ def rec_gspo_nois_loss(inp: PolicyLossInput, clip: ClipParams) -> LossOutput:
 
 def gspo_loss(inp: PolicyLossInput, clip: ClipParams) -> LossOutput:
     """GSPO (Zheng et al. 2025) is REC-GSPO-IS fed with std-normalised advantages (the registry pairs them):
-    `L = -(1/N) sum_i A_i s_i M_i`, gradient `-(1/N) A_i s_i M_i / |y_i|` per response token."""
+    `L = -(1/N) sum_i min(s_i A_i, clip(s_i) A_i)`, gradient `-(1/N) A_i s_i M_i / |y_i|` per response token."""
     return rec_gspo_is_loss(inp, clip)
 
 
-def opmd_loss(inp: PolicyLossInput, beta: float) -> LossOutput:
-    """Kimi's OPMD as REC reads it (section 4.2, Table 3), per sequence with `logp_i = sum_t logp_i^t`:
+def opmd_sequence_loss(inp: PolicyLossInput, beta: float) -> LossOutput:
+    """Kimi's OPMD as the REC paper writes it (section 4.2, Table 3), per sequence with `logp_i = sum_t logp_i^t`:
     `L = (1/N) sum_i [ -A_i logp_i + beta/2 (logp_i - oldlogp_i)^2 ]`, `A_i = r_i - rbar`.
-    Gradient on each response token of i: `(1/N) (-A_i + beta (logp_i - oldlogp_i))`."""
+    Gradient on each response token of i: `(1/N) (-A_i + beta (logp_i - oldlogp_i))`. The regulariser grows with
+    the square of the response length, so REC's beta (Fig. 10, run with `opmd_token_loss`) does not carry over."""
     logp, old = sequence_sum(inp.weighted_logprobs(), inp.mask), sequence_sum(inp.old_logprobs, inp.mask)
     kept = inp.kept()
     delta = logp - old
     loss = ((-inp.advantages * logp + 0.5 * beta * delta**2) * kept).sum() / inp.num_seqs
     return loss, {"opmd/sq_logratio": (delta.detach() ** 2 * kept).sum() / inp.num_seqs}
+
+
+def opmd_token_loss(inp: PolicyLossInput, beta: float, agg: Aggregation) -> LossOutput:
+    """Kimi's OPMD as the REC authors' code runs it (Trinity-RFT's REC loss with its `k2` regulariser; the runs of
+    REC Fig. 10), per token: `l_i^t = -A_i logp_i^t + beta (logp_i^t - oldlogp_i^t)^2` (the 1/2 of the sequence
+    form is absorbed into beta), reduced by `agg` (token-mean in their code). Gradient per token:
+    `-A_i + 2 beta (logp_i^t - oldlogp_i^t)`, times the aggregation weight."""
+    delta = inp.logprobs - inp.old_logprobs
+    per_token = inp.weigh((-inp.advantages[:, None] * inp.logprobs + beta * delta**2) * inp.kept()[:, None])
+    metrics = {"opmd/sq_token_logratio": _token_mean_metric(delta**2 * inp.kept()[:, None], inp)}
+    return aggregate_tokens(per_token, inp.mask, agg, inp.num_seqs, inp.num_tokens), metrics
 
 
 def oapl_loss(inp: PolicyLossInput, beta2: float) -> LossOutput:

@@ -7,8 +7,10 @@ it calls:
   (all ones except where an algorithm masks whole groups, e.g. off-policy GRPO's zero-variance groups);
 - `loss(PolicyLossInput, cfg) -> (loss, metrics)` per microbatch (global-batch contributions).
 A train-inference correction (`algorithm.correction`, `corrections.py`) reaches every loss the same way, as
-`PolicyLossInput.token_weight`; an algorithm with `reweightable=False` (OAPL) is refused with one at config time.
-Add an algorithm by registering it here; `config_keys` lists the `AlgorithmConfig` fields it reads.
+`PolicyLossInput.token_weight`; an algorithm that is not `reweightable` (OAPL, `catalog.NOT_REWEIGHTABLE`) is
+refused with one at config time. Add an algorithm by registering it here and naming it in `catalog.py` (which the
+config validates against without importing torch); `config_keys` lists the `AlgorithmConfig` fields it reads.
+Layers: this module imports the config schema, which imports only the torch-free catalogue.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 from megarl.algorithms import advantages as adv
 from megarl.algorithms import filters, losses
 from megarl.algorithms.aggregation import Aggregation
+from megarl.algorithms.catalog import ALGORITHM_NAMES, NOT_REWEIGHTABLE
 from megarl.algorithms.clipping import CLIP_MASKS, ClipParams
 from megarl.config.schema import AlgorithmConfig
 
@@ -44,8 +47,11 @@ class Algorithm:
     sequence_mask: AdvantageFn = _keep_all  # rewards [G, K] -> 0/1 [G, K] for PolicyLossInput.seq_mask
     config_keys: tuple[str, ...] = ()  # AlgorithmConfig fields this algorithm reads (besides `name`)
     reference: str = ""  # paper and section of the formula
-    # the loss takes a train-inference correction (`PolicyLossInput.token_weight`, `algorithm.correction`)
-    reweightable: bool = True
+
+    @property
+    def reweightable(self) -> bool:
+        """The loss takes a train-inference correction (`PolicyLossInput.token_weight`, `algorithm.correction`)."""
+        return self.name not in NOT_REWEIGHTABLE
 
 
 def _clip(cfg: AlgorithmConfig) -> ClipParams:
@@ -123,8 +129,8 @@ ALGORITHMS: dict[str, Algorithm] = {
             "grpo",
             "GRPO: std-normalised group advantages, token PPO clipped surrogate, no KL",
             _norm_adv,
-            lambda inp, cfg: losses.grpo_loss(inp, _clip(cfg), _agg(cfg)),
-            config_keys=_CLIP_KEYS + ("adv_eps",) + _AGG_KEYS,
+            lambda inp, cfg: losses.grpo_loss(inp, _clip(cfg), _agg(cfg), cfg.dual_clip),
+            config_keys=_CLIP_KEYS + ("dual_clip", "adv_eps") + _AGG_KEYS,
             reference="Shao et al. 2024; REC section 4.1, Table 3",
         ),
         *(_rec(mask, is_) for mask in ("onesided", "twosided", "ring") for is_ in (True, False)),
@@ -153,12 +159,20 @@ ALGORITHMS: dict[str, Algorithm] = {
             reference="Zheng et al. 2025; REC appendix B.7",
         ),
         Algorithm(
-            "opmd",
-            "OPMD: REINFORCE on sequence log-probs + beta/2 (logp - oldlogp)^2 per sequence",
+            "opmd_sequence",
+            "OPMD as the REC paper writes it: REINFORCE on sequence log-probs + beta/2 (logp - oldlogp)^2 per sequence",
             _mean_adv,
-            lambda inp, cfg: losses.opmd_loss(inp, cfg.beta),
+            lambda inp, cfg: losses.opmd_sequence_loss(inp, cfg.beta),
             config_keys=("beta",),
             reference="Kimi k1.5; REC section 4.2, Table 3",
+        ),
+        Algorithm(
+            "opmd_token",
+            "OPMD as the REC authors' code runs it: -A logp + beta (logp - oldlogp)^2 per token (REC Fig. 10's runs)",
+            _mean_adv,
+            lambda inp, cfg: losses.opmd_token_loss(inp, cfg.beta, _agg(cfg)),
+            config_keys=("beta",) + _AGG_KEYS,
+            reference="Kimi k1.5; REC section 4.2, Fig. 10 (Trinity-RFT's REC loss, regularizer k2)",
         ),
         Algorithm(
             "asymre",
@@ -201,22 +215,29 @@ ALGORITHMS: dict[str, Algorithm] = {
             lambda inp, cfg: losses.oapl_loss(inp, cfg.oapl_beta2),
             config_keys=("oapl_beta1", "oapl_beta2"),
             reference="OAPL section 3 (eq. 2-3); A*-PO (Brantley et al. 2025)",
-            reweightable=False,  # regresses beta2 log(pi / pi_vllm) to the advantage: an IS weight breaks the target
         ),
         Algorithm(
             "off_policy_grpo",
             "Off-policy GRPO: A = (r - mean)/sqrt(var + eps) of the server-policy group, zero-variance groups "
             "masked, token clipped surrogate + beta * KL(pi || pi_ref)",
             lambda rewards, cfg: adv.off_policy_grpo_advantages(rewards, eps=cfg.adv_eps),
-            lambda inp, cfg: losses.off_policy_grpo_loss(inp, _clip(cfg), cfg.beta, cfg.kl_estimator, _agg(cfg)),
+            lambda inp, cfg: losses.off_policy_grpo_loss(
+                inp, _clip(cfg), cfg.beta, cfg.kl_estimator, _agg(cfg), cfg.dual_clip
+            ),
             sequence_mask=lambda rewards, cfg: filters.nonzero_variance_groups(rewards)[:, None]
             .expand_as(rewards)
             .to(rewards.dtype),
-            config_keys=_CLIP_KEYS + ("adv_eps", "beta", "kl_estimator") + _AGG_KEYS,
+            config_keys=_CLIP_KEYS + ("dual_clip", "adv_eps", "beta", "kl_estimator") + _AGG_KEYS,
             reference="Mroueh et al., Revisiting GRPO, eq. 2, 6-8 and Algorithm 1",
         ),
     )
 }
+
+if tuple(ALGORITHMS) != ALGORITHM_NAMES:
+    raise ImportError(
+        f"megarl/algorithms/registry.py registers {sorted(ALGORITHMS)} but megarl/algorithms/catalog.py names "
+        f"{sorted(ALGORITHM_NAMES)}: name every registered algorithm in catalog.ALGORITHM_NAMES, in registry order"
+    )
 
 
 def get_algorithm(name: str) -> Algorithm:

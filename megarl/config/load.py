@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from megarl.config.schema import ALGORITHM_CHECKED, Config
+from megarl.config.schema import Config
 
 
 class ConfigError(ValueError):
@@ -54,18 +54,16 @@ def _format_validation_error(err: ValidationError) -> str:
     return "invalid configuration:\n" + "\n".join(lines)
 
 
-def validate(data: dict[str, Any], algorithm_checked: bool = False) -> Config:
-    """The config of `data`; `algorithm_checked`: skip the algorithm registry (it imports torch), for a config
-    another step already validated whole (the preflight checks read `megarl prepare --preflight`'s)."""
+def validate(data: dict[str, Any]) -> Config:
+    """The config of `data` (no torch is imported: the preflight checks validate configs too)."""
     try:
-        return Config.model_validate(data, context={ALGORITHM_CHECKED: algorithm_checked})
+        return Config.model_validate(data)
     except ValidationError as err:
         raise ConfigError(_format_validation_error(err)) from None
 
 
-def load_config(path: str | Path | None, overrides: list[str] | None = None, algorithm_checked: bool = False) -> Config:
-    """Load `path` (YAML) with overrides applied; raises ConfigError on any problem. `algorithm_checked`: as for
-    `validate`."""
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
+    """Load `path` (YAML) with overrides applied; raises ConfigError on any problem."""
     data: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
@@ -78,7 +76,7 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None, alg
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config file {p} must hold a mapping of sections, not {type(loaded).__name__}")
         data = loaded or {}
-    return validate(apply_overrides(data, overrides or []), algorithm_checked)
+    return validate(apply_overrides(data, overrides or []))
 
 
 def save_config(cfg: Config, path: Path) -> Path:

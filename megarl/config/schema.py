@@ -7,17 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from megarl.algorithms.catalog import ALGORITHM_NAMES, NOT_REWEIGHTABLE
 from megarl.rewards.registry import check_reward_name
-
-# Validation context key: the algorithm's name was already checked against the registry (which imports torch) by
-# the step that wrote this config (`megarl prepare --preflight`); the preflight check steps must not import torch.
-ALGORITHM_CHECKED = "algorithm_checked"
-
-
-def _algorithm_checked(info: ValidationInfo) -> bool:
-    return bool((info.context or {}).get(ALGORITHM_CHECKED))
 
 
 class _Strict(BaseModel):
@@ -264,6 +257,12 @@ class AlgorithmConfig(_Strict):
     eps_high: float = Field(
         0.2, ge=0, description="Upper clip margin: ratio <= 1 + eps_high (GRPO, REC-*, GSPO family)."
     )
+    dual_clip: float | None = Field(
+        None, gt=1, description="Dual-clip PPO's lower bound c (grpo, off_policy_grpo): for a negative advantage "
+        "the token objective is max(min(ratio A, clip(ratio) A), c A), so a token with ratio > c carries no "
+        "gradient. None (default): off, as in the GRPO, REC and off-policy GRPO papers; verl and Trinity-RFT "
+        "use c = 3 (their clip_ratio_c). Must be > 1.",
+    )
     eps_low_outer: float = Field(
         0.6, ge=0, description="REC-Ring outer margin eps'_low >= eps_low: a token with A>0 regains its gradient when "
         "ratio <= 1 - eps'_low. Default 0.6 = REC appendix B.3 (with inner 0.2/0.2).",
@@ -277,9 +276,11 @@ class AlgorithmConfig(_Strict):
         "GRPO: added to the variance, A = (r - mean) / sqrt(var + adv_eps).",
     )
     beta: float = Field(
-        0.1, ge=0, description="OPMD: weight of the (logp - oldlogp)^2 / 2 regulariser; AsymRE: baseline shift "
-        "(A = r - (mean - beta)); off_policy_grpo: weight of the KL term. Default 0.1: REC Fig. 10 (OPMD and "
-        "AsymRE) and off-policy GRPO on GSM8K.",
+        0.1, ge=0, description="opmd_token: weight of the per-token (logp_t - oldlogp_t)^2 regulariser; "
+        "opmd_sequence: weight of the per-sequence (logp - oldlogp)^2 / 2 one, over summed log-probs (about "
+        "length^2 times larger: REC's value does not carry over); AsymRE: baseline shift (A = r - (mean - beta)); "
+        "off_policy_grpo: weight of the KL term. Default 0.1: REC Fig. 10 (its OPMD runs used opmd_token with 0.1, "
+        "and AsymRE 0.1) and off-policy GRPO on GSM8K.",
     )
     temperature: float = Field(
         1.0, gt=0, description="RED-Weight and pairwise_reinforce: weight w_i = exp(A_i / temperature) with "
@@ -305,7 +306,8 @@ class AlgorithmConfig(_Strict):
         "token-mean", description="Reduction of token-level losses over the GLOBAL batch: token-mean (/ response "
         "tokens; REC's choice), seq-mean-token-mean (mean over tokens, then over sequences), seq-mean-token-sum "
         "(sum over tokens, mean over sequences: REC Table 3's response-wise form), constant (sum / (sequences * "
-        "loss_agg_constant), Dr. GRPO). Sequence-level losses (GSPO family, OPMD, OAPL) always average over sequences.",
+        "loss_agg_constant), Dr. GRPO). Sequence-level losses (GSPO family, opmd_sequence, OAPL) always average over "
+        "sequences.",
     )
     loss_agg_constant: float = Field(
         1.0, gt=0, description="C of loss_agg=constant: loss = sum_{i,t} l / (num_seqs * C). Dr. GRPO uses the "
@@ -326,35 +328,19 @@ class AlgorithmConfig(_Strict):
 
     @field_validator("name")
     @classmethod
-    def _registered(cls, name: str, info: ValidationInfo) -> str:
-        if _algorithm_checked(info):
-            return name
-        try:
-            from megarl.algorithms.registry import ALGORITHMS
-        except ModuleNotFoundError as err:  # the registry needs torch: a launch-side environment without it
-            if err.name != "torch":  # (launchers/) leaves the name to `megarl prepare` on the nodes
-                raise
-            return name
-        if name not in ALGORITHMS:
-            raise ValueError(f"{name!r} is not a registered algorithm; choose one of: {', '.join(sorted(ALGORITHMS))}")
+    def _registered(cls, name: str) -> str:
+        if name not in ALGORITHM_NAMES:
+            known = ", ".join(sorted(ALGORITHM_NAMES))
+            raise ValueError(f"{name!r} is not a registered algorithm; choose one of: {known}")
         return name
 
     @model_validator(mode="after")
-    def _correctable(self, info: ValidationInfo) -> AlgorithmConfig:
-        if self.correction.kind == "none" or _algorithm_checked(info):
-            return self
-        try:
-            from megarl.algorithms.registry import ALGORITHMS
-        except ModuleNotFoundError as err:  # launch side without torch: `megarl prepare` on the nodes checks it
-            if err.name != "torch":
-                raise
-            return self
-        algorithm = ALGORITHMS.get(self.name)
-        if algorithm is not None and not algorithm.reweightable:
+    def _correctable(self) -> AlgorithmConfig:
+        if self.correction.kind != "none" and self.name in NOT_REWEIGHTABLE:
             raise ValueError(
                 f"algorithm.correction.kind={self.correction.kind!r} cannot be combined with algorithm.name="
-                f"{self.name!r}: {algorithm.name} regresses the log-ratio to the engine directly and must not be "
-                "reweighted (docs/algorithms.md); set algorithm.correction.kind=none or choose another algorithm"
+                f"{self.name!r}: {NOT_REWEIGHTABLE[self.name]} (docs/algorithms.md); set "
+                "algorithm.correction.kind=none or choose another algorithm"
             )
         return self
 

@@ -35,7 +35,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        cfg = load_config(args.config, args.overrides, algorithm_checked=True)  # prepare --preflight checked it
+        cfg = load_config(args.config, args.overrides)
         if args.command == "report":
             from megarl.preflight.report import run_report
 
