@@ -144,8 +144,9 @@ def test_a_record_for_another_layout_is_refused_by_the_workers(llama_fleet, llam
 def _push_versions(rank, world, dirs, url, sync_port, delta, inject=None):
     """One trainer rank pushes each checkpoint of `dirs` in turn (versions 1, 2, ...) into the replica at `url`
     through one sync group (`sync.delta=delta`); returns per push its stats or error, and the engine's log-probs of
-    SEQS after it. `inject`: push index -> "mismatch" (the senders' base version is not the replica's) or
-    "tamper" (one element of the senders' base copy altered: the fingerprints disagree)."""
+    SEQS after it. `inject`: push index -> "mismatch" (the senders' base version is not the replica's), "tamper"
+    (one element of the senders' base copy altered: the fingerprints disagree) or "fail" (the sender raises while
+    encoding its third delta block, after its first buckets are on the wire)."""
     import json
 
     from megarl.rollout.client import RolloutClient
@@ -166,6 +167,8 @@ def _push_versions(rank, world, dirs, url, sync_port, delta, inject=None):
             copy, _ = sync.base.blocks[key]
             copy.view(-1)[7] += 1.0  # a base that drifted from what the replica holds
             sync.base.blocks[key] = (copy, fingerprint(copy))
+        if (inject or {}).get(i) == "fail":
+            _fail_encoding_at(3)
         tensors = load_file(Path(d) / "model.safetensors")
         local = [(HFSlice.whole(name, tuple(t.shape)), t) for name, t in tensors.items()]
         try:
@@ -175,6 +178,21 @@ def _push_versions(rank, world, dirs, url, sync_port, delta, inject=None):
         engine.append([client.prompt_logprobs(s) for s in SEQS])
     sync.close()
     return {"pushes": pushes, "engine": engine}
+
+
+def _fail_encoding_at(n: int) -> None:
+    """Failure injection in this (sender) process: encoding its n-th delta block raises."""
+    from megarl.sync import weight_sync
+
+    real, calls = weight_sync.encode, [0]
+
+    def encode(*args):
+        calls[0] += 1
+        if calls[0] == n:
+            raise RuntimeError("injected failure while encoding a delta block")
+        return real(*args)
+
+    weight_sync.encode = encode
 
 
 def _delta_bytes(old: dict, new: dict, tp_rank: int) -> tuple[int, int]:
@@ -197,7 +215,8 @@ def test_delta_pushes_serve_what_a_full_push_serves(llama_fleet, llama_dir, tmp_
     exactly the log-probs one full push of version 3 gives; each delta's bytes per worker are those the rule
     gives from the two checkpoints' differing bits in that worker's hand-derived slices. Then the fallbacks: a
     replica that does not hold the senders' base version gets a full push; a base whose bits drifted is refused by
-    the workers before the model is touched (the old weights serve), and the next push is full again."""
+    the workers before the model is touched (the old weights serve), and the next push is full again; a sender
+    failing mid-delta leaves the old weights serving."""
     (tmp_path / "v1").mkdir()
     v1 = perturbed_checkpoint(llama_dir, tmp_path / "v1", seed=21)
     v2 = sparsely_changed(v1, tmp_path / "v2", 0.02, seed=22)
@@ -205,8 +224,8 @@ def test_delta_pushes_serve_what_a_full_push_serves(llama_fleet, llama_dir, tmp_
     v5 = sparsely_changed(v3, tmp_path / "v5", 0.02, seed=25)
     full = run_distributed(_push_versions, 1, [v3], llama_fleet.urls[0], free_port(), False)[0]
     assert all(not isinstance(p, str) for p in full["pushes"]), full["pushes"]
-    run = run_distributed(_push_versions, 1, [v1, v2, v3, v5, v2, v3], llama_fleet.urls[0], free_port(), True,
-                          {3: "mismatch", 4: "tamper"})[0]
+    run = run_distributed(_push_versions, 1, [v1, v2, v3, v5, v2, v3, v5], llama_fleet.urls[0], free_port(), True,
+                          {3: "mismatch", 4: "tamper", 6: "fail"})[0]
     first, *deltas = run["pushes"][:3]
     assert not isinstance(first, str) and first.delta == {}  # nothing held yet: full
     assert first.bytes_received == first.bytes_needed
@@ -228,3 +247,5 @@ def test_delta_pushes_serve_what_a_full_push_serves(llama_fleet, llama_dir, tmp_
     assert run["engine"][4] == run["engine"][3]  # the refused delta left version 4 serving
     assert pushes[5].delta == {} and pushes[5].bytes_received == pushes[5].bytes_needed  # full after a refusal
     assert run["engine"][5] == full["engine"][0]
+    assert isinstance(pushes[6], str) and "injected failure while encoding" in pushes[6]  # a delta failing mid-way
+    assert "model left unchanged" in pushes[6] and run["engine"][6] == run["engine"][5]  # old weights serve
