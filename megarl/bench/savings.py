@@ -103,16 +103,24 @@ def format_delta_table(rows: list[dict[str, Any]]) -> str:
         return "-" if value is None else format(value, spec)
 
     lines = ["| sync.interval | delta pushes | changed per sync | bytes/sync full | bytes/sync delta | delta/full | "
-             "bytes/step full | bytes/step delta | full push s | delta push s |", "|" + "---|" * 10]
+             "steady bytes/step full | steady bytes/step delta | run bytes/step full | run bytes/step delta | "
+             "full push s | delta push s |", "|" + "---|" * 12]
     for r in rows:
         ratio = (r["bytes_per_sync_delta"] / r["bytes_per_sync_full"]
                  if r.get("bytes_per_sync_delta") is not None and r.get("bytes_per_sync_full") else None)
         lines.append(f"| {r['interval']} | {r['delta_pushes']} | {f(r['changed_fraction'], '.2%')} | "
                      f"{f(r['bytes_per_sync_full'], ',.0f')} | {f(r['bytes_per_sync_delta'], ',.0f')} | "
-                     f"{f(ratio, '.3f')} | {f(r['bytes_per_step_full'], ',.0f')} | "
-                     f"{f(r['bytes_per_step_delta'], ',.0f')} | {f(r['push_s_full'], '.2f')} | "
-                     f"{f(r['push_s_delta'], '.2f')} |")
+                     f"{f(ratio, '.3f')} | {f(steady(r, 'full'), ',.0f')} | {f(steady(r, 'delta'), ',.0f')} | "
+                     f"{f(r['bytes_per_step_full'], ',.0f')} | {f(r['bytes_per_step_delta'], ',.0f')} | "
+                     f"{f(r['push_s_full'], '.2f')} | {f(r['push_s_delta'], '.2f')} |")
     return "\n".join(lines)
+
+
+def steady(row: dict[str, Any], kind: str) -> float | None:
+    """Bytes per trained step once the run is going: one push per `interval` steps, each a `kind` push (the run's
+    own bytes per step also count its first, full push, which weighs more the fewer pushes a run makes)."""
+    per_sync = row.get(f"bytes_per_sync_{kind}")
+    return None if per_sync is None else per_sync / row["interval"]
 
 
 def plot_delta(rows: list[dict[str, Any]], out_png: Path, title: str) -> None:
@@ -124,21 +132,25 @@ def plot_delta(rows: list[dict[str, Any]], out_png: Path, title: str) -> None:
 
     ms = [r["interval"] for r in rows]
     fig, (ax_f, ax_b) = plt.subplots(1, 2, figsize=(10, 4))
-    ax_f.plot(ms, [100 * (r["changed_fraction"] or 0) for r in rows], "o-", color="tab:red", label="measured")
-    first = rows[0].get("changed_fraction")
-    if first:  # what the fraction would be if every step changed different elements
-        ax_f.plot(ms, [min(100.0, 100 * first * m / ms[0]) for m in ms], ":", color="grey",
-                  label=f"{ms[0]}-step fraction x m / {ms[0]} (no overlap)")
+    measured = [r for r in rows if r.get("changed_fraction") is not None]
+    ax_f.plot([r["interval"] for r in measured], [100 * r["changed_fraction"] for r in measured], "o-",
+              color="tab:red", label="measured")
+    if measured:  # what the fraction would be if every step changed different elements
+        first, m0 = measured[0]["changed_fraction"], measured[0]["interval"]
+        ax_f.plot(ms, [min(100.0, 100 * first * m / m0) for m in ms], ":", color="grey",
+                  label=f"{m0}-step fraction x m / {m0} (no overlap)")
     ax_f.set_xscale("log", base=2)
     ax_f.set_xlabel("sync.interval m")
     ax_f.set_ylabel("% of elements changed per sync")
     ax_f.legend(fontsize=8)
-    ax_b.plot(ms, [r["bytes_per_step_full"] / 2**20 for r in rows], "o-", color="tab:orange", label="full pushes")
-    ax_b.plot(ms, [r["bytes_per_step_delta"] / 2**20 for r in rows], "o-", color="tab:green", label="delta pushes")
+    with_delta = [r for r in rows if steady(r, "delta") is not None]
+    ax_b.plot(ms, [steady(r, "full") / 2**20 for r in rows], "o-", color="tab:orange", label="full pushes")
+    ax_b.plot([r["interval"] for r in with_delta], [steady(r, "delta") / 2**20 for r in with_delta], "o-",
+              color="tab:green", label="delta pushes")
     ax_b.set_xscale("log", base=2)
     ax_b.set_yscale("log")
     ax_b.set_xlabel("sync.interval m")
-    ax_b.set_ylabel("MiB to the fleet per trained step")
+    ax_b.set_ylabel("MiB to the fleet per trained step (steady)")
     ax_b.legend(fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
@@ -210,6 +222,10 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(rows))
     if args.delta:
         print(format_delta_table(rows))
+        for r in rows:
+            if not r["delta_pushes"]:
+                print(f"sync.interval={r['interval']}: no delta push in {args.steps} steps (the first push is full): "
+                      "give --steps at least twice the interval plus sync.offset to measure it")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"config": args.config, "overrides": args.overrides, "steps": args.steps,
                                     "delta": args.delta, "rows": rows}, indent=1) + "\n")
