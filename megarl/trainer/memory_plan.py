@@ -37,6 +37,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from megarl.config.load import num_experts
 from megarl.config.schema import Config
 
 GB = 10**9
@@ -86,10 +87,13 @@ def layer_elements(hf: dict[str, Any], tp: int, sequence_parallel: bool, moe: bo
     attn = 2 * hs + (q + 2 * k) + (2 * (q + k) if hf.get("model_type") != "qwen2" else 0) + 3 * q + q
     mlp_norm = 2 * hs
     if moe:
-        top_k, inter, experts = hf["num_experts_per_tok"], hf["moe_intermediate_size"], hf["num_experts"]
+        # a partial config (no routing fields) counts one expert of the dense MLP's size per token
+        top_k = hf.get("num_experts_per_tok", 1)
+        inter = hf.get("moe_intermediate_size") or hf.get("intermediate_size") or 4 * h
+        experts = num_experts(hf)
         mlp = 3 * experts / tp + top_k * (2 * h + 3 * inter / tp)
     else:
-        mlp = 3 * hf["intermediate_size"] / tp
+        mlp = 3 * (hf.get("intermediate_size") or 4 * h) / tp  # 4h when a partial config has none
     return attn + mlp_norm + mlp
 
 
@@ -107,7 +111,7 @@ def logits_bytes(hf: dict[str, Any], tokens: int, tp: int, fused: bool, chunk: i
 def activation_bytes(hf: dict[str, Any], tokens: int, longest: int, layers: int, tp: int, flash: bool,
                      recompute: str = "none") -> int:
     """One microbatch's activations in `layers` decoder layers of one rank: `tokens` tokens in rows of `longest`."""
-    moe = bool(hf.get("num_experts"))
+    moe = num_experts(hf) > 0
     sp = moe and tp > 1
     per_token = layer_elements(hf, tp, sp, moe)
     scores = 0.0 if flash or recompute == "selective" else 2 * hf["num_attention_heads"] / tp * longest
