@@ -27,8 +27,7 @@ VALUES: dict = {}
 
 @pytest.fixture(scope="module")
 def records():
-    return output_logprob.measure(CFG, [CFG.hidden], TOKENS, [2], measure_up_to=384, progress=False,
-                                  values=VALUES)
+    return output_logprob.measure(CFG, [CFG.hidden], TOKENS, [2], measure_up_to=384, progress=False, values=VALUES)
 
 
 def _reference(tokens: int) -> dict[str, torch.Tensor]:
@@ -39,8 +38,12 @@ def _reference(tokens: int) -> dict[str, torch.Tensor]:
     logsm = torch.log_softmax(h @ w.t(), dim=-1)
     logp, entropy = logsm.gather(-1, targets[:, None]).squeeze(-1), -(logsm.exp() * logsm).sum(-1)
     (logp * w_lp.double() + entropy * w_ent.double()).sum().backward()
-    return {"logp": logp.detach(), "entropy": entropy.detach(), "grad_h_probe": h.grad @ probe,
-            "grad_w_probe": w.grad @ probe}
+    return {
+        "logp": logp.detach(),
+        "entropy": entropy.detach(),
+        "grad_h_probe": h.grad @ probe,
+        "grad_w_probe": w.grad @ probe,
+    }
 
 
 def test_methods_match_a_float64_dense_reference(records):
@@ -50,16 +53,16 @@ def test_methods_match_a_float64_dense_reference(records):
             for method in METHODS:
                 probes = VALUES[method, tp, n, CFG.hidden]
                 for key in ("logp", "entropy"):
-                    torch.testing.assert_close(probes[key].double(), ref[key], atol=2e-5, rtol=1e-5,
-                                               msg=f"{method} TP={tp} {key}")
+                    torch.testing.assert_close(
+                        probes[key].double(), ref[key], atol=2e-5, rtol=1e-5, msg=f"{method} TP={tp} {key}"
+                    )
                 for key in ("grad_h_probe", "grad_w_probe"):
                     err = float((probes[key] - ref[key]).norm() / ref[key].norm())
                     assert err < 1e-5, f"{method} tokens={n} TP={tp} {key}: relative error {err:.2e}"
 
 
 def test_records_measured_projected_and_bounded(records):
-    assert {(r["method"], r["tp"], r["tokens"]) for r in records} == {
-        (m, 2, n) for m in METHODS for n in TOKENS}
+    assert {(r["method"], r["tp"], r["tokens"]) for r in records} == {(m, 2, n) for m in METHODS for n in TOKENS}
     for r in records:
         assert r["measured"] == (r["tokens"] <= 384)
         assert r["peak_bytes"] >= 0 and r["time_s"] > 0
@@ -73,8 +76,18 @@ def test_records_measured_projected_and_bounded(records):
 
 
 def test_padding_bench_counts_by_hand():
-    args = argparse.Namespace(prompts_per_step=8, samples=4, dp=2, micro_batch_size=4, budgets=[4096],
-                              max_prompt=512, max_response=2048, packed=False, steps=3, seed=1)
+    args = argparse.Namespace(
+        prompts_per_step=8,
+        samples=4,
+        dp=2,
+        micro_batch_size=4,
+        budgets=[4096],
+        max_prompt=512,
+        max_response=2048,
+        packed=False,
+        steps=3,
+        seed=1,
+    )
     rows = padding.measure(args)
     g = torch.Generator().manual_seed(1)
     batches = [padding.guru_like_lengths(8, 4, 512, 2048, g) for _ in range(3)]

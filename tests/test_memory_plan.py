@@ -29,9 +29,15 @@ BUDGETS = (2 * ROW, 8 * ROW)
 def _batch(rows: int) -> RolloutBatch:
     g = torch.Generator().manual_seed(rows)
     responses = [torch.randint(3, 32, (ROW - 4,), generator=g).tolist() for _ in range(rows)]
-    return RolloutBatch(index=0, prompt_ids=[[5, 6, 7, 8]] * rows, response_ids=responses,
-                        engine_logprobs=[[-1.0] * (ROW - 4)] * rows, rewards=torch.ones(1, rows),
-                        advantages=torch.ones(1, rows), policy_version=0)
+    return RolloutBatch(
+        index=0,
+        prompt_ids=[[5, 6, 7, 8]] * rows,
+        response_ids=responses,
+        engine_logprobs=[[-1.0] * (ROW - 4)] * rows,
+        rewards=torch.ones(1, rows),
+        advantages=torch.ones(1, rows),
+        policy_version=0,
+    )
 
 
 def _step_peak(rank, world, hf_dir, budget):
@@ -44,8 +50,9 @@ def _step_peak(rank, world, hf_dir, budget):
     init_trainer_groups(TrainerLayout(), 0, 1, "127.0.0.1", free_port())
     try:
         policy = MegatronPolicy(hf_dir, read_hf_config(hf_dir), OptimizerConfig(lr=1e-6))
-        cfg = Config(model=ModelConfig(hf_dir=hf_dir),
-                     trainer=TrainerConfig(world_size=1, max_tokens_per_microbatch=budget))
+        cfg = Config(
+            model=ModelConfig(hf_dir=hf_dir), trainer=TrainerConfig(world_size=1, max_tokens_per_microbatch=budget)
+        )
         batch = _batch(budget // ROW)
         memory = PeakMemory.start(cuda=False)
         metrics = train_on_batch(policy, batch, get_algorithm("grpo"), cfg, 0, 0, 1, lag=0)
@@ -66,8 +73,9 @@ def test_activation_projection_matches_a_measured_cpu_run(dense):
     measured = [run_distributed(_step_peak, 1, dense, b, init_dist=False)[0] for b in BUDGETS]
 
     def projected(tokens: int) -> int:
-        return (activation_bytes(hf, tokens, ROW, hf["num_hidden_layers"], tp=1, flash=False)
-                + logits_bytes(hf, tokens, tp=1, fused=True, chunk=4096))
+        return activation_bytes(hf, tokens, ROW, hf["num_hidden_layers"], tp=1, flash=False) + logits_bytes(
+            hf, tokens, tp=1, fused=True, chunk=4096
+        )
 
     got, want = measured[1] - measured[0], projected(BUDGETS[1]) - projected(BUDGETS[0])
     assert want > 50 * 2**20  # the difference is large enough to measure (tens of MiB)
@@ -78,8 +86,12 @@ def test_activation_projection_matches_a_measured_cpu_run(dense):
 
 def test_check_refuses_a_layout_that_cannot_fit(dense):
     hf = read_hf_config(dense)
-    cfg = Config(model=ModelConfig(hf_dir=dense), trainer=TrainerConfig(world_size=1, gpu_memory_gb=4.0),
-                 rollout=RolloutConfig(max_new_tokens=1024), data=DataConfig(max_prompt_tokens=1024))
+    cfg = Config(
+        model=ModelConfig(hf_dir=dense),
+        trainer=TrainerConfig(world_size=1, gpu_memory_gb=4.0),
+        rollout=RolloutConfig(max_new_tokens=1024),
+        data=DataConfig(max_prompt_tokens=1024),
+    )
     # the tiny model fits 4 GB at a 4k-token microbatch: weights + grads + AdamW 16 B/param, the reserve 3 GB
     small = cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"max_tokens_per_microbatch": 4096})})
     assert trainer_memory_problem(hf, small) is None

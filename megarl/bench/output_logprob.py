@@ -80,7 +80,7 @@ def weight_shard(cfg: OutputBenchConfig, tp: int, rank: int) -> torch.Tensor:
     scale = _LOGIT_SCALE / math.sqrt(cfg.hidden)
     for i, row in enumerate(range(rank * width, (rank + 1) * width, _TILE)):
         g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + row // _TILE)
-        out[i * _TILE:(i + 1) * _TILE] = torch.randn(_TILE, cfg.hidden, generator=g) * scale
+        out[i * _TILE : (i + 1) * _TILE] = torch.randn(_TILE, cfg.hidden, generator=g) * scale
     return out
 
 
@@ -89,8 +89,13 @@ def hidden_targets_weights(cfg: OutputBenchConfig) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(cfg.seed + 11)
     hidden = torch.randn(cfg.tokens, cfg.hidden, generator=g).to(DTYPES[cfg.dtype])
     targets = torch.randint(0, cfg.vocab, (cfg.tokens,), generator=g)
-    return hidden, targets, torch.randn(cfg.tokens, generator=g), torch.randn(cfg.tokens, generator=g), \
-        torch.randn(cfg.hidden, generator=g, dtype=torch.float64)
+    return (
+        hidden,
+        targets,
+        torch.randn(cfg.tokens, generator=g),
+        torch.randn(cfg.tokens, generator=g),
+        torch.randn(cfg.hidden, generator=g, dtype=torch.float64),
+    )
 
 
 def estimated_bytes(method: str, cfg: OutputBenchConfig, tp: int) -> int:
@@ -173,27 +178,47 @@ def _rank_main(rank: int, tp: int, port: int, cfg: OutputBenchConfig, method: st
                 report = memory.finish()
         peak = report["memory_peak_bytes"]
         peak = None if peak is None else peak - report["memory_before_bytes"]
-        return {"peak_bytes": peak, "memory_measured": report["memory_measured"], "times_s": times,
-                "logp": logp.detach().cpu(), "entropy": entropy.detach().cpu(),
-                "grad_h_probe": h.grad.double().cpu() @ probe.cpu(),
-                "grad_w_probe": weight.grad.double().cpu() @ probe.cpu()}
+        return {
+            "peak_bytes": peak,
+            "memory_measured": report["memory_measured"],
+            "times_s": times,
+            "logp": logp.detach().cpu(),
+            "entropy": entropy.detach().cpu(),
+            "grad_h_probe": h.grad.double().cpu() @ probe.cpu(),
+            "grad_w_probe": weight.grad.double().cpu() @ probe.cpu(),
+        }
     finally:
         destroy_trainer_groups()
 
 
 def _case(method: str, cfg: OutputBenchConfig, tp: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    per_rank = run_ranks(_rank_main, tp, tp, free_port(), cfg, method, role="benchmark",
-                         hint=f"{method}, {cfg.tokens} tokens, hidden {cfg.hidden}, TP={tp}")
+    per_rank = run_ranks(
+        _rank_main,
+        tp,
+        tp,
+        free_port(),
+        cfg,
+        method,
+        role="benchmark",
+        hint=f"{method}, {cfg.tokens} tokens, hidden {cfg.hidden}, TP={tp}",
+    )
     record = {
-        "method": method, "tp": tp, "tokens": cfg.tokens, "hidden": cfg.hidden, "measured": True,
+        "method": method,
+        "tp": tp,
+        "tokens": cfg.tokens,
+        "hidden": cfg.hidden,
+        "measured": True,
         "memory_measured": per_rank[0]["memory_measured"],
         "peak_bytes": max(r["peak_bytes"] or 0 for r in per_rank),
         "peak_bytes_per_rank": [r["peak_bytes"] for r in per_rank],
         "time_s": statistics.median(max(ts) for ts in zip(*(r["times_s"] for r in per_rank), strict=True)),
     }
-    probes = {"logp": per_rank[0]["logp"], "entropy": per_rank[0]["entropy"],
-              "grad_h_probe": per_rank[0]["grad_h_probe"],
-              "grad_w_probe": torch.cat([r["grad_w_probe"] for r in per_rank])}
+    probes = {
+        "logp": per_rank[0]["logp"],
+        "entropy": per_rank[0]["entropy"],
+        "grad_h_probe": per_rank[0]["grad_h_probe"],
+        "grad_w_probe": torch.cat([r["grad_w_probe"] for r in per_rank]),
+    }
     return record, probes
 
 
@@ -206,8 +231,11 @@ def _project(records: list[dict[str, Any]]) -> None:
     for r in records:
         if r["measured"]:
             continue
-        pts = sorted((m["tokens"], m["peak_bytes"], m["time_s"]) for m in records if m["measured"]
-                     and (m["method"], m["tp"], m["hidden"]) == (r["method"], r["tp"], r["hidden"]))
+        pts = sorted(
+            (m["tokens"], m["peak_bytes"], m["time_s"])
+            for m in records
+            if m["measured"] and (m["method"], m["tp"], m["hidden"]) == (r["method"], r["tp"], r["hidden"])
+        )
         if len(pts) < 2:
             r["peak_bytes"] = r["time_s"] = None
             r["projected_from"] = [p[0] for p in pts]
@@ -222,16 +250,31 @@ def _project(records: list[dict[str, Any]]) -> None:
 
 def _add_ratios(records: list[dict[str, Any]]) -> None:
     for r in records:
-        base = next((b for b in records if b["method"] == "unfused"
-                     and (b["tp"], b["tokens"], b["hidden"]) == (r["tp"], r["tokens"], r["hidden"])), None)
+        base = next(
+            (
+                b
+                for b in records
+                if b["method"] == "unfused"
+                and (b["tp"], b["tokens"], b["hidden"]) == (r["tp"], r["tokens"], r["hidden"])
+            ),
+            None,
+        )
         if base and base["peak_bytes"] and r["peak_bytes"] is not None:
             r["peak_vs_unfused"] = r["peak_bytes"] / base["peak_bytes"]
             r["time_vs_unfused"] = r["time_s"] / base["time_s"]
 
 
-def measure(base: OutputBenchConfig, hiddens: list[int], tokens: list[int], tps: list[int],
-            methods: tuple[str, ...] = METHODS, measure_up_to: int | None = None, max_gb: float = 8.0,
-            progress: bool = True, values: dict | None = None) -> list[dict[str, Any]]:
+def measure(
+    base: OutputBenchConfig,
+    hiddens: list[int],
+    tokens: list[int],
+    tps: list[int],
+    methods: tuple[str, ...] = METHODS,
+    measure_up_to: int | None = None,
+    max_gb: float = 8.0,
+    progress: bool = True,
+    values: dict | None = None,
+) -> list[dict[str, Any]]:
     """Every (hidden, tokens, tp, method): measured, or projected when above `measure_up_to` tokens or `max_gb`
     of estimated memory over the TP ranks. Raises RuntimeError if a method disagrees with the unfused one.
     `values`: filled with each measured case's rank-0 log-probs, entropies and gradient probes, by
@@ -241,15 +284,24 @@ def measure(base: OutputBenchConfig, hiddens: list[int], tokens: list[int], tps:
         for n in tokens:
             for tp in tps:
                 if base.vocab % (tp * _TILE):
-                    raise ValueError(f"--tp {tp}: vocab {base.vocab} must split into TP shards of whole "
-                                     f"{_TILE}-row tiles")
+                    raise ValueError(
+                        f"--tp {tp}: vocab {base.vocab} must split into TP shards of whole {_TILE}-row tiles"
+                    )
                 cfg = OutputBenchConfig(**{**asdict(base), "hidden": hidden, "tokens": n})
                 ref = None  # the unfused method's values and probes in this case, when it ran (it runs first)
                 for method in sorted(methods, key=lambda m: m != "unfused"):
                     est = estimated_bytes(method, cfg, tp) * tp
                     if (measure_up_to is not None and n > measure_up_to) or est > max_gb * 2**30:
-                        records.append({"method": method, "tp": tp, "tokens": n, "hidden": hidden,
-                                        "measured": False, "estimated_bytes": est})
+                        records.append(
+                            {
+                                "method": method,
+                                "tp": tp,
+                                "tokens": n,
+                                "hidden": hidden,
+                                "measured": False,
+                                "estimated_bytes": est,
+                            }
+                        )
                         continue
                     if progress:
                         print(f"  {method} tokens={n} hidden={hidden} TP={tp} ...", file=sys.stderr, flush=True)
@@ -261,8 +313,14 @@ def measure(base: OutputBenchConfig, hiddens: list[int], tokens: list[int], tps:
                     if method == "unfused":
                         ref = probes
                     elif ref is not None:
-                        errs = {k: (float((probes[k] - ref[k]).abs().max()) if k in ("logp", "entropy")
-                                    else _rel(probes[k], ref[k])) for k in ref}
+                        errs = {
+                            k: (
+                                float((probes[k] - ref[k]).abs().max())
+                                if k in ("logp", "entropy")
+                                else _rel(probes[k], ref[k])
+                            )
+                            for k in ref
+                        }
                         record["vs_unfused"] = errs
                         tol = {"logp": VALUE_TOL, "entropy": VALUE_TOL}
                         bad = {k: v for k, v in errs.items() if v > tol.get(k, GRAD_REL_TOL)[cfg.dtype]}
@@ -281,22 +339,27 @@ def measure(base: OutputBenchConfig, hiddens: list[int], tokens: list[int], tps:
 def format_table(cfg: OutputBenchConfig, records: list[dict[str, Any]]) -> str:
     gib = 2**30
     where = f"GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available() else f"CPU, {os.cpu_count()} cores"
-    lines = [f"output layer + log-prob + entropy, forward + backward from the hidden states; vocab {cfg.vocab:,}, "
-             f"{cfg.dtype}, chunk {cfg.chunk_tokens} tokens; {where}; per rank (max over ranks); "
-             "* = projected from the measured cases (memory affine, time proportional in tokens), not run",
-             f"{'hidden':>6} {'tokens':>6} {'TP':>2} {'method':<9} {'peak GiB':>9} {'x unfused':>9} {'time s':>8} "
-             f"{'x unfused':>9} {'logits GiB':>10}"]
+    lines = [
+        f"output layer + log-prob + entropy, forward + backward from the hidden states; vocab {cfg.vocab:,}, "
+        f"{cfg.dtype}, chunk {cfg.chunk_tokens} tokens; {where}; per rank (max over ranks); "
+        "* = projected from the measured cases (memory affine, time proportional in tokens), not run",
+        f"{'hidden':>6} {'tokens':>6} {'TP':>2} {'method':<9} {'peak GiB':>9} {'x unfused':>9} {'time s':>8} "
+        f"{'x unfused':>9} {'logits GiB':>10}",
+    ]
     for r in records:
         star = "" if r["measured"] else "*"
         peak = "-" if r["peak_bytes"] is None else f"{r['peak_bytes'] / gib:.2f}{star}"
         t = "-" if r["time_s"] is None else f"{r['time_s']:.2f}{star}"
         logits = r["tokens"] * cfg.vocab // r["tp"] * DTYPES[cfg.dtype].itemsize / gib
         pr, tr = r.get("peak_vs_unfused"), r.get("time_vs_unfused")
-        lines.append(f"{r['hidden']:>6} {r['tokens']:>6} {r['tp']:>2} {r['method']:<9} {peak:>9} "
-                     f"{'-' if pr is None else f'{pr:.3f}':>9} {t:>8} {'-' if tr is None else f'{tr:.2f}':>9} "
-                     f"{logits:>10.2f}")
-    lines.append("logits GiB: one [tokens, V/tp] tensor in the input dtype (the unfused paths hold it and its "
-                 "gradient)")
+        lines.append(
+            f"{r['hidden']:>6} {r['tokens']:>6} {r['tp']:>2} {r['method']:<9} {peak:>9} "
+            f"{'-' if pr is None else f'{pr:.3f}':>9} {t:>8} {'-' if tr is None else f'{tr:.2f}':>9} "
+            f"{logits:>10.2f}"
+        )
+    lines.append(
+        "logits GiB: one [tokens, V/tp] tensor in the input dtype (the unfused paths hold it and its gradient)"
+    )
     return "\n".join(lines)
 
 
@@ -307,38 +370,55 @@ def to_json(cfg: OutputBenchConfig, records: list[dict[str, Any]]) -> dict[str, 
         "benchmark": "megarl bench logprob --hidden (output layer + log-prob)",
         "config": asdict(cfg),
         "memory": "peak_bytes: what one forward+backward adds over the inputs; GPU: max_memory_allocated - "
-                  "memory_allocated before; CPU: VmHWM (reset via clear_refs) - VmRSS before, buffers > 1 MiB "
-                  "mmapped. measured=false: projected from the cases in projected_from (memory affine in tokens, time "
-                  "proportional to tokens)",
+        "memory_allocated before; CPU: VmHWM (reset via clear_refs) - VmRSS before, buffers > 1 MiB "
+        "mmapped. measured=false: projected from the cases in projected_from (memory affine in tokens, time "
+        "proportional to tokens)",
         "time": "median over repeats of the slowest rank's forward+backward seconds",
-        "machine": {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-                    "cpu_count": os.cpu_count(), "torch": torch.__version__,
-                    "megatron_core": getattr(megatron.core, "__version__", "unknown")},
+        "machine": {
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "cpu_count": os.cpu_count(),
+            "torch": torch.__version__,
+            "megatron_core": getattr(megatron.core, "__version__", "unknown"),
+        },
         "records": records,
     }
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of the output-layer mode of `megarl bench logprob` (chosen by --hidden)."""
-    p.add_argument("--hidden", type=int, nargs="+", default=None,
-                   help="hidden sizes: measure the OUTPUT LAYER + log-prob from the hidden states (fused vs unfused "
-                   "vs megatron; 2048 = Qwen3-30B-A3B, 3584 = Qwen2.5-7B) instead of the log-prob from the logits")
-    p.add_argument("--token-counts", type=int, nargs="+", default=[4096, 16384, 32768],
-                   help="with --hidden: tokens per microbatch")
+    p.add_argument(
+        "--hidden",
+        type=int,
+        nargs="+",
+        default=None,
+        help="hidden sizes: measure the OUTPUT LAYER + log-prob from the hidden states (fused vs unfused "
+        "vs megatron; 2048 = Qwen3-30B-A3B, 3584 = Qwen2.5-7B) instead of the log-prob from the logits",
+    )
+    p.add_argument(
+        "--token-counts", type=int, nargs="+", default=[4096, 16384, 32768], help="with --hidden: tokens per microbatch"
+    )
     p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS), help="with --hidden")
-    p.add_argument("--measure-up-to", type=int, default=None,
-                   help="with --hidden: run token counts up to this, project the larger ones")
-    p.add_argument("--max-gb", type=float, default=8.0,
-                   help="with --hidden: skip (and project) a case whose estimated memory over its ranks is above "
-                   "this many GiB")
+    p.add_argument(
+        "--measure-up-to",
+        type=int,
+        default=None,
+        help="with --hidden: run token counts up to this, project the larger ones",
+    )
+    p.add_argument(
+        "--max-gb",
+        type=float,
+        default=8.0,
+        help="with --hidden: skip (and project) a case whose estimated memory over its ranks is above this many GiB",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     dtype = args.dtype
     cfg = OutputBenchConfig(chunk_tokens=args.chunk_tokens, repeats=args.repeats, dtype=dtype, vocab=args.vocab)
     try:
-        records = measure(cfg, args.hidden, args.token_counts, list(args.tp), tuple(args.methods),
-                          args.measure_up_to, args.max_gb)
+        records = measure(
+            cfg, args.hidden, args.token_counts, list(args.tp), tuple(args.methods), args.measure_up_to, args.max_gb
+        )
     except ValueError as err:
         print(f"megarl bench logprob: {err}", file=sys.stderr)
         return 2

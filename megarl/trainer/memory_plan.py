@@ -108,8 +108,9 @@ def logits_bytes(hf: dict[str, Any], tokens: int, tp: int, fused: bool, chunk: i
     return FP32 * (2 * tokens * vt + 3 * chunk * vt)
 
 
-def activation_bytes(hf: dict[str, Any], tokens: int, longest: int, layers: int, tp: int, flash: bool,
-                     recompute: str = "none") -> int:
+def activation_bytes(
+    hf: dict[str, Any], tokens: int, longest: int, layers: int, tp: int, flash: bool, recompute: str = "none"
+) -> int:
     """One microbatch's activations in `layers` decoder layers of one rank: `tokens` tokens in rows of `longest`."""
     moe = num_experts(hf) > 0
     sp = moe and tp > 1
@@ -141,11 +142,20 @@ def trainer_memory(hf: dict[str, Any], cfg: Config, flash: bool = True, fused: b
             state = 2 * FP32 * params
         in_flight = t.pp - stage if t.pp > 1 else 1
         last = stage == t.pp - 1
-        out.append(TrainerRankMemory(
-            stage=stage, params=params, weights=FP32 * params, grads=FP32 * params, optimizer=int(state),
-            activations=in_flight * activation_bytes(hf, tokens, longest, layers, t.tp, flash, t.recompute),
-            logits=logits_bytes(hf, tokens, t.tp, fused, t.logprob_chunk_tokens) if last else 0,
-            reserve=RESERVE_BYTES, tokens=tokens, in_flight=in_flight))
+        out.append(
+            TrainerRankMemory(
+                stage=stage,
+                params=params,
+                weights=FP32 * params,
+                grads=FP32 * params,
+                optimizer=int(state),
+                activations=in_flight * activation_bytes(hf, tokens, longest, layers, t.tp, flash, t.recompute),
+                logits=logits_bytes(hf, tokens, t.tp, fused, t.logprob_chunk_tokens) if last else 0,
+                reserve=RESERVE_BYTES,
+                tokens=tokens,
+                in_flight=in_flight,
+            )
+        )
     return out
 
 
@@ -159,22 +169,32 @@ def format_trainer_memory(hf: dict[str, Any], cfg: Config) -> list[str]:
     rows = trainer_memory(hf, cfg)
     unfused = trainer_memory(hf, cfg, fused=False)[-1]
     tokens, longest = microbatch_tokens(cfg)
-    how = (f"trainer.max_tokens_per_microbatch={t.max_tokens_per_microbatch}" if t.max_tokens_per_microbatch
-           else f"count-based: micro_batch_size {t.micro_batch_size} x {longest} tokens (rows padded to the longest)")
-    lines = ["", f"trainer memory per rank at its peak (fp32 weights/grads/AdamW; megarl.trainer.memory_plan): "
-                 f"microbatch of {tokens:,} tokens ({how}), flash attention, fused output log-prob",
-             f"  {'stage':>5} {'weights':>9} {'grads':>9} {'AdamW':>9} {'activations':>12} {'mb held':>7} "
-             f"{'logits':>8} {'reserve':>8} {'total':>9}"]
+    how = (
+        f"trainer.max_tokens_per_microbatch={t.max_tokens_per_microbatch}"
+        if t.max_tokens_per_microbatch
+        else f"count-based: micro_batch_size {t.micro_batch_size} x {longest} tokens (rows padded to the longest)"
+    )
+    lines = [
+        "",
+        f"trainer memory per rank at its peak (fp32 weights/grads/AdamW; megarl.trainer.memory_plan): "
+        f"microbatch of {tokens:,} tokens ({how}), flash attention, fused output log-prob",
+        f"  {'stage':>5} {'weights':>9} {'grads':>9} {'AdamW':>9} {'activations':>12} {'mb held':>7} "
+        f"{'logits':>8} {'reserve':>8} {'total':>9}",
+    ]
     for m in rows:
-        lines.append(f"  {m.stage:>5} {_gb(m.weights):>9} {_gb(m.grads):>9} {_gb(m.optimizer):>9} "
-                     f"{_gb(m.activations):>12} {m.in_flight:>7} {_gb(m.logits):>8} {_gb(m.reserve):>8} "
-                     f"{_gb(m.total):>9}")
+        lines.append(
+            f"  {m.stage:>5} {_gb(m.weights):>9} {_gb(m.grads):>9} {_gb(m.optimizer):>9} "
+            f"{_gb(m.activations):>12} {m.in_flight:>7} {_gb(m.logits):>8} {_gb(m.reserve):>8} "
+            f"{_gb(m.total):>9}"
+        )
     worst = max(rows, key=lambda m: m.total)
     budget = t.gpu_memory_gb * GB
     verdict = "fits" if worst.total <= budget else "DOES NOT FIT"
-    lines.append(f"  worst rank {_gb(worst.total)} vs trainer.gpu_memory_gb={t.gpu_memory_gb:g}: {verdict}; "
-                 f"unfused logits on the last stage would take {_gb(unfused.logits)} instead of "
-                 f"{_gb(rows[-1].logits)}")
+    lines.append(
+        f"  worst rank {_gb(worst.total)} vs trainer.gpu_memory_gb={t.gpu_memory_gb:g}: {verdict}; "
+        f"unfused logits on the last stage would take {_gb(unfused.logits)} instead of "
+        f"{_gb(rows[-1].logits)}"
+    )
     return lines
 
 
@@ -191,15 +211,18 @@ def trainer_memory_problem(hf: dict[str, Any], cfg: Config) -> str | None:
     fits = int((budget - fixed) / per_token) if budget > fixed else 0
     fixes = []
     if fits > 0:
-        fixes.append(f"set trainer.max_tokens_per_microbatch to at most ~{fits:,} (now {worst.tokens:,} tokens per "
-                     "microbatch)")
+        fixes.append(
+            f"set trainer.max_tokens_per_microbatch to at most ~{fits:,} (now {worst.tokens:,} tokens per microbatch)"
+        )
     if not t.distributed_optimizer:
         fixes.append("set trainer.distributed_optimizer=true (AdamW state split over data-parallel ranks)")
     fixes.append("raise trainer.tp / trainer.pp / trainer.ep (fewer parameters per rank)")
     if t.recompute == "none":
         fixes.append("set trainer.recompute=full (activations recomputed in backward)")
-    return (f"trainer: pipeline stage {worst.stage}'s ranks need about {_gb(worst.total)} at their peak "
-            f"(weights {_gb(worst.weights)}, grads {_gb(worst.grads)}, AdamW {_gb(worst.optimizer)}, activations "
-            f"{_gb(worst.activations)} for {worst.in_flight} microbatch(es) of {worst.tokens:,} tokens, logits "
-            f"{_gb(worst.logits)}, reserve {_gb(worst.reserve)}; `megarl plan` shows the terms), more than "
-            f"trainer.gpu_memory_gb={t.gpu_memory_gb:g}: " + ", or ".join(fixes))
+    return (
+        f"trainer: pipeline stage {worst.stage}'s ranks need about {_gb(worst.total)} at their peak "
+        f"(weights {_gb(worst.weights)}, grads {_gb(worst.grads)}, AdamW {_gb(worst.optimizer)}, activations "
+        f"{_gb(worst.activations)} for {worst.in_flight} microbatch(es) of {worst.tokens:,} tokens, logits "
+        f"{_gb(worst.logits)}, reserve {_gb(worst.reserve)}; `megarl plan` shows the terms), more than "
+        f"trainer.gpu_memory_gb={t.gpu_memory_gb:g}: " + ", or ".join(fixes)
+    )
