@@ -505,7 +505,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.hidden:  # from the hidden states through the output layer (megarl.bench.output_logprob)
+    if args.hidden or args.merge:  # from the hidden states through the output layer (megarl.bench.output_logprob)
         args.out = args.out or Path("docs/figures/bench_output_logprob.json")
         return output_logprob.run(args)
     args.out = args.out or Path("docs/figures/bench_logprob.json")

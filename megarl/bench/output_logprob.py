@@ -1,6 +1,6 @@
-"""`megarl bench logprob --hidden H ...`: peak memory and time per tensor-parallel rank of the output layer plus the
-per-token log-prob and entropy, forward + backward, from the last stage's hidden states to the gradients of the
-hidden states and of the output weight:
+"""`megarl bench logprob --hidden H ...` (`--merge` joins earlier runs' JSON files): peak memory and time per
+tensor-parallel rank of the output layer plus the per-token log-prob and entropy, forward + backward, from the
+last stage's hidden states to the gradients of the hidden states and of the output weight:
 
     fused     megarl's `fused_output_logprobs_entropy` (on by default in `MegatronPolicy`): the projection and the
               vocab-parallel log-prob + entropy chunk by chunk over tokens; the backward recomputes a chunk's
@@ -22,9 +22,9 @@ rank's forward + backward, the median over `--repeats` passes (the first pass is
 
 Cases too big for the machine are projected, not run: `--measure-up-to N` runs only token counts <= N, and
 a case whose estimated memory (`estimated_bytes`, summed over the TP ranks) is above `--max-gb` is skipped; a
-skipped case gets a linear fit in tokens (peak = a + b x tokens) through the two largest measured cases of the
-same method, TP and hidden size for memory (never below the largest measured case), time in proportion to tokens from
-the largest measured case, marked `"measured": false`. Every method's log-probs, entropies and gradient
+skipped case is projected from the measured cases of the same method, TP and hidden size (`_project`: memory
+affine in tokens, the fused method's line starting at its largest measured case with the slope of what grows with
+tokens; time in proportion to tokens), marked `"measured": false`. Every method's log-probs, entropies and gradient
 probes (`dL/dh @ r`, `dL/dW @ r` for a fixed random `r`) must agree with the unfused method's in the same
 (tokens, TP, hidden) case, or the run fails before anything is written.
 """
@@ -39,6 +39,7 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -226,8 +227,14 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
-def _project(records: list[dict[str, Any]]) -> None:
-    """Fill skipped cases with a linear fit in tokens through the measured cases of their (method, tp, hidden)."""
+def _project(records: list[dict[str, Any]], cfg: OutputBenchConfig) -> None:
+    """Fill skipped cases from the measured cases of their (method, tp, hidden). Memory: the unfused methods are
+    affine in tokens (their logits and logit gradients grow, the weight gradient does not): a line through the two
+    largest measured cases. The fused method's chunk buffers stop growing once there are two chunks (the previous
+    chunk's temporaries are alive while the next is computed), so its line starts at the largest measured case
+    and grows by what does grow with tokens, dL/dh and five fp32 statistics per token (`hidden x itemsize + 20`
+    bytes): measure at least two chunks. Never below the largest measured case. Time: in proportion to tokens from
+    the largest measured case (every method's work is linear in tokens)."""
     for r in records:
         if r["measured"]:
             continue
@@ -241,9 +248,11 @@ def _project(records: list[dict[str, Any]]) -> None:
             r["projected_from"] = [p[0] for p in pts]
             continue
         (n0, p0, _), (n1, p1, t1) = pts[-2], pts[-1]
-        # memory: affine in tokens (a fixed part + a per-token part), never below the largest measured case;
-        # time: in proportion to tokens from the largest measured case (every method's work is linear in tokens)
-        r["peak_bytes"] = int(max(p1, p1 + (p1 - p0) / (n1 - n0) * (r["tokens"] - n1)))
+        if r["method"] == "fused":
+            slope = r["hidden"] * DTYPES[cfg.dtype].itemsize + 20
+        else:
+            slope = (p1 - p0) / (n1 - n0)
+        r["peak_bytes"] = int(max(p1, p1 + slope * (r["tokens"] - n1)))
         r["time_s"] = t1 * r["tokens"] / n1
         r["projected_from"] = [n0, n1]
 
@@ -328,7 +337,7 @@ def measure(
                             failures.append(f"{method} tokens={n} hidden={hidden} TP={tp}: {bad}")
     if failures:
         raise RuntimeError("methods disagree with the unfused output layer + log-prob:\n  " + "\n  ".join(failures))
-    _project(records)
+    _project(records, base)
     _add_ratios(records)
     return records
 
@@ -385,7 +394,14 @@ def to_json(cfg: OutputBenchConfig, records: list[dict[str, Any]]) -> dict[str, 
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The options of the output-layer mode of `megarl bench logprob` (chosen by --hidden)."""
+    """The options of the output-layer mode of `megarl bench logprob` (chosen by --hidden or --merge)."""
+    p.add_argument(
+        "--merge",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="print and save the measured records of earlier `--hidden` runs' JSON files together, projected again",
+    )
     p.add_argument(
         "--hidden",
         type=int,
@@ -412,7 +428,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def merge(paths: list[Path]) -> tuple[OutputBenchConfig, list[dict[str, Any]]]:
+    """The measured records of earlier runs' JSON files (one vocabulary and dtype), projected again together."""
+    docs = [json.loads(Path(p).read_text()) for p in paths]
+    cfg = OutputBenchConfig(**docs[0]["config"])
+    records = []
+    for doc in docs:
+        for r in doc["records"]:
+            base = {k: r[k] for k in ("method", "tp", "tokens", "hidden", "measured", "estimated_bytes") if k in r}
+            records.append(r if r["measured"] else base)
+    for r in records:
+        for key in ("peak_vs_unfused", "time_vs_unfused"):
+            r.pop(key, None)
+    _project(records, cfg)
+    _add_ratios(records)
+    return cfg, records
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.merge:
+        cfg, records = merge(args.merge)
+        print(format_table(cfg, records))
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(
+            json.dumps({**to_json(cfg, records), "merged_from": [str(p) for p in args.merge]}, indent=1) + "\n"
+        )
+        print(f"wrote {args.out}")
+        return 0
     dtype = args.dtype
     cfg = OutputBenchConfig(chunk_tokens=args.chunk_tokens, repeats=args.repeats, dtype=dtype, vocab=args.vocab)
     try:
