@@ -12,6 +12,8 @@
     megarl plan --config FILE [--dtype bf16]  parameters and bytes per trainer / rollout rank and per sync
     megarl export CHECKPOINT_DIR --out DIR    write a run checkpoint as a Hugging Face checkpoint
     megarl bench logprob [--tp 1 2 4 ...]     peak memory and time of the vocab-parallel log-prob + entropy
+    megarl bench logprob --hidden 2048 ...    the same from the hidden states: fused vs unfused output layer
+    megarl bench padding [--budgets ...]      tokens computed vs real per step: count vs token-budget microbatches
     megarl bench pipeline [--offsets 0 1 2]   wall time per step and overlap with the pipeline off and on
     megarl bench sync [--size-mb 400]         one weight sync's bytes, seconds, memory: partitioned vs baselines
     megarl bench savings [--intervals 1 2 4]  the same job per sync.interval: bytes, seconds in sync, fleet pause
@@ -35,7 +37,7 @@ from megarl.rollout.fleet_auth import FleetSecretError
 _DELEGATED = {
     "plan": ("megarl.plan_report", "parameters and bytes per trainer / rollout rank and per weight sync"),
     "export": ("megarl.models.hf_export", "write a run checkpoint as a Hugging Face checkpoint"),
-    "bench": ("megarl.bench", "benchmarks: `megarl bench logprob|pipeline|sync|savings`"),
+    "bench": ("megarl.bench", "benchmarks: `megarl bench logprob|padding|pipeline|sync|savings`"),
     "compare": ("megarl.metrics.compare", "compare finished runs' sync traffic, time and rewards"),
     "preflight": ("megarl.preflight.cli", "check a cluster job's placement, network, model files and GPUs: "
                                           "`megarl preflight rank|serve|report` (docs/cluster.md)"),

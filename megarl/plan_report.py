@@ -348,8 +348,11 @@ def format_plan(plan: Plan, cfg: Config, hf: dict[str, Any], link_gbps: float = 
                                       f"average ({_gb(total)} per step with sync.interval=1)"
                                       if every > 1 else f"one sync after every optimizer step, {_gb(total)} per step"),
     ]
-    return "\n".join(lines + _push_memory_lines(plan, cfg) + _backend_comparison(hf, plan, link_gbps, t.world_size)
-                     + _delta_lines(plan, cfg, link_gbps, t.world_size))
+    from megarl.trainer.memory_plan import format_trainer_memory
+
+    return "\n".join(lines + format_trainer_memory(hf, cfg) + _push_memory_lines(plan, cfg)
+                     + _backend_comparison(hf, plan, link_gbps, t.world_size) + _delta_lines(plan, cfg, link_gbps,
+                                                                                           t.world_size))
 
 
 def _push_memory_lines(plan: Plan, cfg: Config) -> list[str]:

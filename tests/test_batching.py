@@ -87,3 +87,47 @@ def test_batch_metrics_by_hand():
     assert batch_metrics(batch, ("unparsable", "gold_unparsable")) == {
         "reward/mean": 0.5, "reward/timeouts": 1, "reward/unparsable": 2, "reward/gold_unparsable": 0,
         "response/length_mean": 2.0, "response/length_min": 1, "response/length_max": 3}
+
+
+# lengths of a global batch of 8; plans and token counts worked out by hand
+LENGTHS = [5, 4, 6, 4, 9, 3, 6, 3]  # longest first: rows 4 (9), 2 (6), 6 (6), 0 (5), 1 (4), 3 (4), 5 (3), 7 (3)
+
+
+def test_token_budget_plan_by_hand():
+    from megarl.trainer.batching import microbatch_plan, microbatch_widths, plan_padding
+
+    # DP 1, b x longest <= 12: the 9-token row alone, then 2x6, 2x5, 3x4 (43 tokens for 40 real ones)
+    plan = microbatch_plan(LENGTHS, 1, 8, 12, packed=False)
+    assert plan == [[[4], [2, 6], [0, 1], [3, 5, 7]]]
+    assert microbatch_plan(LENGTHS, 1, 8, 5, packed=False) == [[[4], [2], [6], [0], [1], [3], [5], [7]]]
+    widths = microbatch_widths(LENGTHS, plan, packed=False)
+    assert widths == [9, 6, 5, 4]
+    stats = plan_padding(LENGTHS, plan, widths, packed=False)
+    assert stats["train/tokens_computed"] == 9 + 2 * 6 + 2 * 5 + 3 * 4
+    assert stats["train/tokens_real"] == 40 and stats["train/microbatches"] == 4
+    assert stats["train/padding_fraction"] == pytest.approx(1 - 40 / 43)
+    # DP 2: groups of 2b rows dealt row by row, so microbatch k has b rows and one width on both ranks:
+    # [9 | 6] (b=1: 2x9 > 12), [6, 4 | 5, 4] (b=2 at width 6), [3 | 3] (the rest)
+    plan = microbatch_plan(LENGTHS, 2, 8, 12, packed=False)
+    assert plan == [[[4], [6, 1], [5]], [[2], [0, 3], [7]]]
+    assert microbatch_plan(LENGTHS, 2, 8, 12, packed=False) == plan  # deterministic
+    widths = microbatch_widths(LENGTHS, plan, packed=False)
+    assert widths == [9, 6, 3]
+    assert plan_padding(LENGTHS, plan, widths, packed=False)["train/tokens_computed"] == 2 * (9 + 2 * 6 + 3)
+    # packed, DP 2: a rank's sum <= 12 ([9 | 6]; [6, 4 | 5, 4] = 10 | 9; adding [3 | 3] would make 13)
+    packed = microbatch_plan(LENGTHS, 2, 8, 12, packed=True)
+    assert packed == plan
+    widths = microbatch_widths(LENGTHS, packed, packed=True)
+    assert widths == [9, 10, 3]
+    assert plan_padding(LENGTHS, packed, widths, packed=True)["train/tokens_computed"] == 2 * (9 + 10 + 3)
+    # count-based (today's): each rank's contiguous rows, consecutive
+    assert microbatch_plan(LENGTHS, 2, 3, None, packed=False) == [[[0, 1, 2], [3]], [[4, 5, 6], [7]]]
+
+
+def test_select_microbatch_cuts_columns():
+    from megarl.trainer.batching import select_microbatch
+
+    t = pack_batch(_batch(), pad_id=0)
+    mb = select_microbatch(t, [1], 3)
+    assert mb["tokens"].tolist() == [[8, 9, 11]] and mb["mask"].tolist() == [[0, 1, 0]]
+    assert mb["advantages"].tolist() == [-0.5] and mb["lengths"].tolist() == [3]

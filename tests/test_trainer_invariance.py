@@ -1,5 +1,6 @@
 """Global aggregation through the REAL trainer: the same rollout batch gives the same loss and the same
-parameter gradients however it is split -- microbatches of 8, 4 or 2 sequences, data parallel 1 or 2,
+parameter gradients however it is split -- microbatches of 8, 4 or 2 sequences or by a token budget
+(`trainer.max_tokens_per_microbatch`: length-sorted, each cut to its longest sequence), data parallel 1 or 2,
 pipeline parallel 1 or 2, tensor parallel 2, expert parallel 2 (tiny MoE) -- for token-level losses
 (GRPO, REC-OneSide-IS) under `token-mean`, `seq-mean-token-mean` and `seq-mean-token-sum`, and for the
 sequence-level ones (GSPO, REC-GSPO-IS, OAPL).
@@ -66,7 +67,16 @@ CASES = [
     ("rec_gspo_is", "token-mean"),
     ("oapl", "token-mean"),
 ]
-MICRO_BATCH_SIZES = (8, 4, 2)  # 1x8, 2x4, 4x2 microbatches of the global batch (per DP rank: at most its share)
+# (micro_batch_size, max_tokens_per_microbatch): 1x8, 2x4, 4x2 microbatches of the global batch (per DP rank: at
+# most its share), and microbatches by token budget: 12 tokens cuts the length-sorted 8 sequences (lengths
+# 5,4,6,4,9,3,6,3) into microbatches of shapes 1x9, 2x6, 2x5, 3x4 at DP 1 (the 9-token one longer than the budget
+# alone); at DP 2 into 1x9, 2x6, 1x3 on each rank (rows dealt in turns, so shapes agree over the ranks as expert
+# parallelism needs); packed, into rows of at most 12 tokens
+SPLITS = ((8, None), (4, None), (2, None), (8, 12))
+# tokens the model computes at the 12-token budget, counted by hand from those shapes (40 real tokens): unpacked
+# 9 + 12 + 10 + 12 at DP 1, 2 x (9 + 12 + 3) at DP 2; packed 2 x (9 + 10 + 3) at DP 2, 9 + 12 + 9 + 10 at DP 1
+# (rows [9], [6, 6], [5, 4], [4, 3, 3]). Count-based, unpacked: 8 rows x 9 = 72
+BUDGET_TOKENS = {"dp1": 43, "dp2": 48, "pp2": 43, "tp2": 43, "moe-ep2": 48, "dp2-packed": 44, "pp2-packed": 40}
 # (name, world size, layout, checkpoint kind): all run inside ONE spawned pair of processes, one after the
 # other; a rank outside a layout's world waits for the next layout
 # (name, world size, layout, checkpoint kind, packed): "packed" feeds each microbatch to the model as one row
@@ -252,10 +262,12 @@ def _trainer_rank(rank, world, layouts, ports, hf_dirs, responses, engines, refe
                 batch = dataclasses.replace(_batch(responses, engines[kind]),
                                             advantages=algorithm.advantages(REWARDS, algo_cfg))
                 first = None
-                for micro in MICRO_BATCH_SIZES:
+                for split in SPLITS:
+                    micro, budget = split
                     cfg = Config(model=ModelConfig(hf_dir=hf_dir),
                                  trainer=TrainerConfig(world_size=size, tp=layout.tp, pp=layout.pp, ep=layout.ep,
-                                                       micro_batch_size=micro, pack_sequences=packed),
+                                                       micro_batch_size=micro, max_tokens_per_microbatch=budget,
+                                                       pack_sequences=packed),
                                  algorithm=algo_cfg)
                     metrics = train_on_batch(policy, batch, algorithm, cfg, PAD, dp_rank, dp, lag=0)
                     rows = _grad_errors(policy, hf, references[(kind, name, agg)][1])
@@ -265,8 +277,9 @@ def _trainer_rank(rank, world, layouts, ports, hf_dirs, responses, engines, refe
                     else:
                         split_diff = max(float((a - b).abs().max()) for a, b in zip(grads, first, strict=True))
                     mismatch_stats = {k: metrics[k] for k in mismatch.KEYS}
-                    results[(label, name, agg, micro)] = (metrics["loss"], metrics["grad_norm"],
-                                                          [r[:3] for r in rows], split_diff, mismatch_stats)
+                    results[(label, name, agg, split)] = (metrics["loss"], metrics["grad_norm"],
+                                                          [r[:3] for r in rows], split_diff, mismatch_stats,
+                                                          metrics["train/tokens_computed"])
                     with torch.no_grad():  # back to the checkpoint's weights for the next run
                         for p, p0 in zip(policy.model.parameters(), initial, strict=True):
                             p.copy_(p0)
@@ -305,12 +318,15 @@ def test_loss_and_gradients_do_not_depend_on_the_split(checkpoints):
             ref_loss, ref_grads = references[(kind, name, agg)]
             scale = max(float(g.abs().max()) for g in ref_grads.values())
             ref_norm = math.sqrt(sum(float(g.pow(2).sum()) for g in ref_grads.values()))
-            for micro in MICRO_BATCH_SIZES:
-                case = f"{label} {name} {agg} micro={micro}"
+            for split in SPLITS:
+                case = f"{label} {name} {agg} micro,tokens={split}"
                 covered = {n: torch.zeros_like(g, dtype=torch.bool) for n, g in ref_grads.items()}
                 worst, split_diff = 0.0, 0.0
                 for results in per_rank[:size]:
-                    loss, norm, rows, diff, stats = results[(label, name, agg, micro)]
+                    loss, norm, rows, diff, stats, computed = results[(label, name, agg, split)]
+                    want = BUDGET_TOKENS[label] if split[1] else (72 if not _packed else computed)
+                    if computed != want:
+                        failures.append(f"{case}: train/tokens_computed {computed}, counted by hand {want}")
                     failures += [f"{case}: {e}" for e in _mismatch_errors(stats, exact_mismatch[kind])]
                     if not math.isclose(loss, ref_loss, rel_tol=LOSS_TOL["rtol"], abs_tol=LOSS_TOL["atol"]):
                         failures.append(f"{case}: loss {loss} vs reference {ref_loss}")
@@ -322,8 +338,11 @@ def test_loss_and_gradients_do_not_depend_on_the_split(checkpoints):
                     split_diff = max(split_diff, diff)
                 if worst > GRAD_TOL * scale:
                     failures.append(f"{case}: max gradient error {worst:.3g} > {GRAD_TOL} * {scale:.3g}")
-                if split_diff > SPLIT_TOL * scale:
-                    failures.append(f"{case}: gradients differ from micro={MICRO_BATCH_SIZES[0]} by {split_diff:.3g}")
+                # the split tolerance holds between count-based splits, which keep each rank's rows; a token budget
+                # deals the length-sorted rows to the DP ranks (another partition, other reduction orders: observed
+                # 1.1e-6 of 0.5 for MoE OAPL), so it is held to the reference tolerance above, as a layout is
+                if split[1] is None and split_diff > SPLIT_TOL * scale:
+                    failures.append(f"{case}: gradients differ from micro,tokens={SPLITS[0]} by {split_diff:.3g}")
                 missing = [n for n, c in covered.items() if not c.all()]
                 if missing:
                     failures.append(f"{case}: no rank holds gradients of {missing}")

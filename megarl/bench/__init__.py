@@ -1,6 +1,8 @@
 """Benchmarks run by `megarl bench NAME ...`; each module has `register(subparsers)` and `run(args) -> int`.
 
-    megarl bench logprob    peak memory and time of the vocab-parallel log-prob + entropy
+    megarl bench logprob    peak memory and time of the vocab-parallel log-prob + entropy (--hidden: from the
+                            hidden states through the output layer, fused vs unfused vs megatron)
+    megarl bench padding    tokens computed vs real per step: count-based vs token-budget microbatches
     megarl bench pipeline   the same short RL job with the overlapped pipeline off and on, per sync offset
     megarl bench sync       bytes, seconds and memory of one weight sync: partitioned vs raw vs broadcast
     megarl bench savings    the same short job at several sync.interval values: bytes, sync seconds, fleet pause
@@ -11,7 +13,8 @@ from __future__ import annotations
 import argparse
 import importlib
 
-BENCHES = {"logprob": "megarl.bench.logprob", "pipeline": "megarl.bench.pipeline", "sync": "megarl.bench.sync",
+BENCHES = {"logprob": "megarl.bench.logprob", "padding": "megarl.bench.padding",
+           "pipeline": "megarl.bench.pipeline", "sync": "megarl.bench.sync",
            "savings": "megarl.bench.savings"}
 
 

@@ -47,6 +47,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megarl.bench import output_logprob
 from megarl.parallel.spawn import free_port, run_ranks
 
 METHODS = ("sharded", "gathered", "megatron")
@@ -496,12 +497,18 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=sorted(DTYPES), default=d.dtype, help="dtype of the logits")
     p.add_argument("--chunk-tokens", type=int, default=d.chunk_tokens, help="megarl's token chunk size")
     p.add_argument("--repeats", type=int, default=d.repeats, help="timed forward+backward passes")
-    p.add_argument("--out", type=Path, default=Path("docs/figures/bench_logprob.json"),
-                   help="JSON output; a bar chart goes next to it (.png)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="JSON output (default docs/figures/bench_logprob.json, with --hidden "
+                   "docs/figures/bench_output_logprob.json); from the logits a bar chart goes next to it (.png)")
+    output_logprob.add_arguments(p)
     return p
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.hidden or args.merge:  # from the hidden states through the output layer (megarl.bench.output_logprob)
+        args.out = args.out or Path("docs/figures/bench_output_logprob.json")
+        return output_logprob.run(args)
+    args.out = args.out or Path("docs/figures/bench_logprob.json")
     cfg = LogprobBenchConfig(vocab=args.vocab, tokens=args.tokens, dtype=args.dtype,
                              chunk_tokens=args.chunk_tokens, repeats=args.repeats)
     try:

@@ -193,5 +193,10 @@ def check_against_model(cfg: Config, hf: dict[str, Any], cuda: bool) -> None:
         memory = push_memory_problem(cfg, hf)
         if memory is not None:
             problems.append(memory)
+        from megarl.trainer.memory_plan import trainer_memory_problem
+
+        trainer = trainer_memory_problem(hf, cfg)
+        if trainer is not None:
+            problems.append(trainer)
     if problems:
         raise ConfigError("configuration does not fit the model:\n" + "\n".join(f"  {p}" for p in problems))

@@ -42,7 +42,29 @@ class TrainerConfig(_Strict):
     pp: int = Field(1, ge=1, description="Pipeline-parallel size. Data parallel = world_size / (tp * pp).")
     ep: int = Field(1, ge=1, description="Expert-parallel size (MoE models only); must divide the expert count.")
     micro_batch_size: int = Field(
-        32, ge=1, description="Sequences per microbatch; the global batch is split into microbatches of this size."
+        32, ge=1, description="Sequences per microbatch; the global batch is split into microbatches of this size "
+        "(unless trainer.max_tokens_per_microbatch is set)."
+    )
+    max_tokens_per_microbatch: int | None = Field(
+        None, ge=1, description="Cut microbatches by tokens instead of by count (verl's dynamic batch size): the "
+        "global batch is sorted by length, longest first, and cut into groups of DP x b whole sequences, b as large "
+        "as keeps the tokens a rank computes within this budget (b x the group's longest sequence, or a rank's sum "
+        "of lengths with trainer.pack_sequences); each group is dealt to the data-parallel ranks in turn, so every "
+        "rank runs the same number of microbatches with the same shapes (megatron's schedule, the gradient "
+        "all-reduces and the expert dispatch are collective), and each microbatch is cut to its group's longest "
+        "sequence, so little of it is padding. A sequence longer than the budget gets a microbatch of its own (it "
+        "is never split: sequence losses need whole sequences). Deterministic given the batch; the loss and "
+        "gradients are those of count-based microbatches (global normalisation; tests/test_trainer_invariance.py). "
+        "None: micro_batch_size sequences per microbatch, padded to the batch's longest. Every step records "
+        "train/padding_fraction (1 - real tokens / tokens computed), train/tokens_computed, train/tokens_real. "
+        "`megarl plan` projects the trainer's memory at this budget. The trainer's recompute of "
+        "algorithm.old_logprobs=trainer still runs count-based, padded.",
+    )
+    gpu_memory_gb: float = Field(
+        80.0, gt=0, description="Memory of each trainer GPU in GB (10^9 bytes; 80 for an H100), for the trainer's "
+        "memory plan: `megarl plan` prints what a rank holds at its peak (weights, gradients, AdamW state, "
+        "activations at the microbatch token budget, logits; megarl.trainer.memory_plan) and `megarl check --gpu` "
+        "refuses a layout whose worst rank exceeds this.",
     )
     master_port: int = Field(0, ge=0, description="torch.distributed rendezvous port; 0 picks a free one.")
     collective_timeout_s: float = Field(

@@ -79,6 +79,83 @@ def microbatches(tensors: dict[str, torch.Tensor], size: int) -> list[dict[str, 
     return [{k: v[i:i + size] for k, v in tensors.items()} for i in range(0, n, size)]
 
 
+# ---- microbatch plans: by count or by token budget (trainer.max_tokens_per_microbatch) -----------------------
+# A plan lists, per data-parallel rank, its microbatches, each a list of GLOBAL row indices of the batch: a rank's
+# share is the rows of its microbatches. Microbatch k has the same row length on every rank (`microbatch_widths`):
+# with expert parallelism the token dispatcher gathers equal token counts from the ranks of its group.
+
+
+def _group_tokens(lengths: list[int], group: list[int], dp: int, packed: bool) -> int:
+    """Tokens one rank computes when `group` (dp x b rows, longest first) is dealt to the dp ranks row by row:
+    the largest rank's sum of lengths when packed, else b rows padded to the group's longest."""
+    if packed:
+        return max(sum(lengths[i] for i in group[r::dp]) for r in range(dp))
+    return len(group) // dp * max(lengths[i] for i in group)
+
+
+def microbatch_plan(lengths: list[int], dp_size: int, micro_batch_size: int, max_tokens: int | None,
+                    packed: bool) -> list[list[list[int]]]:
+    """The microbatches of every data-parallel rank for a global batch of sequences of real `lengths`.
+
+    `max_tokens` None (count-based): rank r holds the contiguous rows `data_parallel_share` gives it, cut into
+    microbatches of `micro_batch_size` consecutive rows. Otherwise (token budget): the whole batch is sorted by
+    length, longest first (ties: lower index first), and cut into groups of dp x b consecutive rows, b as large as
+    the budget allows (`_group_tokens(...) <= max_tokens`, b >= 1); each group is dealt row by row to the ranks,
+    so microbatch k has b rows on every rank and every rank runs the same number of microbatches (megatron's
+    schedule, the gradient all-reduces and the expert dispatch are collective: no rank can run one more). A row
+    longer than the budget gets a microbatch of its own. Whole sequences only; a function of the lengths alone,
+    so every rank computes the same plan without a collective."""
+    n = len(lengths)
+    if n % dp_size:
+        raise ValueError(f"global batch of {n} sequences does not split over {dp_size} data-parallel ranks; "
+                         "make data.prompts_per_step * rollout.samples_per_prompt a multiple of it")
+    per = n // dp_size
+    if max_tokens is None:
+        return [[list(range(r * per + i, r * per + min(i + micro_batch_size, per)))
+                 for i in range(0, per, micro_batch_size)] for r in range(dp_size)]
+    order = sorted(range(n), key=lambda i: (-lengths[i], i))
+    plan: list[list[list[int]]] = [[] for _ in range(dp_size)]
+    start = 0
+    while start < n:
+        b = 1
+        while (start + dp_size * (b + 1) <= n
+               and _group_tokens(lengths, order[start:start + dp_size * (b + 1)], dp_size, packed) <= max_tokens):
+            b += 1
+        group = order[start:start + dp_size * b]
+        for r in range(dp_size):
+            plan[r].append(group[r::dp_size])
+        start += dp_size * b
+    return plan
+
+
+def microbatch_widths(lengths: list[int], plan: list[list[list[int]]], packed: bool) -> list[int]:
+    """Per microbatch index k, the row length every rank uses for microbatch k: its longest sequence over the
+    ranks, or, packed, its longest packed row (sum of lengths) over the ranks."""
+    return [max(sum(lengths[i] for i in mb) if packed else max(lengths[i] for i in mb) for mb in mbs)
+            for mbs in zip(*plan, strict=True)]
+
+
+def plan_padding(lengths: list[int], plan: list[list[list[int]]], widths: list[int],
+                 packed: bool) -> dict[str, float]:
+    """Tokens the model computes for a plan whose microbatch k is `widths[k]` long vs the real tokens of the
+    batch, summed over DP ranks: `train/tokens_computed`, `train/tokens_real`, `train/padding_fraction`
+    (1 - real / computed) and `train/microbatches` (per rank). Packed: one row of `widths[k]` per microbatch;
+    else b rows of it."""
+    computed = sum(w if packed else len(mb) * w for mbs in plan for mb, w in zip(mbs, widths, strict=True))
+    real = sum(lengths)
+    return {"train/tokens_computed": computed, "train/tokens_real": real,
+            "train/padding_fraction": 1.0 - real / computed, "train/microbatches": len(plan[0])}
+
+
+def select_microbatch(share: dict[str, torch.Tensor], rows: list[int], width: int) -> dict[str, torch.Tensor]:
+    """Rows `rows` of a share, every `[n, S, ...]` tensor cut (or kept) to `width` columns, at least the
+    microbatch's longest sequence: the columns cut are padding in every selected row (mask 0), so no loss term
+    changes."""
+    index = torch.tensor(rows, dtype=torch.long)
+    s = share["tokens"].shape[1]
+    return {k: (v[index][:, :width] if v.dim() >= 2 and v.shape[1] == s else v[index]) for k, v in share.items()}
+
+
 def packed_length(microbatches: list[dict[str, torch.Tensor]]) -> int:
     """The row length that holds every microbatch packed: one shape for all microbatches, since the policy
     passes megatron's schedule a single `seq_length` per step."""

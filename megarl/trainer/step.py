@@ -16,7 +16,14 @@ from megarl.algorithms.registry import Algorithm
 from megarl.batch import RolloutBatch
 from megarl.config.schema import Config
 from megarl.metrics import mismatch
-from megarl.trainer.batching import data_parallel_share, microbatches, pack_batch, pack_microbatch, packed_length
+from megarl.trainer.batching import (
+    microbatch_plan,
+    microbatch_widths,
+    pack_batch,
+    pack_microbatch,
+    plan_padding,
+    select_microbatch,
+)
 from megarl.trainer.routing_replay import index_bytes
 
 
@@ -28,7 +35,16 @@ def train_on_batch(
     # per-sequence 0/1 weights (off-policy GRPO drops zero-variance groups; all ones for the others)
     tensors["seq_mask"] = algorithm.sequence_mask(batch.rewards, cfg.algorithm).expand_as(batch.rewards).reshape(-1)
     num_tokens = float(tensors["mask"].sum())  # response tokens of the GLOBAL batch
-    share = data_parallel_share(tensors, dp_rank, dp_size)
+    t = cfg.trainer
+    lengths, padded = tensors["lengths"].tolist(), tensors["tokens"].shape[1]
+    # this rank's microbatches (global rows): by count, or by token budget from the length-sorted batch
+    plan = microbatch_plan(lengths, dp_size, t.micro_batch_size, t.max_tokens_per_microbatch, t.pack_sequences)
+    if t.pack_sequences or t.max_tokens_per_microbatch is not None:
+        widths = microbatch_widths(lengths, plan, t.pack_sequences)
+    else:  # today's count-based microbatches: every row padded to the global batch's longest
+        widths = [padded] * len(plan[dp_rank])
+    rows = [i for mb in plan[dp_rank] for i in mb]
+    share = {k: v[torch.tensor(rows, dtype=torch.long)] for k, v in tensors.items()}
     share["engine_logprobs"] = share["old_logprobs"]
     if cfg.algorithm.old_logprobs == "trainer":  # decoupled-PPO proximal policy: recompute before updating
         share["old_logprobs"] = policy.compute_logprobs(share["tokens"], share["targets"],
@@ -51,11 +67,15 @@ def train_on_batch(
         metrics.update(mismatch.token_contributions(logprobs, mb["engine_logprobs"], mask, num_tokens))
         return loss, metrics
 
-    mbs = microbatches(share, cfg.trainer.micro_batch_size)
-    if cfg.trainer.pack_sequences:  # one row per microbatch for the model; the losses still see [b, S]
-        length = packed_length(mbs)
-        mbs = [pack_microbatch(mb, length, pad_id) for mb in mbs]
+    offsets = [0]
+    for mb in plan[dp_rank]:
+        offsets.append(offsets[-1] + len(mb))
+    mbs = [select_microbatch(share, list(range(lo, hi)), padded if t.pack_sequences else w)
+           for lo, hi, w in zip(offsets[:-1], offsets[1:], widths, strict=True)]
+    if t.pack_sequences:  # one row per microbatch for the model (microbatch k as long on every rank); the losses
+        mbs = [pack_microbatch(mb, w, pad_id) for mb, w in zip(mbs, widths, strict=True)]  # still see [b, S]
     metrics = policy.train_step(mbs, loss_fn)
+    metrics.update(plan_padding(lengths, plan, widths, t.pack_sequences))
     metrics.setdefault("clip_frac", 0.0)  # algorithms without clipping clip nothing
     if batch.routed_experts is not None:  # routing replay: bytes of the expert indices the batch carries
         metrics["replay/index_bytes"] = sum(index_bytes(r) for r in batch.routed_experts)

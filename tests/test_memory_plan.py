@@ -1,0 +1,102 @@
+"""The trainer memory plan (`megarl.trainer.memory_plan`) against a measured CPU run, and `megarl check --gpu` refusing
+a layout that cannot fit.
+
+Measured: the first training step of the tiny dense Qwen3 through `train_on_batch` (token-budget microbatching,
+megatron's local spec, fp32) in a fresh process per token budget, at 512 and 2,048 tokens per microbatch (rows of
+256). The rise of the process's resident-set high-water mark during the step (`megarl.sync.peak_memory`) minus the
+same at the other budget is what the extra 1,536 tokens cost: the weights, gradients, AdamW state and everything
+else that does not grow with tokens cancel. The plan's projection of that difference (activations of the stage's
+layers including the local spec's attention scores, plus the output log-prob's per-token terms) must be within 25%
+of it; a per-token inventory that missed the MLP, the scores or the q/k/v tensors would be off by more.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megarl.batch import RolloutBatch
+from megarl.config.schema import Config, DataConfig, ModelConfig, OptimizerConfig, RolloutConfig, TrainerConfig
+from megarl.models.qwen_provider import read_hf_config
+from megarl.models.tiny import make_tiny_checkpoint
+from megarl.trainer.memory_plan import activation_bytes, logits_bytes, trainer_memory, trainer_memory_problem
+from tests.dist_utils import free_port, run_distributed
+
+ROW = 256
+BUDGETS = (2 * ROW, 8 * ROW)
+
+
+def _batch(rows: int) -> RolloutBatch:
+    g = torch.Generator().manual_seed(rows)
+    responses = [torch.randint(3, 32, (ROW - 4,), generator=g).tolist() for _ in range(rows)]
+    return RolloutBatch(
+        index=0,
+        prompt_ids=[[5, 6, 7, 8]] * rows,
+        response_ids=responses,
+        engine_logprobs=[[-1.0] * (ROW - 4)] * rows,
+        rewards=torch.ones(1, rows),
+        advantages=torch.ones(1, rows),
+        policy_version=0,
+    )
+
+
+def _step_peak(rank, world, hf_dir, budget):
+    from megarl.algorithms.registry import get_algorithm
+    from megarl.parallel.groups import TrainerLayout, destroy_trainer_groups, init_trainer_groups
+    from megarl.sync.peak_memory import PeakMemory
+    from megarl.trainer.policy import MegatronPolicy
+    from megarl.trainer.step import train_on_batch
+
+    init_trainer_groups(TrainerLayout(), 0, 1, "127.0.0.1", free_port())
+    try:
+        policy = MegatronPolicy(hf_dir, read_hf_config(hf_dir), OptimizerConfig(lr=1e-6))
+        cfg = Config(
+            model=ModelConfig(hf_dir=hf_dir), trainer=TrainerConfig(world_size=1, max_tokens_per_microbatch=budget)
+        )
+        batch = _batch(budget // ROW)
+        memory = PeakMemory.start(cuda=False)
+        metrics = train_on_batch(policy, batch, get_algorithm("grpo"), cfg, 0, 0, 1, lag=0)
+        report = memory.finish()
+        assert metrics["train/microbatches"] == 1 and metrics["train/tokens_computed"] == budget
+        return report["memory_peak_bytes"] - report["memory_before_bytes"]
+    finally:
+        destroy_trainer_groups()
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "dense", kind="dense")
+
+
+def test_activation_projection_matches_a_measured_cpu_run(dense):
+    hf = read_hf_config(dense)
+    measured = [run_distributed(_step_peak, 1, dense, b, init_dist=False)[0] for b in BUDGETS]
+
+    def projected(tokens: int) -> int:
+        return activation_bytes(hf, tokens, ROW, hf["num_hidden_layers"], tp=1, flash=False) + logits_bytes(
+            hf, tokens, tp=1, fused=True, chunk=4096
+        )
+
+    got, want = measured[1] - measured[0], projected(BUDGETS[1]) - projected(BUDGETS[0])
+    assert want > 50 * 2**20  # the difference is large enough to measure (tens of MiB)
+    mib = 2**20
+    print(f"memory plan: measured {got / mib:.1f} MiB, projected {want / mib:.1f} MiB for 1,536 more tokens")
+    assert abs(got - want) <= 0.25 * want, f"measured {got / mib:.1f} MiB for 1,536 more tokens, plan {want / mib:.1f}"
+
+
+def test_check_refuses_a_layout_that_cannot_fit(dense):
+    hf = read_hf_config(dense)
+    cfg = Config(
+        model=ModelConfig(hf_dir=dense),
+        trainer=TrainerConfig(world_size=1, gpu_memory_gb=4.0),
+        rollout=RolloutConfig(max_new_tokens=1024),
+        data=DataConfig(max_prompt_tokens=1024),
+    )
+    # the tiny model fits 4 GB at a 4k-token microbatch: weights + grads + AdamW 16 B/param, the reserve 3 GB
+    small = cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"max_tokens_per_microbatch": 4096})})
+    assert trainer_memory_problem(hf, small) is None
+    # count-based: 32 rows x 2,048 tokens = 65,536 tokens per microbatch, ~30 kB of activations per token: ~2 GB
+    problem = trainer_memory_problem(hf, cfg)
+    assert problem is not None and "trainer.max_tokens_per_microbatch" in problem and "65,536 tokens" in problem
+    rank = trainer_memory(hf, cfg)[0]
+    assert rank.weights == rank.grads == 4 * rank.params and rank.optimizer == 8 * rank.params
