@@ -139,9 +139,9 @@ def _reference_loss(name: str, agg: str, lp: list[torch.Tensor], old: list[torch
         ratio = ratio.detach()
         return (((a > 0) & (ratio <= 1 + cfg.eps_high)) | ((a < 0) & (ratio >= 1 - cfg.eps_low))).float()
 
-    if name in ("gspo", "rec_gspo_is"):  # -(1/N) sum_i A_i s_i M_i, s_i = exp(mean_t (logp - oldlogp))
+    if name in ("gspo", "rec_gspo_is"):  # -(1/N) sum_i min(s_i A_i, clip(s_i) A_i), s_i = exp(mean_t (logp - old))
         s = torch.stack([torch.exp((x - o).mean()) for x, o in zip(lp, old, strict=True)])
-        return -(adv * s * one_side(s, adv)).sum() / n
+        return -torch.minimum(s * adv, torch.clamp(s, 1 - cfg.eps_low, 1 + cfg.eps_high) * adv).sum() / n
     if name == "oapl":  # (1/N) sum_i (beta2 (logp_i - vllm_logp_i) - A_i)^2, sequence log-probs
         logratio = torch.stack([x.sum() - o.sum() for x, o in zip(lp, old, strict=True)])
         return ((cfg.oapl_beta2 * logratio - adv) ** 2).sum() / n

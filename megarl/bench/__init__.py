@@ -6,6 +6,7 @@
     megarl bench pipeline   the same short RL job with the overlapped pipeline off and on, per sync offset
     megarl bench sync       bytes, seconds and memory of one weight sync: partitioned vs raw vs broadcast
     megarl bench savings    the same short job at several sync.interval values: bytes, sync seconds, fleet pause
+    megarl bench delta      compute cost of delta pushes per GB (count + encode, apply, base copy) on this device
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import importlib
 
 BENCHES = {"logprob": "megarl.bench.logprob", "padding": "megarl.bench.padding",
            "pipeline": "megarl.bench.pipeline", "sync": "megarl.bench.sync",
-           "savings": "megarl.bench.savings"}
+           "savings": "megarl.bench.savings", "delta": "megarl.bench.delta_codec"}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
