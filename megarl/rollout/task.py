@@ -10,6 +10,7 @@ the data stream where the checkpoint left it (checked against the position the c
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -62,11 +63,19 @@ def start_rollout_worker(cfg: Config, clients: list[RolloutClient], timeline: Ti
                       "top_p": r.top_p},
             seed=lambda index: cfg.run.seed * 100_003 + index * prompts_per_batch,
             score=scorer, timeline=timeline, end=cfg.run.steps, overlap=r.overlap, start=start, ready=ready,
-            evaluator=evaluator, position=task.position,
+            evaluator=evaluator, position=task.position, chunk_prompts=r.chunk_prompts,
+            chunks_in_flight=chunks_in_flight(prompts_per_batch, r.replicas, r.chunk_prompts),
         )
     except BaseException:
         rewards.close()
         raise
+
+
+def chunks_in_flight(prompts: int, replicas: int, chunk_prompts: int) -> int:
+    """Chunks each replica generates at once: about the prompts a static split would have given it
+    (ceil(prompts / replicas)), so the engines batch as many requests as before (`rollout.chunk_prompts`)."""
+    share = math.ceil(prompts / replicas)
+    return max(1, math.ceil(share / chunk_prompts))
 
 
 EVAL_BATCH_INDEX = -1  # the arithmetic held-out set: its own seed stream, apart from training batches 0, 1, ...

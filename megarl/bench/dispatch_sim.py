@@ -1,0 +1,197 @@
+"""How a batch's prompts reach the replicas, simulated token by token: the static split against the shared queue.
+
+The engine model is `megarl.bench.pipeline_sim`'s (its stated assumptions): a replica runs decode steps over all
+the sequences it holds; a step costs `DECODE_STEP_S + DECODE_PER_SEQ_S x running` and advances every running
+sequence by one token; admitting work costs its prefill, `PREFILL_S` per static share of
+`PROMPTS x SAMPLES / REPLICAS` sequences, pro rata. So a static share costs exactly `pipeline_sim._generate_s`:
+`PREFILL_S + DECODE_STEP_S x longest + DECODE_PER_SEQ_S x total tokens`.
+
+Dispatch, for the batches of one window (the fleet holds one version; a push follows the window):
+  static  replica r gets prompts i = r mod R of each batch as one share and generates its shares in batch order,
+          one at a time (`megarl.rollout.worker` before the queue);
+  queue   chunks of `chunk_prompts` consecutive prompts, lowest batch first, in one queue; a replica holds up to
+          `in_flight` chunks and takes the next one when one of its chunks is done (`megarl.rollout.worker`).
+A chunk (or share) is done when its longest sequence is. The window ends when every replica is done: its wall
+time; a replica's idle time is the wall time less the time it held running sequences or prefilled.
+Pure Python and deterministic: the lengths are drawn from a fixed seed per batch.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from megarl.bench import pipeline_sim as cluster
+
+
+@dataclass(frozen=True)
+class EngineCosts:
+    """Seconds: a decode step's fixed cost, its extra cost per running sequence, and the prefill of one sequence."""
+
+    step_s: float
+    per_seq_s: float
+    prefill_per_seq_s: float
+
+
+CLUSTER_COSTS = EngineCosts(
+    cluster.DECODE_STEP_S,
+    cluster.DECODE_PER_SEQ_S,
+    cluster.PREFILL_S / (cluster.PROMPTS * cluster.SAMPLES / cluster.REPLICAS),
+)
+
+
+@dataclass(frozen=True)
+class WindowResult:
+    wall_s: float  # until the last replica is done
+    busy_s: tuple[float, ...]  # per replica: holding running sequences or prefilling
+    chunks: tuple[int, ...]  # per replica: chunks (static: shares) it generated
+
+    @property
+    def idle_s(self) -> tuple[float, ...]:
+        return tuple(self.wall_s - b for b in self.busy_s)
+
+    @property
+    def idle_fraction(self) -> float:
+        """Share of the window's replica-seconds spent idle."""
+        return sum(self.idle_s) / (self.wall_s * len(self.busy_s)) if self.wall_s > 0 else 0.0
+
+
+def guru_lengths(batch: int, prompts: int = cluster.PROMPTS, samples: int = cluster.SAMPLES) -> list[list[int]]:
+    """Response lengths of one batch, per prompt its K samples: `pipeline_sim`'s Guru-like log-normal (median
+    `RESPONSE_MEDIAN`, sigma `RESPONSE_SIGMA`) capped at `MAX_NEW_TOKENS` (a few run to the limit)."""
+    rng = random.Random(f"guru:{batch}")
+    mu = math.log(cluster.RESPONSE_MEDIAN)
+    return [
+        [min(cluster.MAX_NEW_TOKENS, int(rng.lognormvariate(mu, cluster.RESPONSE_SIGMA))) for _ in range(samples)]
+        for _ in range(prompts)
+    ]
+
+
+def _work_lists(
+    batches: Sequence[list[list[int]]], replicas: int, mode: str, chunk_prompts: int
+) -> list[list[list[int]]]:
+    """The chunks to generate, each the flat list of its sequences' lengths: per replica (static) or one queue."""
+    if mode == "static":
+        return [
+            [[n for i, group in enumerate(b) if i % replicas == r for n in group] for b in batches]
+            for r in range(replicas)
+        ]
+    if mode == "queue":
+        return [
+            [
+                [n for group in b[i : i + chunk_prompts] for n in group]
+                for b in batches
+                for i in range(0, len(b), chunk_prompts)
+            ]
+        ]
+    raise ValueError(f"dispatch mode {mode!r}: use 'static' or 'queue'")
+
+
+def simulate_window(
+    batches: Sequence[list[list[int]]],
+    replicas: int,
+    mode: str,
+    costs: EngineCosts,
+    chunk_prompts: int = 1,
+    in_flight: int = 1,
+) -> WindowResult:
+    """One window's batches (`batches[j][i]`: the K response lengths of prompt i of batch j) on `replicas`
+    replicas with `mode` 'static' or 'queue' (`chunk_prompts`, `in_flight` chunks per replica)."""
+    queues = _work_lists(batches, replicas, mode, chunk_prompts)
+    slots = 1 if mode == "static" else in_flight
+
+    def source(r: int) -> list[list[int]]:
+        return queues[r] if mode == "static" else queues[0]
+
+    clock = [0.0] * replicas
+    busy = [0.0] * replicas
+    chunks = [0] * replicas
+    running: list[list[list[int]]] = [[] for _ in range(replicas)]  # per replica: its chunks' remaining lengths
+
+    def admit(r: int) -> None:
+        while len(running[r]) < slots and source(r):
+            chunk = [n for n in source(r).pop(0) if n > 0]
+            prefill = costs.prefill_per_seq_s * len(chunk)
+            clock[r] += prefill
+            busy[r] += prefill
+            chunks[r] += 1
+            if chunk:
+                running[r].append(chunk)
+
+    for r in range(replicas):
+        admit(r)
+    while True:
+        events = []
+        for r in range(replicas):
+            if running[r]:
+                seqs = sum(len(c) for c in running[r])
+                steps = min(min(c) for c in running[r])
+                events.append((clock[r] + steps * (costs.step_s + costs.per_seq_s * seqs), r, steps))
+        if not events:
+            break
+        t, r, steps = min(events)
+        busy[r] += t - clock[r]
+        clock[r] = t
+        running[r] = [[n - steps for n in c if n > steps] for c in running[r]]
+        running[r] = [c for c in running[r] if c]
+        admit(r)
+    return WindowResult(max(clock), tuple(busy), tuple(chunks))
+
+
+DISPATCHES = (("static", 1), ("queue", 1), ("queue", 2), ("queue", 4))
+
+
+def _in_flight(chunk_prompts: int, prompts: int = cluster.PROMPTS, replicas: int = cluster.REPLICAS) -> int:
+    """`megarl.rollout.task.chunks_in_flight`: about a static share's prompts at once."""
+    return max(1, math.ceil(math.ceil(prompts / replicas) / chunk_prompts))
+
+
+def longtail_projection(windows: int = 16, batches_per_window: Sequence[int] = (1, 4)) -> list[dict]:
+    """Cluster-scale figures (8 replicas, 72 prompts x 16, Guru-like lengths), per dispatch and window size:
+    mean window wall time per batch, mean and worst replica idle fraction, and the chunks per replica."""
+    rows = []
+    for per_window in batches_per_window:
+        for mode, chunk in DISPATCHES:
+            results = [
+                simulate_window(
+                    [guru_lengths(w * per_window + b) for b in range(per_window)],
+                    cluster.REPLICAS,
+                    mode,
+                    CLUSTER_COSTS,
+                    chunk,
+                    _in_flight(chunk),
+                )
+                for w in range(windows)
+            ]
+            rows.append(
+                {
+                    "batches_per_window": per_window,
+                    "dispatch": mode,
+                    "chunk_prompts": chunk if mode == "queue" else None,
+                    "in_flight": _in_flight(chunk) if mode == "queue" else 1,
+                    "wall_per_batch_s": sum(r.wall_s for r in results) / (windows * per_window),
+                    "replica_idle_fraction": sum(r.idle_fraction for r in results) / windows,
+                    "replica_idle_s_per_batch": sum(sum(r.idle_s) / len(r.idle_s) for r in results)
+                    / (windows * per_window),
+                    "chunks_min_max": (min(min(r.chunks) for r in results), max(max(r.chunks) for r in results)),
+                }
+            )
+    return rows
+
+
+def projection_markdown(rows: list[dict]) -> str:
+    out = [
+        "| batches per window | dispatch | chunk / in flight | wall per batch (s) | replica idle (s per batch) | "
+        "replica idle (share) | chunks per replica (min-max) |",
+        "|---:|---|---|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        how = f"{r['chunk_prompts']} / {r['in_flight']}" if r["dispatch"] == "queue" else "share / 1"
+        lo, hi = r["chunks_min_max"]
+        out.append(
+            f"| {r['batches_per_window']} | {r['dispatch']} | {how} | {r['wall_per_batch_s']:.1f} | "
+            f"{r['replica_idle_s_per_batch']:.1f} | {r['replica_idle_fraction']:.0%} | {lo}-{hi} |"
+        )
+    return "\n".join(out)
