@@ -15,7 +15,7 @@
     megarl bench pipeline [--offsets 0 1 2]   wall time per step and overlap with the pipeline off and on
     megarl bench sync [--size-mb 400]         one weight sync's bytes, seconds, memory: partitioned vs baselines
     megarl bench savings [--intervals 1 2 4]  the same job per sync.interval: bytes, seconds in sync, fleet pause
-    megarl bench longtail [--chunk 2]         long-tailed responses: static split vs the shared queue, projected
+    megarl bench longtail [--chunk 1]         long-tailed responses: static split vs the shared queue, projected
     megarl compare RUN_DIR ... [--out F.md]   sync pushes, bytes, time and rewards of finished runs side by side
     megarl repro rec-f1|rec-red|oapl-lag|offpolicy-grpo|list [--seeds 3] [--smoke]   a paper's claim, re-run
 

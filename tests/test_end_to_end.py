@@ -119,9 +119,9 @@ def test_pipeline_lags_pushes_and_window(moe_fleet_2x1, tiny_moe_dir, tmp_path, 
     pushes = sorted((s for s in spans if s.kind == "push"), key=lambda s: s.start)
     version_pushes = {int(s.label.removeprefix("v")): s for s in pushes[1:]}  # pushes[0]: the initial push
     generated = [s for s in spans if s.kind == "generate"]
-    # the shared queue: each batch's 2 chunks (data.prompts_per_step=4 / rollout.chunk_prompts=2) were generated
+    # the shared queue: each batch's 4 chunks (data.prompts_per_step=4 / rollout.chunk_prompts=1) were generated
     # once each, by whichever replica took them, and both replicas took chunks
-    assert sorted(int(s.label.split()[1]) for s in generated) == sorted([*range(steps)] * 2)
+    assert sorted(int(s.label.split()[1]) for s in generated) == sorted([*range(steps)] * 4)
     assert {s.lane for s in generated} == {"replica 0", "replica 1"}
     for g in generated:
         j = int(g.label.split()[1])

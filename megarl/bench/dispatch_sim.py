@@ -96,9 +96,12 @@ def simulate_window(
     costs: EngineCosts,
     chunk_prompts: int = 1,
     in_flight: int = 1,
+    slowdown: Sequence[float] | None = None,
 ) -> WindowResult:
     """One window's batches (`batches[j][i]`: the K response lengths of prompt i of batch j) on `replicas`
-    replicas with `mode` 'static' or 'queue' (`chunk_prompts`, `in_flight` chunks per replica)."""
+    replicas with `mode` 'static' or 'queue' (`chunk_prompts`, `in_flight` chunks per replica); `slowdown[r]`
+    multiplies replica r's costs (a straggler: 1.5 = 50 % slower)."""
+    slow = list(slowdown) if slowdown is not None else [1.0] * replicas
     queues = _work_lists(batches, replicas, mode, chunk_prompts)
     slots = 1 if mode == "static" else in_flight
 
@@ -110,25 +113,27 @@ def simulate_window(
     chunks = [0] * replicas
     running: list[list[list[int]]] = [[] for _ in range(replicas)]  # per replica: its chunks' remaining lengths
 
-    def admit(r: int) -> None:
-        while len(running[r]) < slots and source(r):
+    def admit(r: int, at_most: int) -> None:
+        while len(running[r]) < slots and source(r) and at_most > 0:
+            at_most -= 1
             chunk = [n for n in source(r).pop(0) if n > 0]
-            prefill = costs.prefill_per_seq_s * len(chunk)
+            prefill = costs.prefill_per_seq_s * len(chunk) * slow[r]
             clock[r] += prefill
             busy[r] += prefill
             chunks[r] += 1
             if chunk:
                 running[r].append(chunk)
 
-    for r in range(replicas):
-        admit(r)
+    for _ in range(slots):  # the worker starts its loops slot by slot: each replica takes one chunk per round
+        for r in range(replicas):
+            admit(r, 1)
     while True:
         events = []
         for r in range(replicas):
             if running[r]:
                 seqs = sum(len(c) for c in running[r])
                 steps = min(min(c) for c in running[r])
-                events.append((clock[r] + steps * (costs.step_s + costs.per_seq_s * seqs), r, steps))
+                events.append((clock[r] + steps * (costs.step_s + costs.per_seq_s * seqs) * slow[r], r, steps))
         if not events:
             break
         t, r, steps = min(events)
@@ -136,62 +141,69 @@ def simulate_window(
         clock[r] = t
         running[r] = [[n - steps for n in c if n > steps] for c in running[r]]
         running[r] = [c for c in running[r] if c]
-        admit(r)
+        admit(r, slots)
     return WindowResult(max(clock), tuple(busy), tuple(chunks))
 
 
-DISPATCHES = (("static", 1), ("queue", 1), ("queue", 2), ("queue", 4))
+DISPATCHES = (("static", 0), ("queue", 1), ("queue", 2), ("queue", 3))  # (mode, chunk_prompts)
+SCENARIOS = {"equal replicas": None, "one replica 1.5x slower": (1.5,) + (1.0,) * (cluster.REPLICAS - 1)}
 
 
 def _in_flight(chunk_prompts: int, prompts: int = cluster.PROMPTS, replicas: int = cluster.REPLICAS) -> int:
-    """`megarl.rollout.task.chunks_in_flight`: about a static share's prompts at once."""
-    return max(1, math.ceil(math.ceil(prompts / replicas) / chunk_prompts))
+    """`megarl.rollout.task.chunks_in_flight`."""
+    from megarl.rollout.task import chunks_in_flight
+
+    return chunks_in_flight(prompts, replicas, chunk_prompts)
 
 
 def longtail_projection(windows: int = 16, batches_per_window: Sequence[int] = (1, 4)) -> list[dict]:
-    """Cluster-scale figures (8 replicas, 72 prompts x 16, Guru-like lengths), per dispatch and window size:
-    mean window wall time per batch, mean and worst replica idle fraction, and the chunks per replica."""
+    """Cluster-scale figures (8 replicas, 72 prompts x 16, Guru-like lengths), per replica scenario, window size
+    and dispatch: mean wall time per batch, replica idle (seconds per batch, share) and chunks per replica."""
     rows = []
-    for per_window in batches_per_window:
-        for mode, chunk in DISPATCHES:
-            results = [
-                simulate_window(
-                    [guru_lengths(w * per_window + b) for b in range(per_window)],
-                    cluster.REPLICAS,
-                    mode,
-                    CLUSTER_COSTS,
-                    chunk,
-                    _in_flight(chunk),
+    for scenario, slowdown in SCENARIOS.items():
+        for per_window in batches_per_window:
+            for mode, chunk in DISPATCHES:
+                flight = _in_flight(chunk) if mode == "queue" else 1
+                results = [
+                    simulate_window(
+                        [guru_lengths(w * per_window + b) for b in range(per_window)],
+                        cluster.REPLICAS,
+                        mode,
+                        CLUSTER_COSTS,
+                        chunk,
+                        flight,
+                        slowdown,
+                    )
+                    for w in range(windows)
+                ]
+                rows.append(
+                    {
+                        "scenario": scenario,
+                        "batches_per_window": per_window,
+                        "dispatch": mode,
+                        "chunk_prompts": chunk if mode == "queue" else math.ceil(cluster.PROMPTS / cluster.REPLICAS),
+                        "in_flight": flight,
+                        "wall_per_batch_s": sum(r.wall_s for r in results) / (windows * per_window),
+                        "replica_idle_fraction": sum(r.idle_fraction for r in results) / windows,
+                        "replica_idle_s_per_batch": sum(sum(r.idle_s) / len(r.idle_s) for r in results)
+                        / (windows * per_window),
+                        "chunks_min_max": (min(min(r.chunks) for r in results), max(max(r.chunks) for r in results)),
+                    }
                 )
-                for w in range(windows)
-            ]
-            rows.append(
-                {
-                    "batches_per_window": per_window,
-                    "dispatch": mode,
-                    "chunk_prompts": chunk if mode == "queue" else None,
-                    "in_flight": _in_flight(chunk) if mode == "queue" else 1,
-                    "wall_per_batch_s": sum(r.wall_s for r in results) / (windows * per_window),
-                    "replica_idle_fraction": sum(r.idle_fraction for r in results) / windows,
-                    "replica_idle_s_per_batch": sum(sum(r.idle_s) / len(r.idle_s) for r in results)
-                    / (windows * per_window),
-                    "chunks_min_max": (min(min(r.chunks) for r in results), max(max(r.chunks) for r in results)),
-                }
-            )
     return rows
 
 
 def projection_markdown(rows: list[dict]) -> str:
     out = [
-        "| batches per window | dispatch | chunk / in flight | wall per batch (s) | replica idle (s per batch) | "
-        "replica idle (share) | chunks per replica (min-max) |",
-        "|---:|---|---|---:|---:|---:|---|",
+        "| replicas | batches per window | dispatch | prompts a chunk x in flight | wall per batch (s) | "
+        "replica idle (s per batch) | replica idle (share) | chunks per replica (min-max) |",
+        "|---|---:|---|---|---:|---:|---:|---|",
     ]
     for r in rows:
-        how = f"{r['chunk_prompts']} / {r['in_flight']}" if r["dispatch"] == "queue" else "share / 1"
         lo, hi = r["chunks_min_max"]
         out.append(
-            f"| {r['batches_per_window']} | {r['dispatch']} | {how} | {r['wall_per_batch_s']:.1f} | "
-            f"{r['replica_idle_s_per_batch']:.1f} | {r['replica_idle_fraction']:.0%} | {lo}-{hi} |"
+            f"| {r['scenario']} | {r['batches_per_window']} | {r['dispatch']} | {r['chunk_prompts']} x "
+            f"{r['in_flight']} | {r['wall_per_batch_s']:.1f} | {r['replica_idle_s_per_batch']:.1f} | "
+            f"{r['replica_idle_fraction']:.0%} | {lo}-{hi} |"
         )
     return "\n".join(out)

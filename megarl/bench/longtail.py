@@ -14,7 +14,8 @@ get the same batches. Generation runs through megarl's own `RolloutWorker` on a 
   queue   `--chunk` prompts a chunk, ceil(ceil(P/R)/chunk) chunks in flight per replica (as `megarl train`:
           `rollout.chunk_prompts`), about the same prompts in flight as a static share.
 
-Per window (after one discarded warm-up window per dispatch): wall time from the window's opening until its last
+Per window (after one discarded warm-up window; static and queue alternate window by window, on the same
+batches, so drift in the machine's load hits both alike): wall time from the window's opening until its last
 chunk is generated, per batch; each replica's idle seconds (the wall less the time it had a chunk in flight) and
 its chunks. Then `megarl.bench.dispatch_sim` projects static vs queue at cluster scale (8 replicas, Guru-like
 lengths; its assumptions are `megarl.bench.pipeline_sim`'s). Prints tables, writes `--out` (JSON).
@@ -59,19 +60,20 @@ def long_prompts(batch: int, prompts: int, long_share: float, seed: int = 0) -> 
     return [rng.random() < long_share for _ in range(prompts)]
 
 
-def measure(
+def measure_window(
     urls: list[str],
     dispatch: str,
+    window_index: int,
     prompts: int,
     samples: int,
     window: int,
-    windows: int,
     chunk: int,
     long_share: float,
     long_tokens: int,
     short_tokens: int,
 ) -> dict[str, Any]:
-    """`windows` windows of `window` batches with `dispatch` ('static' or 'queue'), after one warm-up window."""
+    """Window `window_index` (batches [w * window, (w + 1) * window), w >= 1) with `dispatch` ('static' or
+    'queue'): wall time, each replica's idle seconds and chunks."""
     from megarl.data.problem import Problem
     from megarl.metrics.timeline import Timeline, busy_seconds
     from megarl.rewards.pool import RewardPool
@@ -90,62 +92,71 @@ def measure(
         j, i, long = (int(x) for x in text.split())
         return [LONG if long else SHORT, 7 + j % 10, 7 + i % 10, 7 + i // 10 % 10]
 
-    replicas = len(urls)
-    static = dispatch == "static"
+    replicas, static = len(urls), dispatch == "static"
     in_flight = 1 if static else chunks_in_flight(prompts, replicas, chunk)
+    first, limit = window_index * window, (window_index + 1) * window
     timeline = Timeline()
-    worker = RolloutWorker(
+    scorer = BatchScorer(RewardPool("megarl.rewards.exact_match:exact_match", workers=1, timeout_s=60), lambda ids: "")
+    worker = RolloutWorker(  # resumed at the window's first batch: it waits for `pushed` to open the window
         [LongTailClient(u, long_tokens, short_tokens) for u in urls],
         SyncSchedule(window, 0),
         problems=problems,
         encode=encode,
         sampling={"n": samples, "max_tokens": long_tokens},
         seed=lambda j: 1000 * j,
-        score=BatchScorer(
-            RewardPool("megarl.rewards.exact_match:exact_match", workers=1, timeout_s=60), lambda ids: ""
-        ),
+        score=scorer,
         timeline=timeline,
-        end=(windows + 1) * window,
+        end=limit,
+        start=first,
         chunk_prompts=chunk,
         chunks_in_flight=in_flight,
         static_split=static,
     )
-    rows = []
     try:
-        for w in range(windows + 1):
-            start, limit = timeline.now(), (w + 1) * window
-            if w:
-                worker.pushed(w * window)  # (no weights move: the window opens)
-            taken = list(worker.chunks_taken)
-            worker.quiesce(limit)
-            end = timeline.now()
-            for j in range(w * window, limit):
-                worker.take(j)
-            if w == 0:
-                continue  # warm-up
-            spans = timeline.spans()
-            busy = [busy_seconds(spans, "generate", start, end, lane=f"replica {r}") for r in range(replicas)]
-            rows.append(
-                {
-                    "window": w,
-                    "wall_s": end - start,
-                    "wall_per_batch_s": (end - start) / window,
-                    "idle_s": [end - start - b for b in busy],
-                    "chunks": [a - b for a, b in zip(worker.chunks_taken, taken, strict=True)],
-                    "long_prompts": sum(sum(long_prompts(j, prompts, long_share)) for j in range(w * window, limit)),
-                }
-            )
+        start = timeline.now()
+        worker.pushed(first)  # (no weights move: the window opens)
+        worker.quiesce(limit)
+        end = timeline.now()
+        for j in range(first, limit):
+            worker.take(j)
     finally:
         worker.close()
+    spans = timeline.spans()
+    busy = [busy_seconds(spans, "generate", start, end, lane=f"replica {r}") for r in range(replicas)]
     return {
-        "dispatch": dispatch,
-        "chunk_prompts": chunk if not static else -(-prompts // replicas),
+        "window": window_index,
+        "wall_s": end - start,
+        "wall_per_batch_s": (end - start) / window,
+        "idle_s": [end - start - b for b in busy],
+        "chunks": list(worker.chunks_taken),
+        "long_prompts": sum(sum(long_prompts(j, prompts, long_share)) for j in range(first, limit)),
+        "chunk_prompts": -(-prompts // replicas) if static else chunk,
         "in_flight": in_flight,
-        "windows": rows,
-        "wall_per_batch_s": statistics.fmean(r["wall_per_batch_s"] for r in rows),
-        "idle_s_per_batch": statistics.fmean(statistics.fmean(r["idle_s"]) / window for r in rows),
-        "idle_fraction": statistics.fmean(statistics.fmean(r["idle_s"]) / r["wall_s"] for r in rows),
     }
+
+
+def measure(urls: list[str], windows: int, **kw: Any) -> list[dict[str, Any]]:
+    """One warm-up window (discarded), then windows 1..`windows`, each generated once per dispatch (static, then
+    queue, window by window, so drift in the machine's load hits both alike); per dispatch its windows' means."""
+    measure_window(urls, "queue", 0, **kw)
+    rows: dict[str, list[dict[str, Any]]] = {"static": [], "queue": []}
+    for w in range(1, windows + 1):
+        for dispatch in rows:
+            rows[dispatch].append(measure_window(urls, dispatch, w, **kw))
+            print(f"window {w} {dispatch}: {rows[dispatch][-1]['wall_s']:.2f} s", flush=True)
+    window = kw["window"]
+    return [
+        {
+            "dispatch": d,
+            "chunk_prompts": rs[0]["chunk_prompts"],
+            "in_flight": rs[0]["in_flight"],
+            "windows": rs,
+            "wall_per_batch_s": statistics.fmean(r["wall_per_batch_s"] for r in rs),
+            "idle_s_per_batch": statistics.fmean(statistics.fmean(r["idle_s"]) / window for r in rs),
+            "idle_fraction": statistics.fmean(statistics.fmean(r["idle_s"]) / r["wall_s"] for r in rs),
+        }
+        for d, rs in rows.items()
+    ]
 
 
 def format_measured(results: list[dict[str, Any]]) -> str:
@@ -180,8 +191,8 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--prompts", type=int, default=16, help="prompts per batch")
     p.add_argument("--samples", type=int, default=4, help="responses per prompt (K)")
     p.add_argument("--window", type=int, default=4, help="batches per window (sync.interval, offset 0)")
-    p.add_argument("--windows", type=int, default=3, help="measured windows per dispatch (after one warm-up)")
-    p.add_argument("--chunk", type=int, default=2, help="prompts per chunk of the queue (rollout.chunk_prompts)")
+    p.add_argument("--windows", type=int, default=4, help="measured windows per dispatch (after one warm-up)")
+    p.add_argument("--chunk", type=int, default=1, help="prompts per chunk of the queue (rollout.chunk_prompts)")
     p.add_argument("--long-share", type=float, default=0.1, help="share of prompts with long responses")
     p.add_argument("--max-tokens", type=int, default=256, help="the long responses' length (the token limit)")
     p.add_argument("--short-tokens", type=int, default=16, help="the other responses' length")
@@ -238,20 +249,19 @@ def _measure_on_fleet(args: argparse.Namespace, work_dir: Path) -> list[dict[str
     from megarl.rollout.fleet import FleetSpec, launch
     from megarl.rollout.fleet_auth import SECRET_ENV
 
-    measure_args = (
-        args.prompts,
-        args.samples,
-        args.window,
-        args.windows,
-        args.chunk,
-        args.long_share,
-        args.max_tokens,
-        args.short_tokens,
-    )
+    kw = {
+        "prompts": args.prompts,
+        "samples": args.samples,
+        "window": args.window,
+        "chunk": args.chunk,
+        "long_share": args.long_share,
+        "long_tokens": args.max_tokens,
+        "short_tokens": args.short_tokens,
+    }
     if args.fleet_url:
-        return [measure(args.fleet_url, d, *measure_args) for d in ("static", "queue")]
+        return measure(args.fleet_url, args.windows, **kw)
     model = make_tiny_checkpoint(work_dir / "tiny_moe", kind="moe")
     print(f"starting {args.replicas} vLLM CPU replicas of the tiny MoE ...", flush=True)
     with launch(FleetSpec(model_dir=model, tp=1, replicas=args.replicas, log_dir=work_dir)) as fleet:
         os.environ[SECRET_ENV] = str(fleet.secret_file)  # the clients send the fleet's secret
-        return [measure(fleet.urls, d, *measure_args) for d in ("static", "queue")]
+        return measure(fleet.urls, args.windows, **kw)

@@ -25,6 +25,11 @@ class RolloutServerError(RuntimeError):
     """The rollout server is unreachable or answered with an error or a reply megarl cannot use."""
 
 
+class RolloutServerLost(RolloutServerError):
+    """The rollout server stopped answering: connection refused or reset, a timeout, or a 5xx reply (its engine
+    died or is failing). The rollout worker gives such a replica's work to the others (`RolloutWorker`)."""
+
+
 @dataclass
 class Sample:
     """One sampled response to one prompt, as the engine produced it."""
@@ -90,11 +95,13 @@ class RolloutClient:
         try:
             r = requests.request(method, f"{self.url}{route}", timeout=self.timeout_s, headers=self._headers, **kwargs)
         except requests.RequestException as err:
-            raise RolloutServerError(f"rollout server {self.url}{route} unreachable: {err}") from None
+            raise RolloutServerLost(f"rollout server {self.url}{route} unreachable: {err}") from None
         if r.status_code == 401:
             sent = "refused this job's fleet secret" if self._headers else "requires a fleet secret and none was sent"
             raise RolloutServerError(f"rollout server {self.url}{route} {sent} (401): point {SECRET_ENV} (or "
                                      "RolloutClient's secret_file) at the secret file the fleet was started with")
+        if r.status_code >= 500:
+            raise RolloutServerLost(f"rollout server {self.url}{route} answered {r.status_code}: {_error_message(r)}")
         if r.status_code != 200:
             raise RolloutServerError(f"rollout server {self.url}{route} answered {r.status_code}: {_error_message(r)}")
         try:

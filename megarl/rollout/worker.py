@@ -23,6 +23,13 @@ loops generate only what the sequential controller would have generated before t
 (`batches_ready_before_step`), and only while the trainer waits for it: the two sides take turns (the
 comparison point of `megarl bench pipeline`).
 
+A lost replica costs no step: when a replica stops answering (connection refused or reset, a timeout, a 5xx:
+`RolloutServerLost`), the chunk it was generating goes back to the front of the queue, its other loops end the
+same way, it takes no more chunks, and one warning names the replica, the cause and its log; the batch completes
+on the others (`live_replicas()` is recorded per step as `fleet/replicas`). Only with no replica left does the
+run stop, naming the last cause. This is the rollout side only: the weight push still addresses every replica,
+so a lost replica ends the run at the next push with the sync's own error (issue 25 item 2, sync side).
+
 Reproducibility when replicas race: prompt i of batch j is always sampled with the seed `seed(j) + i`, and its
 group is stored at position i, so which replica served it and when do not change what is recorded. Given the
 same weights on every replica (true inside a window), a run gives the same prompts, the same seeds and the same
@@ -39,6 +46,7 @@ problems, tokenizer, seeds -- would then be built there from the config).
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -48,9 +56,11 @@ from megarl.data.problem import Problem
 from megarl.metrics.timeline import Timeline
 from megarl.rewards.scoring import BatchScorer
 from megarl.rollout.chunk_queue import Chunk, ChunkQueue
-from megarl.rollout.client import RolloutClient, Sample
+from megarl.rollout.client import RolloutClient, RolloutServerLost, Sample
 from megarl.rollout.evaluation import Evaluator
 from megarl.sync.schedule import SyncSchedule
+
+logger = logging.getLogger(__name__)
 
 
 class RolloutWorkerError(RuntimeError):
@@ -89,6 +99,7 @@ class RolloutWorker:
         chunk_prompts: int = 1,
         chunks_in_flight: int = 1,
         static_split: bool = False,
+        replica_log: Callable[[int], str] | None = None,
     ) -> None:
         self.clients, self.schedule, self.timeline, self.overlap, self.end = clients, schedule, timeline, overlap, end
         self._problems, self._encode = problems, encode
@@ -99,6 +110,9 @@ class RolloutWorker:
         first = max([start - 1, *self._ready]) + 1  # next batch to generate
         self._queue = ChunkQueue(first, chunk_prompts, len(clients) if static_split else None)
         self.chunks_taken = [0] * len(clients)  # per replica: chunks it generated (the bench reports them)
+        self._static = static_split
+        self._lost: dict[int, str] = {}  # replicas that stopped answering -> why
+        self._replica_log = replica_log or (lambda r: "its server's log")
         self._scoring = 0  # batches handed to the reward pool, not ready yet
         # the weights the fleet holds: a resumed run stops where the next batch begins with a push
         if 0 < first < end and schedule.sync_before_batch(first) is None:  # (first == end: nothing left to make)
@@ -113,8 +127,8 @@ class RolloutWorker:
         self._score_pool = ThreadPoolExecutor(2, thread_name_prefix="megarl-score")
         self._threads = [
             threading.Thread(target=self._replica_loop, args=(r,), daemon=True, name=f"megarl-replica{r}-{slot}")
+            for slot in range(chunks_in_flight)  # started slot by slot: each replica takes one chunk per round
             for r in range(len(clients))
-            for slot in range(chunks_in_flight)
         ]
         for t in self._threads:
             t.start()
@@ -161,6 +175,11 @@ class RolloutWorker:
     def data_position(self, batch: int) -> dict | None:
         """Where batch `batch` starts in the task's data (a checkpoint records it; None: the task has none)."""
         return self._position(batch) if self._position is not None else None
+
+    def live_replicas(self) -> int:
+        """Replicas still taking chunks (the others stopped answering; the metrics record it per step)."""
+        with self._cv:
+            return len(self.clients) - len(self._lost)
 
     def batches_generated(self) -> int:
         """How many batches have been fully generated so far (consumed ones included)."""
@@ -209,9 +228,10 @@ class RolloutWorker:
         try:
             while True:
                 with self._cv:
-                    while not self._closing and (chunk := self._next_chunk(replica)) is None:
+                    chunk = None
+                    while not (self._closing or replica in self._lost) and (chunk := self._next_chunk(replica)) is None:
                         self._cv.wait()
-                    if self._closing:
+                    if chunk is None:  # closing, or this replica is lost
                         return
                     prompts = [self._queue.open[chunk.batch].prompts[i] for i in chunk.prompts]
                     base = self._seed(chunk.batch)
@@ -219,6 +239,9 @@ class RolloutWorker:
                 with self.timeline.span(f"replica {replica}", "generate", f"batch {j}"):
                     try:  # prompt i of batch j is sampled with seed(j) + i, whichever replica serves it
                         out = client.generate(prompts, **self._sampling, seed=[base + i for i in chunk.prompts])
+                    except RolloutServerLost as err:
+                        self._lose(replica, chunk, err)
+                        continue
                     except Exception as err:
                         raise RolloutWorkerError(
                             f"replica {replica} ({client.url}), batch {j}: {type(err).__name__}: {err}"
@@ -232,6 +255,32 @@ class RolloutWorker:
                     self._cv.notify_all()
         except BaseException as err:  # noqa: BLE001 - handed to the controller
             self._fail(err)
+
+    def _lose(self, replica: int, chunk: Chunk, err: RolloutServerLost) -> None:
+        """Replica `replica` stopped answering while generating `chunk`: the chunk goes back to the front of the
+        queue for the others, the replica takes no more, and one line says so. The others' loops of this replica
+        end the same way (their chunks go back too). With no replica left, the run stops with the cause."""
+        url, cause = self.clients[replica].url, f"{type(err).__name__}: {err}"
+        with self._cv:
+            if chunk.batch in self._queue.open:  # (another loop cannot have completed it: nobody else held it)
+                self._queue.give_back(chunk)
+            first = replica not in self._lost
+            self._lost.setdefault(replica, cause)
+            self._cv.notify_all()
+            left = len(self.clients) - len(self._lost)
+            if left == 0 or self._static:
+                why = "no rollout replica is left" if left == 0 else "static_split has no failover"
+                raise RolloutWorkerError(f"replica {replica} ({url}), batch {chunk.batch}: {cause}; {why}")
+        if first:
+            logger.warning(
+                "rollout replica %d (%s) lost: %s; its unfinished chunks go back to the queue, %d "
+                "replica(s) go on (log: %s)",
+                replica,
+                url,
+                cause.splitlines()[0],
+                left,
+                self._replica_log(replica),
+            )
 
     def _score(self, j: int, problems: list[Problem], samples: list[list[Sample]]) -> None:
         try:
