@@ -58,15 +58,26 @@ class WindowResult:
         return sum(self.idle_s) / (self.wall_s * len(self.busy_s)) if self.wall_s > 0 else 0.0
 
 
-def guru_lengths(batch: int, prompts: int = cluster.PROMPTS, samples: int = cluster.SAMPLES) -> list[list[int]]:
-    """Response lengths of one batch, per prompt its K samples: `pipeline_sim`'s Guru-like log-normal (median
-    `RESPONSE_MEDIAN`, sigma `RESPONSE_SIGMA`) capped at `MAX_NEW_TOKENS` (a few run to the limit)."""
-    rng = random.Random(f"guru:{batch}")
+PROMPT_SIGMA = 0.45  # assumption: the share of the log-length spread that belongs to the prompt (its difficulty)
+
+
+def guru_lengths(
+    batch: int, per_prompt: bool = False, prompts: int = cluster.PROMPTS, samples: int = cluster.SAMPLES
+) -> list[list[int]]:
+    """Response lengths of one batch, per prompt its K samples, capped at `MAX_NEW_TOKENS`. Per sample (default):
+    `pipeline_sim`'s Guru-like log-normal, median `RESPONSE_MEDIAN`, sigma `RESPONSE_SIGMA`, every sample drawn
+    alike. `per_prompt`: the same overall spread, split between prompts and samples -- prompt i's median is
+    log-normal (sigma `PROMPT_SIGMA`) around `RESPONSE_MEDIAN`, its samples log-normal around that (sigma
+    sqrt(RESPONSE_SIGMA^2 - PROMPT_SIGMA^2)): a few hard prompts' groups run to the limit, most groups end early."""
+    rng = random.Random(f"guru:{batch}:{per_prompt}")
     mu = math.log(cluster.RESPONSE_MEDIAN)
-    return [
-        [min(cluster.MAX_NEW_TOKENS, int(rng.lognormvariate(mu, cluster.RESPONSE_SIGMA))) for _ in range(samples)]
-        for _ in range(prompts)
-    ]
+    prompt_sigma = PROMPT_SIGMA if per_prompt else 0.0
+    sample_sigma = math.sqrt(cluster.RESPONSE_SIGMA**2 - prompt_sigma**2)
+    out = []
+    for _ in range(prompts):
+        median = rng.normalvariate(mu, prompt_sigma) if per_prompt else mu
+        out.append([min(cluster.MAX_NEW_TOKENS, int(rng.lognormvariate(median, sample_sigma))) for _ in range(samples)])
+    return out
 
 
 def _work_lists(
@@ -145,8 +156,14 @@ def simulate_window(
     return WindowResult(max(clock), tuple(busy), tuple(chunks))
 
 
-DISPATCHES = (("static", 0), ("queue", 1), ("queue", 2), ("queue", 3))  # (mode, chunk_prompts)
-SCENARIOS = {"equal replicas": None, "one replica 1.5x slower": (1.5,) + (1.0,) * (cluster.REPLICAS - 1)}
+DISPATCHES = (("static", 0), ("queue", 1), ("queue", 2))  # (mode, chunk_prompts)
+STRAGGLER = (1.5,) + (1.0,) * (cluster.REPLICAS - 1)  # one replica 50 % slower (a degraded node, a busier host)
+# (name, response lengths per prompt (`guru_lengths(per_prompt=...)`), per-replica slowdown)
+SCENARIOS = (
+    ("per-sample lengths, equal replicas", False, None),
+    ("per-prompt lengths, equal replicas", True, None),
+    ("per-prompt lengths, one replica 1.5x slower", True, STRAGGLER),
+)
 
 
 def _in_flight(chunk_prompts: int, prompts: int = cluster.PROMPTS, replicas: int = cluster.REPLICAS) -> int:
@@ -156,17 +173,19 @@ def _in_flight(chunk_prompts: int, prompts: int = cluster.PROMPTS, replicas: int
     return chunks_in_flight(prompts, replicas, chunk_prompts)
 
 
-def longtail_projection(windows: int = 16, batches_per_window: Sequence[int] = (1, 4)) -> list[dict]:
+def longtail_projection(batches: int = 32, batches_per_window: Sequence[int] = (1, 8)) -> list[dict]:
     """Cluster-scale figures (8 replicas, 72 prompts x 16, Guru-like lengths), per replica scenario, window size
-    and dispatch: mean wall time per batch, replica idle (seconds per batch, share) and chunks per replica."""
+    (1: sync.interval 1; 8: the Guru config's sync (8, 0)) and dispatch, over about `batches` batches: mean wall
+    time per batch, replica idle (seconds per batch, share) and chunks per replica and window."""
     rows = []
-    for scenario, slowdown in SCENARIOS.items():
+    for scenario, per_prompt, slowdown in SCENARIOS:
         for per_window in batches_per_window:
+            windows = max(1, batches // per_window)
             for mode, chunk in DISPATCHES:
                 flight = _in_flight(chunk) if mode == "queue" else 1
                 results = [
                     simulate_window(
-                        [guru_lengths(w * per_window + b) for b in range(per_window)],
+                        [guru_lengths(w * per_window + b, per_prompt) for b in range(per_window)],
                         cluster.REPLICAS,
                         mode,
                         CLUSTER_COSTS,

@@ -196,7 +196,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--long-share", type=float, default=0.1, help="share of prompts with long responses")
     p.add_argument("--max-tokens", type=int, default=256, help="the long responses' length (the token limit)")
     p.add_argument("--short-tokens", type=int, default=16, help="the other responses' length")
-    p.add_argument("--sim-windows", type=int, default=16, help="windows per row of the cluster-scale projection")
+    p.add_argument("--sim-batches", type=int, default=32, help="batches per row of the cluster-scale projection")
     p.add_argument("--out", type=Path, default=Path("docs/figures/bench_longtail.json"), help="JSON output")
     return p
 
@@ -222,7 +222,7 @@ def run(args: argparse.Namespace) -> int:
     )
     print(format_measured(results))
     t0 = time.perf_counter()
-    projection = longtail_projection(args.sim_windows)
+    projection = longtail_projection(args.sim_batches)
     print(
         f"\nprojected (megarl.bench.dispatch_sim, {time.perf_counter() - t0:.0f} s): 8 replicas, 72 prompts x 16, "
         "Guru-like lengths"
