@@ -188,6 +188,7 @@ def run_loop(cfg: Config, rank: int, policy, weight_sync,
             if rollout is not None:
                 batch = rollout.take(step)
                 record["pipeline/batches_generated"] = rollout.batches_generated()
+                record["fleet/replicas"] = rollout.live_replicas()  # replicas still answering
                 position = rollout.data_position(step) or {}  # where the batch's prompts start in the data
                 record.update({f"data/{k}": position[k] for k in ("epoch", "index") if k in position})
             with _span(timeline, "trainer", "train", f"step {step}"):  # advantages, broadcast, optimizer step

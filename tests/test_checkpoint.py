@@ -120,7 +120,7 @@ def test_resume_reproduces_the_uninterrupted_run(moe_fleet, tiny_moe_dir, tmp_pa
     # the resumed run trained on the saved batch 3 and generated only batch 4 (the fleet holds v1 again by then,
     # so a regenerated batch 3 would have looked the same: the timeline says it was not regenerated)
     resumed = [s.label for s in load_spans(b_dir / "timeline.json") if s.kind == "generate"]
-    assert resumed == ["batch 4"]
+    assert resumed and set(resumed) == {"batch 4"}  # (one span per chunk of the shared queue)
     assert [r["step"] for r in b] == list(range(5))  # B's first step 3 (after its checkpoint) was replaced
     for ra, rb in zip(a[3:], b[3:], strict=True):
         # everything but timings (wall seconds, and how far the fleet had got when the trainer took a batch)

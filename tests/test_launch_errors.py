@@ -16,7 +16,7 @@ def test_a_dead_fleet_is_one_line_naming_rank_url_and_traceback_file(tiny_moe_di
     assert "\n" not in message
     # the first call to the fleet (asking it for the vLLM ranks' needs, before any push) names the dead URL
     assert message.startswith("trainer rank 0 failed: WeightSyncError: cannot plan the weight sync: "
-                              f"RolloutServerError: rollout server {url}/"), message
+                              f"RolloutServerLost: rollout server {url}/"), message
     assert "unreachable" in message
     log = tmp_path / "run" / "trainer_rank0_error.log"
     assert f"(traceback: {log})" in message

@@ -41,7 +41,8 @@ def test_a_dead_replica_is_named_and_nothing_hangs():
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     worker = _worker([url], SyncSchedule(1, 0), end=3)
     try:
-        with pytest.raises(RolloutWorkerError, match=rf"replica 0 \({url}\), batch 0: RolloutServerError.*unreachable"):
+        lost = rf"replica 0 \({url}\), batch 0: RolloutServerLost.*unreachable.*no rollout replica is left"
+        with pytest.raises(RolloutWorkerError, match=lost):
             worker.take(0)
     finally:
         worker.close()

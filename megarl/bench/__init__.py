@@ -5,6 +5,7 @@
     megarl bench padding    tokens computed vs real per step: count-based vs token-budget microbatches
     megarl bench pipeline   the same short RL job with the overlapped pipeline off and on, per sync offset
     megarl bench sync       bytes, seconds and memory of one weight sync: partitioned vs raw vs broadcast
+    megarl bench longtail   long-tailed responses on the real fleet: static split vs shared queue, and projected
     megarl bench savings    the same short job at several sync.interval values: bytes, sync seconds, fleet pause
     megarl bench delta      compute cost of delta pushes per GB (count + encode, apply, base copy) on this device
 """
@@ -15,7 +16,7 @@ import argparse
 import importlib
 
 BENCHES = {"logprob": "megarl.bench.logprob", "padding": "megarl.bench.padding",
-           "pipeline": "megarl.bench.pipeline", "sync": "megarl.bench.sync",
+           "pipeline": "megarl.bench.pipeline", "sync": "megarl.bench.sync", "longtail": "megarl.bench.longtail",
            "savings": "megarl.bench.savings", "delta": "megarl.bench.delta_codec"}
 
 

@@ -24,28 +24,30 @@ from pathlib import Path
 from typing import Any
 
 from megarl.bench.pipeline_sim import StageTimes, projection_table, simulate
-from megarl.metrics.timeline import Span, load_spans, overlap_summary
+from megarl.metrics.timeline import Span, busy_seconds, load_spans, overlap_summary
 from megarl.sync.schedule import SyncSchedule
 
 
 def stage_times(spans: list[Span]) -> StageTimes:
-    """The durations a run measured, as simulator input: each replica's share of each batch, each batch's
-    scoring, each step's training (looked up by label), and the mean push."""
-    generate: dict[tuple[int, int], float] = {}
+    """The durations a run measured, as simulator input: each replica's share of each batch (the seconds it was
+    generating chunks of that batch; 0 if it took none), each batch's scoring, each step's training (looked up by
+    label), and the mean push."""
+    generate: dict[tuple[int, int], list[Span]] = {}
     score: dict[int, float] = {}
     train: dict[int, float] = {}
     pushes = []
     for s in spans:
         number = int(s.label.split()[-1]) if s.label.split() and s.label.split()[-1].isdigit() else -1
         if s.kind == "generate":
-            generate[(int(s.lane.split()[1]), number)] = s.end - s.start
+            generate.setdefault((int(s.lane.split()[1]), number), []).append(s)
         elif s.kind == "score":
             score[number] = s.end - s.start
         elif s.kind == "train":
             train[number] = s.end - s.start
         elif s.kind == "push":
             pushes.append(s.end - s.start)
-    return StageTimes(generate=lambda r, j: generate[(r, j)], score=lambda j: score[j], train=lambda k: train[k],
+    return StageTimes(generate=lambda r, j: busy_seconds(generate.get((r, j), []), "generate"),
+                      score=lambda j: score[j], train=lambda k: train[k],
                       push=statistics.fmean(pushes) if pushes else 0.0)
 
 

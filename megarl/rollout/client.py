@@ -25,6 +25,11 @@ class RolloutServerError(RuntimeError):
     """The rollout server is unreachable or answered with an error or a reply megarl cannot use."""
 
 
+class RolloutServerLost(RolloutServerError):
+    """The rollout server stopped answering: connection refused or reset, a timeout, or a 5xx reply (its engine
+    died or is failing). The rollout worker gives such a replica's work to the others (`RolloutWorker`)."""
+
+
 @dataclass
 class Sample:
     """One sampled response to one prompt, as the engine produced it."""
@@ -90,11 +95,13 @@ class RolloutClient:
         try:
             r = requests.request(method, f"{self.url}{route}", timeout=self.timeout_s, headers=self._headers, **kwargs)
         except requests.RequestException as err:
-            raise RolloutServerError(f"rollout server {self.url}{route} unreachable: {err}") from None
+            raise RolloutServerLost(f"rollout server {self.url}{route} unreachable: {err}") from None
         if r.status_code == 401:
             sent = "refused this job's fleet secret" if self._headers else "requires a fleet secret and none was sent"
             raise RolloutServerError(f"rollout server {self.url}{route} {sent} (401): point {SECRET_ENV} (or "
                                      "RolloutClient's secret_file) at the secret file the fleet was started with")
+        if r.status_code >= 500:
+            raise RolloutServerLost(f"rollout server {self.url}{route} answered {r.status_code}: {_error_message(r)}")
         if r.status_code != 200:
             raise RolloutServerError(f"rollout server {self.url}{route} answered {r.status_code}: {_error_message(r)}")
         try:
@@ -109,15 +116,22 @@ class RolloutClient:
         return self._request("GET", route)
 
     # ---- generation ------------------------------------------------------------------------------------------
-    def generate(self, prompt_token_ids: list[list[int]], n: int, max_tokens: int, temperature: float = 1.0,
-                 top_p: float = 1.0, seed: int | list[int] | None = None) -> list[list[Sample]]:
+    def generate(self, prompt_token_ids: list[list[int]], n: int, max_tokens: int | list[int],
+                 temperature: float = 1.0, top_p: float = 1.0, seed: int | list[int] | None = None,
+                 ignore_eos: bool = False) -> list[list[Sample]]:
         """K = n samples for each prompt (one request per prompt, sent concurrently). `seed`: the sampling seed
-        of each prompt (a list), or of the first one with the others following it (an int)."""
-        if isinstance(seed, list) and len(seed) != len(prompt_token_ids):
-            raise ValueError(f"{len(seed)} seeds for {len(prompt_token_ids)} prompts")
+        of each prompt (a list), or of the first one with the others following it (an int). `max_tokens`: the
+        response budget of every prompt, or of each (a list); `ignore_eos`: sample on past EOS to the budget
+        (vLLM's `ignore_eos`; `megarl bench longtail` uses it to set response lengths)."""
+        for name, value in (("seeds", seed), ("max_tokens", max_tokens)):
+            if isinstance(value, list) and len(value) != len(prompt_token_ids):
+                raise ValueError(f"{len(value)} {name} for {len(prompt_token_ids)} prompts")
 
         def one(i: int, prompt: list[int]) -> list[Sample]:
-            params = {"n": n, "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "logprobs": 0}
+            budget = max_tokens[i] if isinstance(max_tokens, list) else max_tokens
+            params = {"n": n, "max_tokens": budget, "temperature": temperature, "top_p": top_p, "logprobs": 0}
+            if ignore_eos:
+                params["ignore_eos"] = True
             if seed is not None:
                 params["seed"] = seed[i] if isinstance(seed, list) else seed + i
             reply = self._post("/inference/v1/generate", {"token_ids": prompt, "sampling_params": params})

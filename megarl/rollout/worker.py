@@ -1,13 +1,17 @@
 """The rollout side of the pipeline: the fleet generates scored batches while the trainer trains.
 
-One thread per replica generates that replica's share of batch 0, 1, 2, ... in order, as far as the
-schedule allows: batch `j` only while the fleet holds the weights that generate it (`generation_limit`:
-up to, not including, the next batch that a push precedes). When every share of a batch is in, a
-scoring thread computes its rewards in the reward pool (other processes, with a timeout) and the batch
-becomes ready. The controller (trainer rank 0) only
+Dispatch: one shared queue (`megarl.rollout.chunk_queue`). Each batch's prompts are cut into chunks of
+`chunk_prompts` whole groups (the K samples of a prompt stay on one replica); every replica runs
+`chunks_in_flight` loops, each taking the next chunk (lowest batch first), generating it and taking another,
+so a slow replica takes fewer chunks instead of holding the batch. Chunks are taken only from batches the fleet
+may generate with the weights it holds (`generation_limit`: up to, not including, the next batch that a push
+precedes), so every replica in a window holds the same version and the lags are those of the schedule. A
+chunk's groups are stored at their prompts' positions: a batch is recorded in prompt order. When every chunk of
+a batch is in, a scoring thread computes its rewards in the reward pool (other processes, with a timeout) and
+the batch becomes ready. The controller (trainer rank 0) only
 
     take(step)      blocks until batch `step` is ready (it is the trainer's only wait for data),
-    quiesce(j)      blocks until every replica has finished every batch before `j` (before a push or
+    quiesce(j)      blocks until every chunk of every batch before `j` is generated (before a push or
                     a checkpoint: no replica is then generating with the old weights),
     pushed(j)       after the push before batch `j`: generation may go on up to the next push,
     pending()       the batches generated but not yet consumed (a checkpoint saves them),
@@ -15,9 +19,25 @@ becomes ready. The controller (trainer rank 0) only
     data_position(j)  where batch j starts in the task's data (recorded in checkpoints),
 
 and calls `batches_generated()` for the metrics and `close()` at the end. With `overlap=False` the same
-threads generate only what the sequential controller would have generated before the trainer's current step
+loops generate only what the sequential controller would have generated before the trainer's current step
 (`batches_ready_before_step`), and only while the trainer waits for it: the two sides take turns (the
 comparison point of `megarl bench pipeline`).
+
+A lost replica costs no step: when a replica stops answering (connection refused or reset, a timeout, a 5xx:
+`RolloutServerLost`), the chunk it was generating goes back to the front of the queue, its other loops end the
+same way, it takes no more chunks, and one warning names the replica, the cause and its log; the batch completes
+on the others (`live_replicas()` is recorded per step as `fleet/replicas`). Only with no replica left does the
+run stop, naming the last cause. This is the rollout side only: the weight push still addresses every replica,
+so a lost replica ends the run at the next push with the sync's own error (issue 25 item 2, sync side).
+
+Reproducibility when replicas race: prompt i of batch j is always sampled with the seed `seed(j) + i`, and its
+group is stored at position i, so which replica served it and when do not change what is recorded. Given the
+same weights on every replica (true inside a window), a run gives the same prompts, the same seeds and the same
+sampling RNG per prompt as a one-replica run or a rerun -- the same samples, as far as the engine is
+deterministic for a seeded request. What is NOT reproducible: which replica took which chunk, the timings
+(timeline, `fleet/*`, `time/*`, `pipeline/batches_generated`), and -- since a request's logits can depend on
+which other requests share the engine's batch (vLLM is not batch-invariant by default) -- at worst a last-bit
+difference of a log-prob that flips a sampled token on a tie; the same caveat held for the static split.
 
 Nothing here touches torch.distributed: the component talks to the fleet over HTTP and to the
 controller through these calls, so it can move to its own process behind an RPC (the task's closures --
@@ -26,6 +46,7 @@ problems, tokenizer, seeds -- would then be built there from the config).
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -34,9 +55,12 @@ from megarl.batch import RolloutBatch
 from megarl.data.problem import Problem
 from megarl.metrics.timeline import Timeline
 from megarl.rewards.scoring import BatchScorer
-from megarl.rollout.client import RolloutClient, Sample
+from megarl.rollout.chunk_queue import Chunk, ChunkQueue
+from megarl.rollout.client import RolloutClient, RolloutServerLost, Sample
 from megarl.rollout.evaluation import Evaluator
 from megarl.sync.schedule import SyncSchedule
+
+logger = logging.getLogger(__name__)
 
 
 class RolloutWorkerError(RuntimeError):
@@ -52,13 +76,31 @@ class RolloutWorker:
     `seed(j)` the base seed of batch j (prompt i is sampled with `seed(j) + i`, whichever replica serves it).
     `score(j, problems, samples)` turns a generated batch into a scored `RolloutBatch` (the worker owns the
     scorer and closes it). Batches `start` to `end - 1` are generated (`ready`: batches already generated, a
-    resumed run's saved ones)."""
+    resumed run's saved ones). `chunk_prompts`: prompts per chunk of the shared queue; `chunks_in_flight`: chunks
+    each replica generates at once (`rollout.chunk_prompts`). `static_split`: instead, the split used before the
+    queue (replica r generates share r of every batch; `megarl bench longtail` compares them)."""
 
-    def __init__(self, clients: list[RolloutClient], schedule: SyncSchedule, problems: Callable[[int], list[Problem]],
-                 encode: Callable[[str], list[int]], sampling: dict, seed: Callable[[int], int],
-                 score: BatchScorer, timeline: Timeline, end: int,
-                 overlap: bool = True, start: int = 0, ready: dict[int, RolloutBatch] | None = None,
-                 evaluator: Evaluator | None = None, position: Callable[[int], dict] | None = None) -> None:
+    def __init__(
+        self,
+        clients: list[RolloutClient],
+        schedule: SyncSchedule,
+        problems: Callable[[int], list[Problem]],
+        encode: Callable[[str], list[int]],
+        sampling: dict,
+        seed: Callable[[int], int],
+        score: BatchScorer,
+        timeline: Timeline,
+        end: int,
+        overlap: bool = True,
+        start: int = 0,
+        ready: dict[int, RolloutBatch] | None = None,
+        evaluator: Evaluator | None = None,
+        position: Callable[[int], dict] | None = None,
+        chunk_prompts: int = 1,
+        chunks_in_flight: int = 1,
+        static_split: bool = False,
+        replica_log: Callable[[int], str] | None = None,
+    ) -> None:
         self.clients, self.schedule, self.timeline, self.overlap, self.end = clients, schedule, timeline, overlap, end
         self._problems, self._encode = problems, encode
         self._sampling, self._seed, self._scorer = sampling, seed, score
@@ -66,20 +108,28 @@ class RolloutWorker:
         self._cv = threading.Condition()
         self._ready: dict[int, RolloutBatch] = dict(ready or {})
         first = max([start - 1, *self._ready]) + 1  # next batch to generate
-        self._next = [first] * len(clients)  # per replica: the next batch whose share it generates
-        self._shares: dict[int, dict[int, list[list[Sample]]]] = {}
+        self._queue = ChunkQueue(first, chunk_prompts, len(clients) if static_split else None)
+        self.chunks_taken = [0] * len(clients)  # per replica: chunks it generated (the bench reports them)
+        self._static = static_split
+        self._lost: dict[int, str] = {}  # replicas that stopped answering -> why
+        self._replica_log = replica_log or (lambda r: "its server's log")
         self._scoring = 0  # batches handed to the reward pool, not ready yet
         # the weights the fleet holds: a resumed run stops where the next batch begins with a push
         if 0 < first < end and schedule.sync_before_batch(first) is None:  # (first == end: nothing left to make)
-            raise ValueError(f"cannot start generating at batch {first}: no push precedes it in {schedule}, so the "
-                             "fleet's weights for it are unknown; resume only from checkpoints megarl wrote")
+            raise ValueError(
+                f"cannot start generating at batch {first}: no push precedes it in {schedule}, so the "
+                "fleet's weights for it are unknown; resume only from checkpoints megarl wrote"
+            )
         self._limit = first if first > 0 else schedule.generation_limit(None)
         self._demand = 0  # sequential mode: batches below it may be generated
         self._error: BaseException | None = None
         self._closing = False
         self._score_pool = ThreadPoolExecutor(2, thread_name_prefix="megarl-score")
-        self._threads = [threading.Thread(target=self._replica_loop, args=(r,), daemon=True,
-                                          name=f"megarl-replica{r}") for r in range(len(clients))]
+        self._threads = [
+            threading.Thread(target=self._replica_loop, args=(r,), daemon=True, name=f"megarl-replica{r}-{slot}")
+            for slot in range(chunks_in_flight)  # started slot by slot: each replica takes one chunk per round
+            for r in range(len(clients))
+        ]
         for t in self._threads:
             t.start()
 
@@ -94,14 +144,14 @@ class RolloutWorker:
             return self._ready.pop(step)
 
     def quiesce(self, before: int) -> None:
-        """Block until every replica has finished its share of every batch before `before`, the end of the
-        fleet's current window (the next push's batch, or the run's end): then no replica is generating."""
+        """Block until every chunk of every batch before `before`, the end of the fleet's current window (the next
+        push's batch, or the run's end), is generated: then no replica is generating."""
         with self._cv:
             if before != min(self._limit, self.end):
                 raise RuntimeError(f"quiesce({before}): the fleet's window ends at batch {min(self._limit, self.end)}")
             if not self.overlap:
                 self._raise_demand(before)
-            self._wait(lambda: min(self._next) >= before)
+            self._wait(lambda: self._queue.complete_below() >= before)
 
     def pushed(self, before: int) -> None:
         """The push that precedes batch `before` is done: generate up to the next push."""
@@ -112,7 +162,7 @@ class RolloutWorker:
     def pending(self) -> dict[int, RolloutBatch]:
         """After `quiesce`: wait for the scoring of every generated batch; the batches not consumed yet."""
         with self._cv:
-            self._wait(lambda: self._scoring == 0 and not self._shares)
+            self._wait(lambda: self._scoring == 0 and not self._queue.open)
             return dict(self._ready)
 
     def evaluate(self) -> dict[str, float]:
@@ -126,10 +176,15 @@ class RolloutWorker:
         """Where batch `batch` starts in the task's data (a checkpoint records it; None: the task has none)."""
         return self._position(batch) if self._position is not None else None
 
+    def live_replicas(self) -> int:
+        """Replicas still taking chunks (the others stopped answering; the metrics record it per step)."""
+        with self._cv:
+            return len(self.clients) - len(self._lost)
+
     def batches_generated(self) -> int:
         """How many batches have been fully generated so far (consumed ones included)."""
         with self._cv:
-            return min(self._next)  # every batch below the slowest replica's next one is complete
+            return self._queue.complete_below()  # every batch below the lowest open one is complete
 
     def close(self) -> None:
         with self._cv:
@@ -154,43 +209,81 @@ class RolloutWorker:
                 return
             self._cv.wait(timeout=1.0)
 
-    def _may_generate(self, replica: int) -> bool:
-        j = self._next[replica]
+    def _may_open(self, j: int) -> bool:
+        """Whether batch `j` may be generated now: inside the fleet's window (and, sequentially, demanded)."""
         return j < min(self._limit, self.end) and (self.overlap or j < self._demand)
+
+    def _next_chunk(self, replica: int) -> Chunk | None:
+        """(Condition held.) The next chunk to generate: an untaken one of an open batch, else the first of the
+        next batch if the schedule allows it; None if there is none now."""
+        chunk = self._queue.take_open(replica)
+        while chunk is None and self._may_open(self._queue.next_batch):
+            problems = self._problems(self._queue.next_batch)
+            self._queue.open_batch(problems, [self._encode(p.prompt) for p in problems])
+            chunk = self._queue.take_open(replica)
+        return chunk
 
     def _replica_loop(self, replica: int) -> None:
         client = self.clients[replica]
         try:
             while True:
                 with self._cv:
-                    while not (self._closing or self._may_generate(replica)):
+                    chunk = None
+                    while not (self._closing or replica in self._lost) and (chunk := self._next_chunk(replica)) is None:
                         self._cv.wait()
-                    if self._closing:
+                    if chunk is None:  # closing, or this replica is lost
                         return
-                    j = self._next[replica]
-                problems = self._problems(j)
-                mine = list(range(replica, len(problems), len(self.clients)))  # prompt i -> replica i mod R
+                    prompts = [self._queue.open[chunk.batch].prompts[i] for i in chunk.prompts]
+                    base = self._seed(chunk.batch)
+                j = chunk.batch
                 with self.timeline.span(f"replica {replica}", "generate", f"batch {j}"):
                     try:  # prompt i of batch j is sampled with seed(j) + i, whichever replica serves it
-                        out = client.generate([self._encode(problems[i].prompt) for i in mine], **self._sampling,
-                                              seed=[self._seed(j) + i for i in mine])
+                        out = client.generate(prompts, **self._sampling, seed=[base + i for i in chunk.prompts])
+                    except RolloutServerLost as err:
+                        self._lose(replica, chunk, err)
+                        continue
                     except Exception as err:
-                        raise RolloutWorkerError(f"replica {replica} ({client.url}), batch {j}: "
-                                                 f"{type(err).__name__}: {err}") from err
+                        raise RolloutWorkerError(
+                            f"replica {replica} ({client.url}), batch {j}: {type(err).__name__}: {err}"
+                        ) from err
                 with self._cv:
-                    self._shares.setdefault(j, {})[replica] = [g for _, g in zip(mine, out, strict=True)]
-                    self._next[replica] = j + 1
-                    if len(self._shares[j]) == len(self.clients):
+                    self.chunks_taken[replica] += 1
+                    batch = self._queue.done(chunk, out)
+                    if batch is not None:
                         self._scoring += 1
-                        self._score_pool.submit(self._score, j, problems, self._shares.pop(j))
+                        self._score_pool.submit(self._score, j, batch.problems, batch.groups)
                     self._cv.notify_all()
         except BaseException as err:  # noqa: BLE001 - handed to the controller
             self._fail(err)
 
-    def _score(self, j: int, problems: list[Problem], shares: dict[int, list[list[Sample]]]) -> None:
+    def _lose(self, replica: int, chunk: Chunk, err: RolloutServerLost) -> None:
+        """Replica `replica` stopped answering while generating `chunk`: the chunk goes back to the front of the
+        queue for the others, the replica takes no more, and one line says so. The others' loops of this replica
+        end the same way (their chunks go back too). With no replica left, the run stops with the cause."""
+        url, cause = self.clients[replica].url, f"{type(err).__name__}: {err}"
+        with self._cv:
+            if chunk.batch in self._queue.open:  # (another loop cannot have completed it: nobody else held it)
+                self._queue.give_back(chunk)
+            first = replica not in self._lost
+            self._lost.setdefault(replica, cause)
+            self._cv.notify_all()
+            left = len(self.clients) - len(self._lost)
+            if left == 0 or self._static:
+                why = "no rollout replica is left" if left == 0 else "static_split has no failover"
+                raise RolloutWorkerError(f"replica {replica} ({url}), batch {chunk.batch}: {cause}; {why}")
+        if first:
+            logger.warning(
+                "rollout replica %d (%s) lost: %s; its unfinished chunks go back to the queue, %d "
+                "replica(s) go on (log: %s)",
+                replica,
+                url,
+                cause.splitlines()[0],
+                left,
+                self._replica_log(replica),
+            )
+
+    def _score(self, j: int, problems: list[Problem], samples: list[list[Sample]]) -> None:
         try:
-            replicas = len(self.clients)
-            samples = [shares[i % replicas][i // replicas] for i in range(len(problems))]
             with self.timeline.span("reward", "score", f"batch {j}"):
                 try:
                     batch = self._scorer(j, problems, samples)

@@ -1,0 +1,100 @@
+"""The fleet's shared queue on real vLLM replicas: a replica made deliberately slow (a proxy holds each of its
+generate requests) takes fewer chunks instead of holding the batch, and the batches come out in prompt order and
+equal to a one-replica run with the same seeds (prompt i of batch j is seeded by its index, not by who served it).
+A replica that stops answering (connection refused; 503s after a few requests) loses its chunks to the other: the
+batches complete, nothing lost or doubled, the same as the one-replica run, with one warning naming the replica."""
+
+import logging
+
+import pytest
+from transformers import AutoTokenizer
+
+from megarl.data.arithmetic import problem_batch
+from megarl.launch import free_port
+from megarl.metrics.timeline import Timeline
+from megarl.rewards.pool import RewardPool
+from megarl.rewards.scoring import BatchScorer
+from megarl.rollout.client import RolloutClient
+from megarl.rollout.worker import RolloutWorker
+from megarl.sync.schedule import SyncSchedule
+from tests.slow_proxy import slow_proxy
+
+PROMPTS, K = 8, 2
+
+
+def _generate(urls, encode, chunks_in_flight, live):
+    """Batches 0 and 1 (one window of sync (2, 0): the fleet's initial weights) with 1-prompt chunks; `live`:
+    the replicas still answering at the end."""
+    timeline = Timeline()
+    worker = RolloutWorker(
+        [RolloutClient(u, timeout_s=60) for u in urls],
+        SyncSchedule(2, 0),
+        problems=lambda j: problem_batch(j, PROMPTS, 9, seed=3),
+        encode=encode,
+        sampling={"n": K, "max_tokens": 6},
+        seed=lambda j: 1000 + 100 * j,
+        score=BatchScorer(
+            RewardPool("megarl.rewards.exact_match:exact_match", workers=1, timeout_s=10), lambda ids: "7"
+        ),
+        timeline=timeline,
+        end=2,
+        chunk_prompts=1,
+        chunks_in_flight=chunks_in_flight,
+    )
+    try:
+        batches = [worker.take(0), worker.take(1)]
+        assert worker.live_replicas() == live
+        return batches, list(worker.chunks_taken), timeline.spans()
+    finally:
+        worker.close()
+
+
+@pytest.fixture(scope="module")
+def encode(tiny_moe_dir):
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_moe_dir))
+    return lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+@pytest.fixture(scope="module")
+def one_replica_run(moe_fleet_2x1, encode):
+    batches, taken, _ = _generate(moe_fleet_2x1.urls[:1], encode, chunks_in_flight=2, live=1)
+    assert taken == [2 * PROMPTS]
+    return batches
+
+
+def _same_as(raced, reference, encode) -> None:
+    for j, (ref, got) in enumerate(zip(reference, raced, strict=True)):
+        # prompt order: group i holds prompt i of batch j, K samples each, whichever replica served it
+        prompts = [encode(p.prompt) for p in problem_batch(j, PROMPTS, 9, seed=3)]
+        assert got.prompt_ids == [p for p in prompts for _ in range(K)]
+        assert got.index == j and got.policy_version == ref.policy_version == 0
+        # same seeds, same weights: the same samples as the one-replica run
+        assert got.response_ids == ref.response_ids
+        for a, b in zip(got.engine_logprobs, ref.engine_logprobs, strict=True):
+            assert a == pytest.approx(b, abs=1e-5)
+
+
+def test_a_slow_replica_takes_fewer_chunks_and_the_batch_is_the_one_replica_batch(
+    moe_fleet_2x1, encode, one_replica_run
+):
+    with slow_proxy(moe_fleet_2x1.urls[1], delay_s=1.5) as slow_url:
+        raced, taken, spans = _generate([moe_fleet_2x1.urls[0], slow_url], encode, chunks_in_flight=2, live=2)
+    # every chunk generated once; the slow replica (>= 1.5 s a chunk) took fewer than the fast one, not its half
+    assert sum(taken) == 2 * PROMPTS and 1 <= taken[1] < taken[0], taken
+    assert len([s for s in spans if s.kind == "generate"]) == 2 * PROMPTS
+    _same_as(raced, one_replica_run, encode)
+
+
+@pytest.mark.parametrize("how", ["connection refused", "503 after 3 chunks"])
+def test_a_lost_replica_costs_no_batch(moe_fleet_2x1, encode, one_replica_run, caplog, how):
+    caplog.set_level(logging.WARNING, logger="megarl.rollout.worker")
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    with slow_proxy(moe_fleet_2x1.urls[1], answer=3) as dying:
+        lost_url = dead if how == "connection refused" else dying
+        raced, taken, _ = _generate([lost_url, moe_fleet_2x1.urls[0]], encode, chunks_in_flight=2, live=1)
+    # the lost replica's answered chunks count, its failed ones went to the other: every prompt exactly once
+    assert taken[0] == (0 if how == "connection refused" else 3) and sum(taken) == 2 * PROMPTS, taken
+    _same_as(raced, one_replica_run, encode)
+    lines = [r.getMessage() for r in caplog.records if "lost" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith(f"rollout replica 0 ({lost_url}) lost: RolloutServerLost"), lines
+    assert ("unreachable" if how == "connection refused" else "answered 503") in lines[0]
