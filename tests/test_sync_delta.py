@@ -113,6 +113,7 @@ def test_delta_layout_packs_only_the_delta_receivers_buckets():
     mine = [e for e in out if e.receiver == 2]
     assert [e.encoding for e in mine] == ["nothing", "indices", "dense", "dense"]  # w3: no base -> dense
     assert [e.nbytes for e in mine] == [0, _wire_size(4096, 5, 4), 4096 * 4, 4096 * 4]
+    assert [e.changed for e in mine] == [0, 5, 4096, 300]  # the counts, also for blocks sent whole
     for bucket in {e.bucket for e in mine}:  # every bucket within the limit (a block larger travels alone)
         items = [e for e in mine if e.bucket == bucket]
         assert sum(e.nbytes for e in items) <= 4096 * 4 or len([e for e in items if e.nbytes]) == 1

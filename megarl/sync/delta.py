@@ -215,8 +215,9 @@ def delta_layout(entries: list[WireEntry], receivers: set[int], counts: dict[Blo
         bucket, used = state.get((e.sender, e.receiver), (0, 0))
         if used and used + nbytes > bucket_bytes:
             bucket, used = bucket + 1, 0
-        out.append(replace(e, bucket=bucket, offset=used, nbytes=nbytes, encoding=encoding,
-                           changed=count.changed if encoding != "dense" else e.block.numel,
-                           base_sum=count.base_sum if encoding not in ("dense",) else None))
+        # `changed` is the true count (a block sent dense because a delta would not be smaller still reports how
+        # many of its elements changed); a dense block needs no base, so it carries no fingerprint
+        out.append(replace(e, bucket=bucket, offset=used, nbytes=nbytes, encoding=encoding, changed=count.changed,
+                           base_sum=count.base_sum if encoding != "dense" else None))
         state[(e.sender, e.receiver)] = (bucket, used + nbytes)
     return out
