@@ -70,12 +70,12 @@ def _reference_loss(name, lp, engine, corr) -> tuple[torch.Tensor, float]:
     mean, std = r.mean(-1, keepdim=True), r.std(-1, unbiased=False, keepdim=True)
     adv = ((r - mean) / (std + cfg.adv_eps) if name == "grpo" else r - mean).reshape(-1)
     if name == "rec_gspo_is":  # GSPO-token form: gradient -(1/N) A s M w_t / |y| (value sg(s) mean_t w_t)
-        total, value = 0.0, 0.0  # the reported value stays GSPO's: -(1/N) sum A s M
+        total, value = 0.0, 0.0  # the reported value stays GSPO's objective: -(1/N) sum min(s A, clip(s) A)
         for x, e, a, wi in zip(lp, engine, adv, w, strict=True):
             s = torch.exp((x - e).mean())
             m = float((a > 0 and s <= 1 + EPS) or (a < 0 and s >= 1 - EPS))
             total = total - a * m * s.detach() * (wi * torch.exp(x - x.detach())).mean()
-            value -= float(a * m * s.detach()) / n
+            value -= float(torch.minimum(s.detach() * a, torch.clamp(s.detach(), 1 - EPS, 1 + EPS) * a)) / n
         return total / n, value
     total = 0.0
     for x, e, a, wi in zip(lp, engine, adv, w, strict=True):

@@ -124,8 +124,21 @@ def _record_routers(policy) -> dict[int, list[dict[str, torch.Tensor]]]:
 
 
 def _take(calls: dict[int, list[dict[str, torch.Tensor]]]) -> dict[int, dict[str, torch.Tensor]]:
-    """The recorded microbatch calls of each layer, concatenated along the batch; the record is emptied."""
-    out = {layer: {k: torch.cat([c[k] for c in cs]) for k in cs[0]} for layer, cs in calls.items()}
+    """The recorded microbatch calls of each layer, concatenated along the batch; the record is emptied. Packed
+    microbatches are each cut to their own longest row (`megarl.trainer.batching.microbatch_widths`), so a narrower
+    call is widened to the widest first: its routing map with the padding route (experts 0..k-1, what the trainer
+    feeds padding tokens), its probabilities and logits with zeros; the checks compare real tokens."""
+    def widened(t: torch.Tensor, width: int, key: str) -> torch.Tensor:
+        if t.shape[1] == width:
+            return t
+        fill = (_as_map(torch.arange(TOPK)).expand(t.shape[0], width - t.shape[1], EXPERTS) if key == "map"
+                else t.new_zeros(t.shape[0], width - t.shape[1], *t.shape[2:]))
+        return torch.cat([t, fill.to(t.dtype)], dim=1)
+
+    out = {}
+    for layer, cs in calls.items():
+        width = max(c["map"].shape[1] for c in cs)
+        out[layer] = {k: torch.cat([widened(c[k], width, k) for c in cs]) for k in cs[0]}
     calls.clear()
     return out
 
