@@ -317,9 +317,9 @@ class PartitionedWeightSync:
         (the blocks were not changed while the push ran: training waits for it). Returns the seconds it took."""
         start = time.perf_counter()
         by_name = holders_by_name(local)
-        for e in self.entries or []:
-            if e.sender == self.rank:
-                self.base.store(e.block, self._wire(cut(by_name, e.block)))
+        mine = {block_key(e.block): e.block for e in self.entries or [] if e.sender == self.rank}
+        for block in mine.values():  # once per block, however many replicas it goes to
+            self.base.store(block, self._wire(cut(by_name, block)))
         self.base.version = version
         return time.perf_counter() - start
 
