@@ -62,6 +62,7 @@ def topology(cfg: Config, config_file: Path) -> dict[str, str]:
     """The KEY=VALUE lines `prepare` prints; CONFIG names the resolved config the other steps must read."""
     return {"RUN_DIR": str(Path(cfg.run.dir).resolve()), "TRAINER_WORLD_SIZE": str(cfg.trainer.world_size),
             "ROLLOUT_REPLICAS": str(cfg.rollout.replicas), "ROLLOUT_TP": str(cfg.rollout.tp),
+            "ROLLOUT_RESTARTS": str(cfg.rollout.restarts),
             "CONFIG": str(config_file.resolve())}
 
 

