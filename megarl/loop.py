@@ -4,7 +4,8 @@
     (and no further than the last batch the run trains on);
     for each step l:
         if the schedule pushes the trainer's weights now: wait until the fleet has finished every batch of
-        the older weights, then push (a partitioned broadcast from every trainer rank);
+        the older weights, let lost replicas out and restarted ones in (`megarl.rollout.membership`), then push
+        (a partitioned broadcast from every trainer rank);
         take batch l (waiting only if it is not ready), add its advantages, broadcast it to all trainer ranks;
         one optimizer step on it (policy version += 1); rank 0 records the step and the timeline;
         every checkpoint.interval steps (where the fleet holds no state) all ranks save a checkpoint.
@@ -38,6 +39,7 @@ from megarl.metrics.sinks import open_sinks
 from megarl.metrics.timeline import Timeline, step_times
 from megarl.metrics.writer import MetricsWriter
 from megarl.rewards.registry import GOLD_UNPARSABLE, UNPARSABLE
+from megarl.rollout.membership import Roster, after_push, before_push
 from megarl.rollout.worker import RolloutWorker
 from megarl.sync.schedule import SyncSchedule
 from megarl.sync.weight_sync import SyncStats
@@ -130,10 +132,11 @@ def _span(timeline: Timeline | None, lane: str, kind: str, label: str) -> Abstra
 
 def run_loop(cfg: Config, rank: int, policy, weight_sync,
              start_rollout: Callable[[Timeline, int, dict, dict | None], RolloutWorker] | None,
-             dp: tuple[int, int], pad_id: int) -> list[dict]:
+             dp: tuple[int, int], pad_id: int, roster: Roster | None = None) -> list[dict]:
     """Train until cfg.run.steps steps are done; returns the metric records (rank 0; other ranks return []).
     Rank 0 passes `start_rollout(timeline, first_batch, saved_batches, data_position)`, which starts the rollout
-    worker (`data_position`: where a resumed run's data continues, as its checkpoint recorded it; None if fresh)."""
+    worker (`data_position`: where a resumed run's data continues, as its checkpoint recorded it; None if fresh),
+    and `roster`, where restarted replicas register (None: none come back)."""
     algorithm = get_algorithm(cfg.algorithm.name)
     schedule = SyncSchedule(cfg.sync.interval, cfg.sync.offset)
     world = dist.get_world_size()
@@ -162,7 +165,9 @@ def run_loop(cfg: Config, rank: int, policy, weight_sync,
 
     def push() -> None:  # collective over the trainer ranks
         with _span(timeline, "push", "push", f"v{policy.version}"):
+            before_push(weight_sync, rollout, roster, policy.version)
             syncs.append(weight_sync.push(policy.iter_local_hf_slices(), version=policy.version))
+            after_push(weight_sync, rollout)
 
     if cfg.sync.push_initial and resumed is None:  # a resumed run's next batch starts with a push anyway
         push()
@@ -189,6 +194,7 @@ def run_loop(cfg: Config, rank: int, policy, weight_sync,
                 batch = rollout.take(step)
                 record["pipeline/batches_generated"] = rollout.batches_generated()
                 record["fleet/replicas"] = rollout.live_replicas()  # replicas still answering
+                record["fleet/replicas_in_sync"] = len(weight_sync.live)  # replicas the pushes reach
                 position = rollout.data_position(step) or {}  # where the batch's prompts start in the data
                 record.update({f"data/{k}": position[k] for k in ("epoch", "index") if k in position})
             with _span(timeline, "trainer", "train", f"step {step}"):  # advantages, broadcast, optimizer step

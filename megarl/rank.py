@@ -43,6 +43,7 @@ def run_rank(cfg: Config, place: ProcessPlace, sync_port: int, fleet_urls: Calla
     from megarl.parallel.cpu_threads import apply_trainer_cpu_threads
     from megarl.parallel.groups import TrainerLayout, destroy_trainer_groups, dp_rank_and_size, init_trainer_groups
     from megarl.rollout.client import RolloutClient
+    from megarl.rollout.membership import Roster
     from megarl.rollout.task import start_rollout_worker
     from megarl.sync.weight_sync import PartitionedWeightSync
     from megarl.trainer.policy import MegatronPolicy
@@ -58,21 +59,35 @@ def run_rank(cfg: Config, place: ProcessPlace, sync_port: int, fleet_urls: Calla
         policy = MegatronPolicy(cfg.model.hf_dir, hf, cfg.optimizer, logprob_chunk=t.logprob_chunk_tokens,
                                 distributed_optimizer=t.distributed_optimizer, recompute=t.recompute,
                                 routing_replay=t.routing_replay)
-        clients = [RolloutClient(url) for url in fleet_urls()] if rank == 0 else []
+        urls = fleet_urls() if rank == 0 else []
+        clients = [RolloutClient(url) for url in urls]
         weight_sync = PartitionedWeightSync(
             rank=rank, world_size=t.world_size, hf_config=hf, clients=clients, rollout_tp=cfg.rollout.tp,
             rollout_replicas=cfg.rollout.replicas, store_host=place.master_addr, store_port=sync_port,
             bucket_bytes=int(cfg.sync.bucket_mb * 2**20), timeout_s=t.collective_timeout_s, needs=cfg.sync.needs,
             receive=cfg.sync.receive, delta=cfg.sync.delta, wire_dtype=getattr(torch, cfg.rollout.dtype),
+            min_replicas=cfg.rollout.min_replicas,
         )
-        start_rollout = None
+        start_rollout, roster = None, None
         if rank == 0:
+            roster = Roster(cfg.run.dir, job_secret(), urls)
+
             def start_rollout(timeline, start, saved, data_position):
                 return start_rollout_worker(cfg, clients, timeline, start, saved, data_position)
-        run_loop(cfg, rank, policy, weight_sync, start_rollout, dp_rank_and_size(), pad_id=hf.get("pad_token_id") or 0)
+        run_loop(cfg, rank, policy, weight_sync, start_rollout, dp_rank_and_size(), pad_id=hf.get("pad_token_id") or 0,
+                 roster=roster)
         weight_sync.close()
     finally:
         destroy_trainer_groups()
+
+
+def job_secret() -> str | None:
+    """The fleet secret this process sends (`MEGARL_FLEET_SECRET_FILE`), which also tells this job's replica
+    registrations from another's; None if there is none."""
+    from megarl.rollout.fleet_auth import SECRET_ENV, read_secret
+
+    path = os.environ.get(SECRET_ENV)
+    return read_secret(path) if path else None
 
 
 def error_log(run_dir: Path | str, rank: int) -> Path:

@@ -1,11 +1,13 @@
 """Failures in the middle of a weight update, on real processes (2 trainer ranks, expert parallel 2; vLLM servers):
 
-- a replica's whole server killed (two replicas, TP 1 each, on a fleet of their own since one of them dies);
+- a replica's whole server killed mid-update (two replicas, TP 1 each, on a fleet of their own since one of them
+  dies): the push goes on without it (rollout.min_replicas=1), a restarted server for its slot rejoins with a full
+  push, and with min_replicas=2 the same loss fails the push;
 - a trainer rank that raises while sending (the session's TP 2 server);
 - one vLLM worker of a TP 2 replica killed (a TP 2 fleet of its own: vLLM then shuts the whole server down);
 - the sync store's host, trainer rank 0, killed (the session's TP 2 server).
 
-Every case checks that each surviving trainer rank raises `WeightSyncError` naming what failed and why within a
+Every failing case checks that each surviving trainer rank raises `WeightSyncError` naming what failed and why within a
 bounded time (`BOUND_S`, against the group's 600 s timeout), and what the replicas serve afterwards, seen from
 outside: paused or not, label, log-probs, sample versions, a next push from fresh trainer processes.
 """
@@ -18,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file
 
 from megarl.config.schema import OptimizerConfig
 from megarl.models.qwen_provider import read_hf_config
@@ -36,59 +39,116 @@ def doomed_fleet(tiny_moe_dir, fleet_secret, tmp_path_factory):
         yield fleet
 
 
-def _push_killing_replica_1(rank, world, hf_dir, urls, doomed_pid, port, sync_port):
+def _kill_replica_mid_update(sync, pid):
+    """Rank 0: SIGKILL the server of process group `pid` (API server, engine, worker) once the push's
+    `/update_weights` calls are under way (once: the next push is left alone)."""
+    start = sync.fleet.start_updates
+
+    def start_then_kill(infos):
+        threads = start(infos)
+        os.killpg(pid, signal.SIGKILL)
+        sync.fleet.start_updates = start
+        return threads
+
+    sync.fleet.start_updates = start_then_kill
+
+
+def _served_by(client):
+    return {"paused": client.is_paused(), "label": client.weight_version(),
+            "logprobs": client.prompt_logprobs([6, 23, 7, 24, 13, 2]),
+            "versions": [s.policy_version for s in client.generate([[6, 23, 7, 24]], n=2, max_tokens=2, seed=0)[0]]}
+
+
+def _lose_rejoin_then_fail(rank, world, hf_dir, pushed_dir, urls, doomed_pid, port, sync_port, logs, secret_file):
+    """Every trainer rank, over one sync of a 2-replica TP-1 fleet (rollout.min_replicas=1 at first):
+    v1 to both; v2 with replica 1 killed mid-update (the push goes on without it); v3 to replica 0 only;
+    replica 1 restarted and let back in; v4 to both; then min_replicas=2 and replica 1 killed mid-update again:
+    v5 fails naming it."""
     from megarl.parallel.groups import TrainerLayout, destroy_trainer_groups, init_trainer_groups
     from megarl.rollout.client import RolloutClient
     from megarl.sync.weight_sync import PartitionedWeightSync, WeightSyncError
     from megarl.trainer.policy import MegatronPolicy
 
     init_trainer_groups(TrainerLayout(1, 1, 2), rank, world, "127.0.0.1", port)
+    restarted = None
     try:
         hf = read_hf_config(hf_dir)
-        policy = MegatronPolicy(hf_dir, hf, OptimizerConfig())
+        policy = MegatronPolicy(pushed_dir, hf, OptimizerConfig())  # weights the fleet does not serve
         clients = [RolloutClient(u, timeout_s=120) for u in urls] if rank == 0 else []
         sync = PartitionedWeightSync(rank, world, hf, clients, rollout_tp=1, rollout_replicas=2,
                                      store_host="127.0.0.1", store_port=sync_port, bucket_bytes=64 << 10,
-                                     timeout_s=600)
-        if rank == 0:  # kill replica 1's whole server (API server, engine, worker) once its update has started
-            start = sync.fleet.start_updates
-
-            def start_then_kill(infos):
-                threads = start(infos)
-                os.killpg(doomed_pid, signal.SIGKILL)
-                return threads
-
-            sync.fleet.start_updates = start_then_kill
-        t0 = time.monotonic()
+                                     timeout_s=600, min_replicas=1)
         out = {}
-        try:
-            sync.push(policy.iter_local_hf_slices(), version=7)
-        except WeightSyncError as err:
-            out["error"] = str(err)
-        out["seconds"] = time.monotonic() - t0
+
+        def push(version):
+            t0 = time.monotonic()
+            try:
+                stats = sync.push(policy.iter_local_hf_slices(), version=version)
+                result = {"replicas": stats.replicas, "lost": stats.lost, "received": stats.bytes_received,
+                          "needed": stats.bytes_needed}
+            except WeightSyncError as err:
+                result = {"error": str(err)}
+            return result | {"seconds": time.monotonic() - t0, "live": list(sync.live)}
+
+        out["v1"] = push(1)
         if rank == 0:
-            survivor = clients[0]
-            out["paused"] = survivor.is_paused()
-            out["label"] = survivor.weight_version()
-            out["samples"] = survivor.generate([[6, 23, 7, 24]], n=2, max_tokens=2, seed=0)[0]
+            _kill_replica_mid_update(sync, doomed_pid)
+        out["v2"] = push(2)
+        out["v3"] = push(3)
+        back = {}
+        if rank == 0:  # the launcher's restart: a new server for slot 1, at a new URL
+            restarted = launch(FleetSpec(model_dir=hf_dir, tp=1, replicas=1, first_replica=1, log_dir=logs,
+                                         secret_file=secret_file))
+            back = {1: RolloutClient(restarted.urls[0], timeout_s=120)}
+            out["restarted_before"] = _served_by(back[1])
+        out["admitted"] = sync.admit(back)
+        out["v4"] = push(4)
+        if rank == 0:
+            out["served_v4"] = [_served_by(c) for c in (clients[0], back[1])]
+            _kill_replica_mid_update(sync, restarted.procs[0].pid)
+        sync.min_replicas = 2  # rollout.min_replicas=2: losing a replica now ends the run
+        out["v5"] = push(5)
+        if rank == 0:
+            out["served_v5"] = _served_by(clients[0])
         return out
     finally:
+        if restarted is not None:
+            restarted.stop()
         destroy_trainer_groups()
 
 
-def test_replica_killed_during_the_update(doomed_fleet, tiny_moe_dir):
+def test_a_replica_killed_mid_update_leaves_the_sync_and_a_restarted_one_rejoins(doomed_fleet, tiny_moe_dir,
+                                                                               pushed_checkpoint, fleet_secret,
+                                                                               tmp_path):
     doomed = doomed_fleet.procs[1].pid  # each server leads its own process group
-    results = run_distributed(_push_killing_replica_1, 2, tiny_moe_dir, doomed_fleet.urls, doomed, free_port(),
-                              free_port(), init_dist=False)
-    for r in results:
-        assert "replica 1" in r["error"] and doomed_fleet.urls[1] in r["error"], r["error"]
-        assert "replica 0" not in r["error"].replace("(replica 1)", ""), r["error"]
-        assert r["seconds"] < BOUND_S, r["seconds"]
-    survivor = results[0]
-    assert survivor["paused"] is False
-    assert survivor["label"] == "7"
-    assert [s.policy_version for s in survivor["samples"]] == [7, 7]
-    assert doomed_fleet.procs[1].poll() is not None  # the killed server is gone
+    results = run_distributed(_lose_rejoin_then_fail, 2, tiny_moe_dir, pushed_checkpoint, doomed_fleet.urls, doomed,
+                              free_port(), free_port(), tmp_path, fleet_secret, init_dist=False)
+    model_bytes = sum(t.numel() * t.element_size() for t in load_file(tiny_moe_dir / "model.safetensors").values())
+    for r in results:  # every trainer rank saw the same fleet
+        assert [r[v]["live"] for v in ("v1", "v2", "v3", "v4", "v5")] == [[0, 1], [0], [0], [0, 1], [0]], r
+        for v in ("v1", "v2", "v3", "v4"):
+            assert "error" not in r[v] and r[v]["seconds"] < BOUND_S, (v, r[v])
+        assert r["admitted"] == [1]
+        # v5: below rollout.min_replicas=2, every rank raises naming the dead replica and the bound
+        error = r["v5"]["error"]
+        assert "replica 1" in error and "rollout.min_replicas=2" in error and r["v5"]["seconds"] < BOUND_S, error
+        assert "replica 0" not in error.replace("(replica 1)", ""), error
+    r = results[0]
+    # v2 reached replica 0 and named replica 1 by its URL as lost; v3 went to replica 0 alone (TP 1: one worker
+    # per replica, fleet-wide ranks 2 and 3): every byte of the model, nothing for the dead replica
+    assert r["v2"]["replicas"] == [0] and doomed_fleet.urls[1] in r["v2"]["lost"][1], r["v2"]
+    assert r["v3"]["received"] == {2: model_bytes} and r["v3"]["needed"] == {2: model_bytes}, r["v3"]
+    # v4: the restarted replica got the whole model (a full push) and serves what replica 0 serves, which is not
+    # what it served when it started (the checkpoint on disk)
+    assert r["v4"]["received"] == {2: model_bytes, 3: model_bytes}, r["v4"]
+    before, (survivor, rejoined) = r["restarted_before"], r["served_v4"]
+    assert before["label"] != "4"
+    for served in (survivor, rejoined):
+        assert served["paused"] is False and served["label"] == "4" and served["versions"] == [4, 4], served
+    assert max(abs(a - b) for a, b in zip(rejoined["logprobs"], survivor["logprobs"], strict=True)) < 1e-5
+    assert max(abs(a - b) for a, b in zip(rejoined["logprobs"], before["logprobs"], strict=True)) > 1e-3
+    # the failed v5 left replica 0 serving v5 (it took the push), unpaused
+    assert r["served_v5"]["paused"] is False and r["served_v5"]["label"] == "5", r["served_v5"]
 
 
 # ---- the other failures: a trainer rank that raises, a vLLM worker killed, the sync store's host killed --------------

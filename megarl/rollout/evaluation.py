@@ -47,13 +47,16 @@ class Evaluator:
         self._prompts = [encode(p.prompt) for p in problems]
         self.k = int(sampling["n"])
 
-    def __call__(self) -> dict[str, float]:
+    def __call__(self, clients: list[RolloutClient] | None = None) -> dict[str, float]:
+        """The metrics, generated on `clients` (default: the ones it was built with; the rollout worker passes the
+        replicas still serving). Prompt i is seeded by its index, so who serves it does not change what is sampled."""
         start = time.perf_counter()
-        replicas = len(self.clients)
+        clients = self.clients if clients is None else clients
+        replicas = len(clients)
 
         def on_replica(r: int) -> list[list[Sample]]:
             mine = range(r, len(self._prompts), replicas)
-            return self.clients[r].generate([self._prompts[i] for i in mine], **self.sampling,
+            return clients[r].generate([self._prompts[i] for i in mine], **self.sampling,
                                             seed=[self.seed + i for i in mine])
 
         with ThreadPoolExecutor(replicas, thread_name_prefix="megarl-eval") as pool:

@@ -65,7 +65,7 @@ def start_rollout_worker(cfg: Config, clients: list[RolloutClient], timeline: Ti
             score=scorer, timeline=timeline, end=cfg.run.steps, overlap=r.overlap, start=start, ready=ready,
             evaluator=evaluator, position=task.position, chunk_prompts=r.chunk_prompts,
             chunks_in_flight=chunks_in_flight(prompts_per_batch, r.replicas, r.chunk_prompts),
-            replica_log=lambda i: replica_log(cfg.run.dir, i),
+            replica_log=lambda i: replica_log(cfg.run.dir, i), min_replicas=r.min_replicas,
         )
     except BaseException:
         rewards.close()

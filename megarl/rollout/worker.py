@@ -26,9 +26,11 @@ comparison point of `megarl bench pipeline`).
 A lost replica costs no step: when a replica stops answering (connection refused or reset, a timeout, a 5xx:
 `RolloutServerLost`), the chunk it was generating goes back to the front of the queue, its other loops end the
 same way, it takes no more chunks, and one warning names the replica, the cause and its log; the batch completes
-on the others (`live_replicas()` is recorded per step as `fleet/replicas`). Only with no replica left does the
-run stop, naming the last cause. This is the rollout side only: the weight push still addresses every replica,
-so a lost replica ends the run at the next push with the sync's own error (issue 25 item 2, sync side).
+on the others (`live_replicas()` is recorded per step as `fleet/replicas`). With fewer than `min_replicas` left
+(rollout.min_replicas) the run stops, naming the cause. At the next push the weight sync leaves it out too
+(`megarl.rollout.membership`); a replica the sync found dead is `drop`ped here, and a restarted one is let back in
+with `admit` once a push has given it the current weights (the fleet is quiesced then, so it starts with the next
+window, holding the same version as the others).
 
 Reproducibility when replicas race: prompt i of batch j is always sampled with the seed `seed(j) + i`, and its
 group is stored at position i, so which replica served it and when do not change what is recorded. Given the
@@ -100,6 +102,7 @@ class RolloutWorker:
         chunks_in_flight: int = 1,
         static_split: bool = False,
         replica_log: Callable[[int], str] | None = None,
+        min_replicas: int = 1,
     ) -> None:
         self.clients, self.schedule, self.timeline, self.overlap, self.end = clients, schedule, timeline, overlap, end
         self._problems, self._encode = problems, encode
@@ -112,6 +115,9 @@ class RolloutWorker:
         self.chunks_taken = [0] * len(clients)  # per replica: chunks it generated (the bench reports them)
         self._static = static_split
         self._lost: dict[int, str] = {}  # replicas that stopped answering -> why
+        self._min_replicas = min_replicas
+        self._chunks_in_flight = chunks_in_flight
+        self._incarnation = [0] * len(clients)  # per replica: bumped by `admit`, so the old loops of a slot end
         self._replica_log = replica_log or (lambda r: "its server's log")
         self._scoring = 0  # batches handed to the reward pool, not ready yet
         # the weights the fleet holds: a resumed run stops where the next batch begins with a push
@@ -125,13 +131,10 @@ class RolloutWorker:
         self._error: BaseException | None = None
         self._closing = False
         self._score_pool = ThreadPoolExecutor(2, thread_name_prefix="megarl-score")
-        self._threads = [
-            threading.Thread(target=self._replica_loop, args=(r,), daemon=True, name=f"megarl-replica{r}-{slot}")
-            for slot in range(chunks_in_flight)  # started slot by slot: each replica takes one chunk per round
-            for r in range(len(clients))
-        ]
-        for t in self._threads:
-            t.start()
+        self._threads: list[threading.Thread] = []
+        for slot in range(chunks_in_flight):  # started slot by slot: each replica takes one chunk per round
+            for r in range(len(clients)):
+                self._start_loop(r, slot)
 
     # ---- the controller's calls ------------------------------------------------------------------------------
     def take(self, step: int) -> RolloutBatch:
@@ -170,7 +173,7 @@ class RolloutWorker:
         (the requests share the servers), so the schedule and the training data are unchanged."""
         if self._evaluator is None:
             raise RuntimeError("evaluate(): this rollout worker was built without an evaluator (eval.interval=0)")
-        return self._evaluator()
+        return self._evaluator(self.live_clients())
 
     def data_position(self, batch: int) -> dict | None:
         """Where batch `batch` starts in the task's data (a checkpoint records it; None: the task has none)."""
@@ -180,6 +183,32 @@ class RolloutWorker:
         """Replicas still taking chunks (the others stopped answering; the metrics record it per step)."""
         with self._cv:
             return len(self.clients) - len(self._lost)
+
+    def lost(self) -> dict[int, str]:
+        """The replicas that stopped answering, and why."""
+        with self._cv:
+            return dict(self._lost)
+
+    def drop(self, replica: int, why: str) -> None:
+        """Replica `replica` is gone (the weight sync found it dead): it takes no more chunks."""
+        with self._cv:
+            self._lost.setdefault(replica, why)
+            self._cv.notify_all()
+
+    def admit(self, replica: int, client: RolloutClient) -> None:
+        """A restarted replica, which the last push gave the current weights, takes chunks again from now on
+        (call it at a push point: the fleet is quiesced, so it starts with the next window like the others)."""
+        with self._cv:
+            self.clients[replica] = client
+            self._lost.pop(replica, None)
+            self._incarnation[replica] += 1  # the loops of its previous incarnation end
+            for slot in range(self._chunks_in_flight):
+                self._start_loop(replica, slot)
+            self._cv.notify_all()
+
+    def live_clients(self) -> list[RolloutClient]:
+        with self._cv:
+            return [c for r, c in enumerate(self.clients) if r not in self._lost]
 
     def batches_generated(self) -> int:
         """How many batches have been fully generated so far (consumed ones included)."""
@@ -223,13 +252,23 @@ class RolloutWorker:
             chunk = self._queue.take_open(replica)
         return chunk
 
-    def _replica_loop(self, replica: int) -> None:
+    def _start_loop(self, replica: int, slot: int) -> None:
+        thread = threading.Thread(target=self._replica_loop, args=(replica, self._incarnation[replica]), daemon=True,
+                                  name=f"megarl-replica{replica}-{slot}")
+        self._threads.append(thread)
+        thread.start()
+
+    def _replica_loop(self, replica: int, incarnation: int) -> None:
         client = self.clients[replica]
+
+        def gone() -> bool:  # (condition held) this loop's replica is lost, or a newer incarnation took its place
+            return replica in self._lost or self._incarnation[replica] != incarnation
+
         try:
             while True:
                 with self._cv:
                     chunk = None
-                    while not (self._closing or replica in self._lost) and (chunk := self._next_chunk(replica)) is None:
+                    while not (self._closing or gone()) and (chunk := self._next_chunk(replica)) is None:
                         self._cv.wait()
                     if chunk is None:  # closing, or this replica is lost
                         return
@@ -240,7 +279,7 @@ class RolloutWorker:
                     try:  # prompt i of batch j is sampled with seed(j) + i, whichever replica serves it
                         out = client.generate(prompts, **self._sampling, seed=[base + i for i in chunk.prompts])
                     except RolloutServerLost as err:
-                        self._lose(replica, chunk, err)
+                        self._lose(replica, chunk, err, client)
                         continue
                     except Exception as err:
                         raise RolloutWorkerError(
@@ -256,20 +295,22 @@ class RolloutWorker:
         except BaseException as err:  # noqa: BLE001 - handed to the controller
             self._fail(err)
 
-    def _lose(self, replica: int, chunk: Chunk, err: RolloutServerLost) -> None:
+    def _lose(self, replica: int, chunk: Chunk, err: RolloutServerLost, client: RolloutClient) -> None:
         """Replica `replica` stopped answering while generating `chunk`: the chunk goes back to the front of the
         queue for the others, the replica takes no more, and one line says so. The others' loops of this replica
         end the same way (their chunks go back too). With no replica left, the run stops with the cause."""
-        url, cause = self.clients[replica].url, f"{type(err).__name__}: {err}"
+        url, cause = client.url, f"{type(err).__name__}: {err}"
         with self._cv:
             if chunk.batch in self._queue.open:  # (another loop cannot have completed it: nobody else held it)
                 self._queue.give_back(chunk)
-            first = replica not in self._lost
-            self._lost.setdefault(replica, cause)
+            first = replica not in self._lost and client is self.clients[replica]  # not an older incarnation's loop
+            if client is self.clients[replica]:
+                self._lost.setdefault(replica, cause)
             self._cv.notify_all()
             left = len(self.clients) - len(self._lost)
-            if left == 0 or self._static:
-                why = "no rollout replica is left" if left == 0 else "static_split has no failover"
+            if left < self._min_replicas or self._static:
+                why = ("static_split has no failover" if self._static else "no rollout replica is left" if left == 0
+                       else f"{left} replica(s) left, fewer than rollout.min_replicas={self._min_replicas}")
                 raise RolloutWorkerError(f"replica {replica} ({url}), batch {chunk.batch}: {cause}; {why}")
         if first:
             logger.warning(

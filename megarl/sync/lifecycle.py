@@ -2,9 +2,11 @@
 (`megarl.sync.transport`):
 
     needs:  /collective_rpc megarl_record_loader_reads on replica 0 (what each TP rank's loaders read), once
-    join:   /init_weight_transfer_engine on every replica (its workers join the sync group, get the needs)
-    open:   /pause -> close a session a dead trainer left open (first open only) -> /start_weight_update on every
-            replica (undone on failure)
+    join:   /init_weight_transfer_engine on a replica (its workers join its sync group, get the needs): every
+            replica at the start, a restarted one again when the trainer lets it in
+    open:   /pause -> close a session a dead trainer left open (a replica's first open only) ->
+            /start_weight_update on every replica (undone on failure; a replica that does not answer is skipped and
+            named, `megarl.sync.weight_sync` decides whether the push goes on without it)
     update: /update_weights with each TP worker's part of the plan, one thread per replica; it returns once the
             workers have received, checked and loaded their blocks, or refused them
     close:  /collective_rpc megarl_sync_report -> /finish_weight_update(version), or (None) to close a refused
@@ -17,7 +19,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from megarl.rollout.client import RolloutClient, RolloutServerError
+from megarl.rollout.client import RolloutClient, RolloutServerError, RolloutServerLost
 from megarl.sync.needs import RolloutNeeds, recorded_by_fleet
 
 
@@ -77,42 +79,58 @@ def _still_serving(client: RolloutClient) -> bool:
 
 
 class FleetLifecycle:
-    """Trainer rank 0's handle on the replicas of one fleet (`clients`, one per replica, `tp` workers each)."""
+    """Trainer rank 0's handle on the replicas of one fleet that are in the sync (`clients`: replica -> its client,
+    `tp` workers each); `leave` and `join` change who is in."""
 
     def __init__(self, clients: list[RolloutClient], tp: int) -> None:
-        self.clients, self.tp = clients, tp
-        self._stale_closed = False  # sessions a dead trainer left open are closed at this lifecycle's first open
+        self.clients: dict[int, RolloutClient] = dict(enumerate(clients))
+        self.tp = tp
+        self._stale_closed: set[int] = set()  # replicas whose sessions a dead trainer left open were closed
 
     def record_needs(self) -> RolloutNeeds:
-        """What each vLLM TP rank's loaders read, recorded by replica 0 in its own environment (see
+        """What each vLLM TP rank's loaders read, recorded by the first replica in its own environment (see
         `megarl.sync.needs`); the other replicas check at `join` that the record is for their layout."""
-        client = self.clients[0]
+        client = self.clients[min(self.clients)]
         return recorded_by_fleet(client.collective_rpc("megarl_record_loader_reads"), self.tp, client.url)
 
-    def join(self, host: str, port: int, world_size: int, first_worker_rank: int,
-             timeout_s: float, needs: RolloutNeeds) -> list[ResultThread]:
-        """Ask every replica's workers to join the sync group (store at `host:port`); replica i's TP rank r is
-        rank `first_worker_rank + i * tp + r`; each worker is handed `needs` (it keeps its own rank's blocks).
-        Returns the threads to join once this rank has joined too."""
-        for client in self.clients:  # a dead or unguarded-key server fails here, not in the group's rendezvous
-            client.weight_version()
-        threads = []
-        for i, client in enumerate(self.clients):
-            info = {"host": host, "port": port, "world_size": world_size,
-                    "rank_offset": first_worker_rank + i * self.tp, "timeout_s": timeout_s, "needs": needs.to_json()}
-            threads.append(ResultThread(lambda c=client, info=info: c.init_weight_transfer(info)))
-            threads[-1].start()
+    def join(self, groups: dict[int, str], host: str, port: int, trainers: int, slots: int, timeout_s: float,
+             needs: RolloutNeeds) -> dict[int, ResultThread]:
+        """Ask the workers of each replica in `groups` (replica -> its sync group's store prefix, store at
+        `host:port`) to join its group: TP rank r at rank `trainers + r` of it (fleet-wide rank
+        `trainers + replica * tp + r` in plans and reports); each worker is handed `needs` (it keeps its own rank's
+        blocks). Returns the threads to join once this rank has joined too."""
+        for rep in groups:  # a dead or unguarded-key server fails here, not in the group's rendezvous
+            self.clients[rep].weight_version()
+        threads = {}
+        for rep, prefix in groups.items():
+            info = {"host": host, "port": port, "world_size": trainers + slots * self.tp,
+                    "rank_offset": trainers + rep * self.tp, "timeout_s": timeout_s, "needs": needs.to_json(),
+                    "group_prefix": prefix, "group_rank_offset": trainers, "group_world_size": trainers + self.tp}
+            threads[rep] = ResultThread(lambda c=self.clients[rep], info=info: c.init_weight_transfer(info))
+            threads[rep].start()
         return threads
 
-    def open(self) -> str | None:
-        """Pause every replica and open its update session; on failure undo it and return why."""
+    def leave(self, replica: int) -> None:
+        """Forget replica `replica` (it stopped answering): later pushes do not address it."""
+        self.clients.pop(replica, None)
+        self._stale_closed.discard(replica)
+
+    def open(self) -> tuple[str | None, dict[int, str]]:
+        """Pause every replica and open its update session. A replica that does not answer (`RolloutServerLost`)
+        is skipped and returned with why; any other failure undoes the others and is returned:
+        (failure or None, {lost replica: why})."""
         paused: list[RolloutClient] = []
         opened: list[RolloutClient] = []
+        lost: dict[int, str] = {}
         try:
-            for client in self.clients:
-                client.pause()
+            for rep, client in self.clients.items():
+                try:
+                    client.pause()
+                except RolloutServerLost as err:
+                    lost[rep] = f"replica {rep} ({client.url}) does not answer: {type(err).__name__}: {err}"
+                    continue
                 paused.append(client)
-                if not self._stale_closed:  # only an earlier trainer (one that died mid-update) can leave one open
+                if rep not in self._stale_closed:  # only an earlier trainer (one that died mid-update) leaves one open
                     client.collective_rpc("megarl_end_stale_update")
                 client.start_weight_update()
                 opened.append(client)
@@ -121,28 +139,31 @@ class FleetLifecycle:
                 _best_effort(lambda c=client: c.finish_weight_update(None))  # closes the session, label unchanged
             for client in paused:
                 _best_effort(client.resume)
-            return f"could not start the update: {type(err).__name__}: {err}"
-        self._stale_closed = True
-        return None
+            return f"could not start the update: {type(err).__name__}: {err}", lost
+        self._stale_closed |= set(self.clients) - set(lost)
+        return None, lost
 
-    def start_updates(self, infos: list[list[dict[str, Any]]]) -> list[ResultThread]:
+    def start_updates(self, infos: dict[int, list[dict[str, Any]]]) -> dict[int, ResultThread]:
         """One `/update_weights` call per replica, each in a thread (it returns once its workers have received,
         checked and loaded their blocks); `infos[i]` holds replica i's update info per TP rank."""
-        threads = []
-        for client, info in zip(self.clients, infos, strict=True):
-            threads.append(ResultThread(lambda c=client, info=info: c.update_weights(info)))
-            threads[-1].start()
+        threads = {}
+        for rep, info in infos.items():
+            threads[rep] = ResultThread(lambda c=self.clients[rep], info=info: c.update_weights(info))
+            threads[rep].start()
         return threads
 
-    def close(self, updates: list[ResultThread], version: int,
-              update_id: str) -> tuple[list[dict[str, Any]], str | None]:
+    def close(self, updates: dict[int, ResultThread], version: int,
+              update_id: str) -> tuple[list[dict[str, Any]], dict[int, str], set[int]]:
         """Read each replica's worker reports; label a replica whose workers all loaded the update
         with `version`, close the session of one that refused it without a new label; resume generation on
         every replica except one whose loaders failed part-way (it may hold mixed weights: it stays paused).
-        Returns the reports and what failed, naming what each failed replica serves now (None if nothing did)."""
+        Returns the reports, what failed per replica (naming what it serves now) and the replicas among those
+        whose server, engine or a worker died (they serve nothing until restarted)."""
         reports: list[dict[str, Any]] = []
-        failures = []
-        for rep, (client, thread) in enumerate(zip(self.clients, updates, strict=True)):
+        failures: dict[int, str] = {}
+        dead: set[int] = set()
+        for rep, thread in updates.items():
+            client = self.clients[rep]
             thread.join()
             mixed = False
             try:
@@ -162,10 +183,11 @@ class FleetLifecycle:
                 elif not isinstance(err, UpdateRefused) and not _still_serving(client):
                     after = ("its server, engine or a worker died (vLLM shuts the whole engine down when a worker "
                              "dies): it serves nothing until it is restarted")
+                    dead.add(rep)
                 else:
                     after = "it keeps serving its previous weights"
-                failures.append(f"replica {rep} ({client.url}): {type(err).__name__}: {err} ({after})")
+                failures[rep] = f"replica {rep} ({client.url}): {type(err).__name__}: {err} ({after})"
             finally:
-                if not mixed:
+                if not mixed and rep not in dead:
                     _best_effort(client.resume)
-        return reports, "; ".join(failures) if failures else None
+        return reports, failures, dead

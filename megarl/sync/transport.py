@@ -6,16 +6,25 @@ The plan (`megarl.sync.plan`), the wire format (`megarl.sync.wire`) and the flee
 vLLM worker, staged (every slice before any is used) or `stream` (each slice as it completes, `sync.receive`). A
 second backend (NCCL or NIXL point-to-point, RDMA reads) implements the same methods.
 
-`TorchGroupTransport`, the default: one torch.distributed process group over a TCPStore hosted by trainer
-rank 0 (gloo on CPU, NCCL on GPU), one point-to-point message per bucket with the bucket index as tag,
-streamed by `megarl.sync.stream`.
+Groups: one torch.distributed process group *per replica* (gloo on CPU, NCCL on GPU), all over one TCPStore hosted
+by trainer rank 0, each under its own store prefix (`replica_group_prefix`): the trainer ranks are ranks `[0, T)`
+of every group and replica i's TP workers ranks `T + r` of replica i's. A replica that dies breaks only its own
+group: the trainer leaves it (`ReplicaGroups.leave`) and the other replicas' pushes go on; a restarted replica
+joins a new group under the next generation's prefix (`ReplicaGroups.join`) without the trainer or the other
+replicas restarting. Plans and wire entries keep naming a worker by its fleet-wide rank `T + i * tp + r`
+(`megarl.sync.weight_sync`); `ReplicaGroups.send` routes such a rank to its replica's group.
+
+`TorchGroupTransport` (a vLLM worker: its replica's group) and `ReplicaGroupsTransport` (a trainer rank: every
+replica's), one point-to-point message per bucket with the bucket index as tag, streamed by `megarl.sync.stream`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -51,11 +60,21 @@ class Transport(Protocol):
         ...
 
 
-def make_sync_group(host: str, port: int, rank: int, world_size: int, timeout_s: float = 600.0):
-    """Join the trainer+fleet sync group (rank 0 hosts the store). Returns (store, process group).
+SYNC_PREFIX = "megarl_sync"  # the store prefix of a sync group that spans the whole fleet (tests, older trainers)
+
+
+def replica_group_prefix(replica: int, generation: int) -> str:
+    """The store prefix of replica `replica`'s sync group; `generation` counts its (re)joins in this run, so a
+    restarted replica's group never meets keys its dead predecessor left in the store."""
+    return f"{SYNC_PREFIX}/replica{replica}/gen{generation}"
+
+
+def make_sync_group(host: str, port: int, rank: int, world_size: int, timeout_s: float = 600.0,
+                    prefix: str = SYNC_PREFIX):
+    """Join a sync group (rank 0 hosts the store; `prefix`: which group). Returns (store, process group).
     Built directly on a TCPStore so it is independent of the trainer's own default process group."""
     store = tcp_store(host, port, world_size, is_master=rank == 0, timeout_s=timeout_s)
-    return store, process_group(dist.PrefixStore("megarl_sync", store), rank, world_size, timeout_s)
+    return store, process_group(dist.PrefixStore(prefix, store), rank, world_size, timeout_s)
 
 
 def process_group(store, rank: int, world_size: int, timeout_s: float):
@@ -64,18 +83,38 @@ def process_group(store, rank: int, world_size: int, timeout_s: float):
     if torch.cuda.is_available():
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timedelta(seconds=timeout_s)  # as torch's own new_group sets it (default: 10 min)
-        return dist.ProcessGroupNCCL(store, rank, world_size, options)
+        with _nccl_errors_raise():
+            return dist.ProcessGroupNCCL(store, rank, world_size, options)
     return dist.ProcessGroupGloo(store, rank, world_size, timedelta(seconds=timeout_s))
 
 
+@contextmanager
+def _nccl_errors_raise() -> Iterator[None]:
+    """While a sync group is built on NCCL: a timed-out or failed operation aborts that group's communicator and
+    raises in the waiting sender (TORCH_NCCL_ASYNC_ERROR_HANDLING=2, read by each ProcessGroupNCCL when it is
+    built), instead of torch's default of tearing the whole process down, so a dead replica costs its own group
+    only. The trainer's own groups keep the default. (Written for GPUs; not exercised on the CPU machines.)"""
+    key = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+    previous = os.environ.get(key)
+    os.environ[key] = "2"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = previous
+
+
 class TorchGroupTransport:
-    """Point-to-point buckets over a torch.distributed process group (see the module docstring). `window`: send
-    buckets in flight per trainer rank (memory: `window` buckets)."""
+    """Point-to-point buckets over one torch.distributed process group (see the module docstring): a vLLM worker's
+    end (its replica's group, `prefix`), or every member of a fleet-wide group. `window`: send buckets in flight
+    per trainer rank (memory: `window` buckets)."""
 
     def __init__(self, host: str, port: int, rank: int, world_size: int, timeout_s: float = 600.0,
-                 window: int = 2) -> None:
+                 window: int = 2, prefix: str = SYNC_PREFIX) -> None:
         self.rank, self.window = rank, window
-        self.store, self.group = make_sync_group(host, port, rank, world_size, timeout_s)
+        self.store, self.group = make_sync_group(host, port, rank, world_size, timeout_s, prefix)
 
     def send(self, entries: list[WireEntry], local: list[tuple[HFSlice, torch.Tensor]],
              pack: Pack = raw_bytes) -> SendResult:
@@ -90,3 +129,71 @@ class TorchGroupTransport:
 
     def close(self) -> None:
         self.group, self.store = None, None
+
+
+class ReplicaGroups:
+    """A trainer rank's sync groups, one per replica in the sync (see the module docstring). Looks like one group
+    to `megarl.sync.stream.send_buckets`: `send` takes a fleet-wide worker rank and routes it to its replica's
+    group. A rank of a replica that left raises at once (the sender records that receiver as failed)."""
+
+    def __init__(self, trainers: int, tp: int) -> None:
+        self.trainers, self.tp = trainers, tp
+        self.groups: dict[int, Any] = {}  # replica -> its process group
+
+    def replica_of(self, worker: int) -> int:
+        return (worker - self.trainers) // self.tp
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int):
+        replica = self.replica_of(dst)
+        group = self.groups.get(replica)
+        if group is None:
+            raise RuntimeError(f"replica {replica} is not in the sync (it left, or never joined)")
+        return group.send(tensors, self.trainers + (dst - self.trainers) % self.tp, tag)
+
+
+class ReplicaGroupsTransport:
+    """A trainer rank's end of the sync: the store (hosted by trainer rank 0) and one group per replica that joined
+    (`join`, a collective with that replica's workers) and has not left (`leave`). `window`: send buckets in flight
+    per trainer rank."""
+
+    def __init__(self, host: str, port: int, rank: int, trainers: int, tp: int, timeout_s: float = 600.0,
+                 window: int = 2) -> None:
+        self.host, self.rank, self.trainers, self.tp = host, rank, trainers, tp
+        self.timeout_s, self.window = timeout_s, window
+        self.store = tcp_store(host, port, trainers + tp, is_master=rank == 0, timeout_s=timeout_s)
+        self.group = ReplicaGroups(trainers, tp)
+        self.generation: dict[int, int] = {}  # replica -> joins so far (the next join's prefix)
+
+    def next_prefix(self, replica: int) -> str:
+        """The prefix of replica `replica`'s next group (the same on every trainer rank: joins are collective)."""
+        return replica_group_prefix(replica, self.generation.get(replica, 0))
+
+    def join(self, replica: int) -> None:
+        """Build replica `replica`'s group with its workers (blocks until they joined, or the group's timeout)."""
+        prefix = self.next_prefix(replica)
+        self.generation[replica] = self.generation.get(replica, 0) + 1
+        self.group.groups[replica] = process_group(dist.PrefixStore(prefix, self.store), self.rank,
+                                                   self.trainers + self.tp, self.timeout_s)
+
+    def leave(self, replica: int) -> None:
+        """Drop replica `replica`'s group (its connections close with the last reference)."""
+        self.group.groups.pop(replica, None)
+
+    @property
+    def replicas(self) -> list[int]:
+        return sorted(self.group.groups)
+
+    def send(self, entries: list[WireEntry], local: list[tuple[HFSlice, torch.Tensor]],
+             pack: Pack = raw_bytes) -> SendResult:
+        return send_buckets(self.group, self.rank, entries, local, window=self.window, pack=pack)
+
+    def receive(self, entries: list[WireEntry],
+                decode: Decode | None = None) -> tuple[dict[str, tuple[HFSlice, torch.Tensor]], int]:
+        raise TypeError("a trainer rank's transport only sends")
+
+    def stream(self, entries: list[WireEntry]) -> SliceStream:
+        raise TypeError("a trainer rank's transport only sends")
+
+    def close(self) -> None:
+        self.group.groups.clear()
+        self.store = None

@@ -88,9 +88,14 @@ class PartitionedInitInfo(WeightTransferInitInfo):
     host: str
     port: int
     world_size: int  # trainer ranks + every vLLM worker of the fleet
-    rank_offset: int  # sync-group rank of this engine's tensor-parallel rank 0
+    rank_offset: int  # fleet-wide rank of this engine's tensor-parallel rank 0 (plans and reports name it)
     timeout_s: float = 600.0
     needs: dict[str, Any] | None = None  # megarl.sync.needs.RolloutNeeds.to_json(): every TP rank's blocks
+    # the group this engine joins (megarl.sync.transport): its store prefix, the rank of its TP rank 0 in it and its
+    # size; None: one group over the whole fleet, at the fleet-wide ranks (a trainer older than per-replica groups)
+    group_prefix: str | None = None
+    group_rank_offset: int | None = None
+    group_world_size: int | None = None
 
 
 @dataclass
@@ -150,9 +155,16 @@ class PartitionedWeightTransferEngine(WeightTransferEngine[PartitionedInitInfo, 
     def init_transfer_engine(self, init_info: PartitionedInitInfo) -> None:
         """Join the sync group at rank `rank_offset + dp_index * world + tp_rank` (blocks until all joined)."""
         pc = self.parallel_config
-        self.rank = init_info.rank_offset + pc.data_parallel_index * pc.world_size + pc.rank
-        self.transport = TorchGroupTransport(init_info.host, init_info.port, self.rank, init_info.world_size,
-                                             init_info.timeout_s)
+        place = pc.data_parallel_index * pc.world_size + pc.rank
+        self.rank = init_info.rank_offset + place
+        self.transport = None  # a rejoin replaces the group: the old one's connections close with it
+        if init_info.group_prefix is None:
+            self.transport = TorchGroupTransport(init_info.host, init_info.port, self.rank, init_info.world_size,
+                                                 init_info.timeout_s)
+        else:
+            self.transport = TorchGroupTransport(init_info.host, init_info.port, init_info.group_rank_offset + place,
+                                                 init_info.group_world_size, init_info.timeout_s,
+                                                 prefix=init_info.group_prefix)
         self.needs, self.needs_error = None, None  # a new sync group brings its own record: nothing is kept
         self._drop_base()  # a new trainer starts with full pushes
         try:  # after joining: a refusal is reported with each update, the group's rendezvous never waits on it

@@ -45,7 +45,7 @@ from megarl.sync.needs import NeedsSource, RolloutNeeds, table_needs
 from megarl.sync.plan import plan_transfers
 from megarl.sync.slices import HFSlice
 from megarl.sync.stream import SendResult, cut, holders_by_name, raw_bytes
-from megarl.sync.transport import TorchGroupTransport, Transport
+from megarl.sync.transport import ReplicaGroupsTransport
 from megarl.sync.wire import WireEntry, layout_buckets
 
 logger = logging.getLogger(__name__)
@@ -71,6 +71,8 @@ class SyncStats:
     bytes_read_by_loaders: dict[int, int] = field(default_factory=dict)  # vLLM worker -> bytes its loaders read
     bytes_needed: dict[int, int] = field(default_factory=dict)  # vLLM worker -> bytes of the slices it holds
     reports: list[dict[str, Any]] = field(default_factory=list)  # the workers' own reports
+    replicas: list[int] = field(default_factory=list)  # the replicas this push updated (those in the sync)
+    lost: dict[int, str] = field(default_factory=dict)  # replicas out of the sync after this push -> why
     # sync.delta: vLLM worker -> (elements changed, elements) of the blocks it took as a delta (absent: full push)
     delta: dict[int, tuple[int, int]] = field(default_factory=dict)
     sender_base_bytes: dict[int, int] = field(default_factory=dict)  # trainer rank -> host bytes of its delta base
@@ -108,7 +110,8 @@ class PartitionedWeightSync:
     def __init__(self, rank: int, world_size: int, hf_config: dict[str, Any], clients: list[RolloutClient],
                  rollout_tp: int, rollout_replicas: int, store_host: str, store_port: int, bucket_bytes: int,
                  timeout_s: float = 600.0, digests: bool = False, needs: NeedsSource = "recorded",
-                 receive: ReceiveMode = "staged", delta: bool = False, wire_dtype: torch.dtype | None = None) -> None:
+                 receive: ReceiveMode = "staged", delta: bool = False, wire_dtype: torch.dtype | None = None,
+                 min_replicas: int | None = None) -> None:
         self.rank, self.trainers, self.hf = rank, world_size, hf_config
         self.clients, self.tp, self.replicas = clients, rollout_tp, rollout_replicas
         self.bucket_bytes, self.digests, self.receive = bucket_bytes, digests, receive
@@ -121,6 +124,11 @@ class PartitionedWeightSync:
         self.broken: str | None = None  # why this sync group is unusable (a trainer rank failed while sending)
         self.fail_loading_after: int | None = None  # failure injection (tests): the workers' loaders raise after N
         self.sync_world = world_size + rollout_replicas * rollout_tp
+        self.timeout_s = timeout_s
+        # rollout.min_replicas: fewest replicas a push may leave in the sync (None: every replica, any loss fails)
+        self.min_replicas = rollout_replicas if min_replicas is None else min_replicas
+        self.live: list[int] = list(range(rollout_replicas))  # replicas in the sync, the same on every trainer rank
+        self.lost: dict[int, str] = {}  # replicas left out since they stopped answering -> why (every trainer rank)
         self.entries: list[WireEntry] | None = None
         self.bytes_needed: dict[int, int] = {}
         self.fleet = FleetLifecycle(clients, rollout_tp) if rank == 0 else None
@@ -128,12 +136,80 @@ class PartitionedWeightSync:
             raise ValueError(f"{len(clients)} rollout clients for {rollout_replicas} replicas")
         self.needs = self._obtain_needs(needs)
         self._needs_reported = False  # the first push reports what obtaining the needs cost (`needs_s`)
-        joins = []
-        if self.fleet is not None:
-            joins = self.fleet.join(store_host, store_port, self.sync_world, world_size, timeout_s, self.needs)
-        self.transport: Transport = TorchGroupTransport(store_host, store_port, rank, self.sync_world, timeout_s)
-        for t in joins:
+        self.transport = ReplicaGroupsTransport(store_host, store_port, rank, world_size, rollout_tp, timeout_s)
+        groups = {rep: self.transport.next_prefix(rep) for rep in self.live}
+        joins = self._join_threads(groups)
+        for rep in groups:
+            self.transport.join(rep)
+        for t in joins.values():
             t.join_or_raise()
+
+    def _join_threads(self, groups: dict[int, str]) -> dict[int, Any]:
+        """Rank 0: ask the replicas in `groups` (replica -> its group's prefix) to join; the threads to join after."""
+        if self.fleet is None:
+            return {}
+        return self.fleet.join(groups, self.store_host, self.store_port, self.trainers, self.replicas, self.timeout_s,
+                               self.needs)
+
+    def _leave(self, lost: dict[int, str]) -> None:
+        """Every trainer rank, with the same `lost` (replica -> why): those replicas leave the sync (their groups
+        are dropped, later pushes skip them)."""
+        for rep, why in lost.items():
+            if rep in self.live:
+                self.live.remove(rep)
+                self.lost[rep] = why
+                self.transport.leave(rep)
+                if self.fleet is not None:
+                    self.fleet.leave(rep)
+
+    def admit(self, clients: dict[int, RolloutClient]) -> list[int]:
+        """Collective over the trainer ranks: let restarted replicas back into the sync (rank 0 passes their
+        clients, replica -> client; the other ranks pass {}). Each joins a new group of its own; the next push sends
+        it the whole model (it holds no delta base) and it is in `live` from then on. A replica that fails to join
+        (it died again, or did not answer within the group's timeout) stays out. Returns the replicas let in."""
+        box: list[Any] = [sorted(clients) if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        asked = [rep for rep in box[0] if rep not in self.live]
+        if not asked:
+            return []
+        groups = {rep: self.transport.next_prefix(rep) for rep in asked}
+        failed: dict[int, str] = {}
+        threads = {}
+        if self.fleet is not None:
+            for rep in asked:
+                self.fleet.clients[rep] = clients[rep]
+            try:
+                threads = self._join_threads(groups)
+            except Exception as err:  # noqa: BLE001 - a server that does not answer: it stays out
+                failed = {rep: f"{type(err).__name__}: {err}" for rep in asked}
+        box = [failed]
+        dist.broadcast_object_list(box, src=0)
+        failed = dict(box[0])
+        for rep in asked:
+            if rep in failed:
+                continue
+            try:
+                self.transport.join(rep)
+            except Exception as err:  # noqa: BLE001 - the same on every trainer rank: agreed below
+                failed[rep] = f"{type(err).__name__}: {err}"
+        for rep, thread in threads.items():
+            thread.join()
+            if thread.error is not None:
+                failed.setdefault(rep, f"{type(thread.error).__name__}: {thread.error}")
+        gathered: list[Any] = [None] * self.trainers
+        dist.all_gather_object(gathered, failed)
+        failed = {rep: why for g in gathered for rep, why in g.items()}
+        for rep in asked:
+            if rep in failed:
+                self.transport.leave(rep)
+                if self.fleet is not None:
+                    self.fleet.leave(rep)
+                    logger.warning("rollout replica %d could not rejoin the weight sync: %s", rep, failed[rep])
+            else:
+                self.live.append(rep)
+                self.lost.pop(rep, None)
+        self.live.sort()
+        return [rep for rep in asked if rep not in failed]
 
     def _obtain_needs(self, source: NeedsSource) -> RolloutNeeds:
         """Rank 0 records (or takes from the table) what every vLLM TP rank needs and hands it to every trainer rank;
@@ -197,7 +273,9 @@ class PartitionedWeightSync:
             phases["needs_s"] = self.needs.seconds
             self._needs_reported = True
         with self._trainer_ranks_answer(version):
-            self._raise_everywhere(self.fleet.open() if self.fleet else None, version)
+            failure, lost = self.fleet.open() if self.fleet else (None, {})
+            self._raise_everywhere(failure, version)
+            self.leave_replicas(lost, version)
         phases["open_s"] = lap()
         try:
             stats = self._push_open(local, version, phases, clock, lap)
@@ -215,14 +293,15 @@ class PartitionedWeightSync:
                    clock: list[float], lap) -> SyncStats:
         """The push once every replica is paused and open: deltas counted, update infos sent, bytes moved, fleet
         closed, outcome raised everywhere."""
-        entries, delta_base = self.entries or [], None
+        live = set(self.live)
+        entries, delta_base = [e for e in self.entries or [] if self.replica_of(e.receiver) in live], None
         receivers = self._delta_receivers()
         if receivers:
-            entries, delta_base = self._delta_entries(local, receivers), self.base.version
+            entries, delta_base = self._delta_entries(local, entries, receivers), self.base.version
         phases["delta_count_s"] = lap()
         update_id = uuid.uuid4().hex
         infos = self._update_infos(version, update_id, entries, receivers, delta_base)
-        updates = self.fleet.start_updates(infos) if self.fleet else []
+        updates = self.fleet.start_updates(infos) if self.fleet else {}
         send_error = None
         try:
             sent = self.transport.send(entries, local, self._pack)
@@ -233,7 +312,12 @@ class PartitionedWeightSync:
         if send_error is not None:  # outside the handler, whose traceback still held the group
             self._leave_sync_group(f"trainer rank {self.rank} failed while sending")
         phases["send_s"] = lap()
-        reports, failure = self.fleet.close(updates, version, update_id) if self.fleet else ([], None)
+        reports, failures, dead = self.fleet.close(updates, version, update_id) if self.fleet else ([], {}, set())
+        box: list[Any] = [{rep: failures[rep] for rep in dead}]  # replicas that died during this push
+        with self._trainer_ranks_answer(version):
+            dist.broadcast_object_list(box, src=0)
+        dead_now: dict[int, str] = box[0]
+        failure = "; ".join(why for rep, why in sorted(failures.items()) if rep not in dead_now) or None
         phases["close_s"] = lap()
         gathered: list[Any] = [None] * self.trainers
         with self._trainer_ranks_answer(version):
@@ -242,28 +326,55 @@ class PartitionedWeightSync:
         senders = [f"trainer rank {r} failed while sending: {g[4]} (it closed its connections, so the vLLM workers "
                    "waiting for its buckets refused the update)" for r, g in enumerate(gathered) if g[4]]
         unreachable = [f"trainer rank {r} could not send to vLLM worker {w} (replica {self.replica_of(w)}): {why}"
-                       for r, g in enumerate(gathered) for w, why in sorted(g[3].items())]
+                       for r, g in enumerate(gathered) for w, why in sorted(g[3].items())
+                       if self.replica_of(w) not in dead_now]  # a replica that died: said once, by `dead_now`
         if senders and self.broken is None:  # its connections to the workers are gone: the group is unusable
             self._leave_sync_group(senders[0])
         if senders or unreachable:  # a sender failed, or a worker (or its server) died mid-update
             failure = "; ".join([*senders, *([failure] if failure else []), *unreachable])
         with self._trainer_ranks_answer(version):
             self._raise_everywhere(failure, version)
+        self.leave_replicas(dead_now, version, known=True)
         phases["send_s"] = max(g[2] for g in gathered)  # the slowest sender
         # rank 0 pauses the fleet at the start of `open` and resumes it at the end of `close`
         phases["fleet_paused_s"] = clock[5] - clock[1]
         for key in ("receive_seconds", "load_seconds"):  # the workers' own figures: the slowest worker
             phases[f"worker_{key.removesuffix('onds')}"] = max((r.get(key, 0.0) for r in reports), default=0.0)
         return SyncStats(
-            version=version, seconds=time.perf_counter() - clock[0],
+            version=version, seconds=time.perf_counter() - clock[0], replicas=list(self.live),
+            lost=dict(self.lost),
             bytes_sent={r: g[0] for r, g in enumerate(gathered)},
             staging_peak_bytes={r: g[1] for r, g in enumerate(gathered)},
             bytes_received={r["rank"]: r["bytes_received"] for r in reports},
             bytes_read_by_loaders={r["rank"]: r["bytes_read_by_loaders"] for r in reports},
-            bytes_needed=dict(self.bytes_needed), reports=reports, phases=phases,
+            bytes_needed={w: n for w, n in self.bytes_needed.items() if self.replica_of(w) in live},
+            reports=reports, phases=phases,
             delta={w: (sum(e.changed for e in entries if e.receiver == w),
                        sum(e.block.numel for e in entries if e.receiver == w)) for w in receivers},
         )
+
+    def leave_replicas(self, lost: dict[int, str], version: int, known: bool = False) -> None:
+        """Collective over the trainer ranks: rank 0's `lost` replicas (replica -> why, each naming its replica
+        and URL) leave the sync on every rank (`known`: every rank passes them already); with fewer than
+        `min_replicas` left, every rank raises `WeightSyncError` naming them (`version`: the push it is part of)."""
+        if not known:
+            box: list[Any] = [lost]
+            dist.broadcast_object_list(box, src=0)
+            lost = box[0]
+        if not lost:
+            return
+        self._leave(lost)
+        names = "; ".join(why for _, why in sorted(lost.items()))  # each names its replica and URL
+        if len(self.live) < self.min_replicas:
+            raise WeightSyncError(f"weight sync to version {version} failed: {names}; {len(self.live)} replica(s) "
+                                  f"left, fewer than rollout.min_replicas={self.min_replicas} (resume from the last "
+                                  "checkpoint once the fleet is back)")
+        if self.rank == 0:
+            logger.warning("weight sync to version %d goes on without a replica that stopped answering (%s): %d "
+                           "replica(s) left in the sync; a restarted one rejoins at a later push", version, names,
+                           len(self.live))
+
+
 
     def _delta_receivers(self) -> set[int]:
         """The vLLM workers this push sends deltas to (collective): every worker of each replica whose workers all
@@ -273,7 +384,7 @@ class PartitionedWeightSync:
             return set()
         box: list[Any] = [set()]
         if self.rank == 0 and self.base.version is not None:
-            for rep, client in enumerate(self.clients):
+            for rep, client in self.fleet.clients.items():
                 try:
                     held = {w.get("version") for w in client.collective_rpc("megarl_delta_base")}
                 except Exception as err:  # noqa: BLE001 - a full push is always correct
@@ -285,19 +396,20 @@ class PartitionedWeightSync:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    def _delta_entries(self, local: list[tuple[HFSlice, torch.Tensor]], receivers: set[int]) -> list[WireEntry]:
+    def _delta_entries(self, local: list[tuple[HFSlice, torch.Tensor]], planned: list[WireEntry],
+                       receivers: set[int]) -> list[WireEntry]:
         """Every sender counts the changed elements of the blocks it sends to `receivers` (once per block), the
         counts are all-gathered, and every rank lays out the same delta wire (`megarl.sync.delta.delta_layout`)."""
         by_name = holders_by_name(local)
         mine: dict[Any, BlockCount] = {}
-        for e in self.entries or []:
+        for e in planned:
             key = block_key(e.block)
             if e.sender == self.rank and e.receiver in receivers and key not in mine:
                 mine[key] = self.base.count(e.block, self._wire(cut(by_name, e.block)))
         gathered: list[Any] = [None] * self.trainers
         dist.all_gather_object(gathered, mine)
         counts = {k: v for g in gathered for k, v in g.items()}
-        return delta_layout(self.entries or [], receivers, counts, self.bucket_bytes)
+        return delta_layout(planned, receivers, counts, self.bucket_bytes)
 
     def _wire(self, block: torch.Tensor) -> torch.Tensor:
         """`block` in the wire dtype (itself when it already is)."""
@@ -364,13 +476,14 @@ class PartitionedWeightSync:
             raise WeightSyncError(f"weight sync to version {version} failed: {box[0]}")
 
     def _update_infos(self, version: int, update_id: str, entries: list[WireEntry], receivers: set[int],
-                      delta_base: int | None) -> list[list[dict[str, Any]]]:
-        """Per replica, per TP rank: the update info `/update_weights` hands that worker (its part of the plan)."""
-        return [[{"version": version, "update_id": update_id, "digests": self.digests, "receive": self.receive,
+                      delta_base: int | None) -> dict[int, list[dict[str, Any]]]:
+        """Per replica in the sync, per TP rank: the update info `/update_weights` hands that worker (its part of
+        the plan)."""
+        return {rep: [{"version": version, "update_id": update_id, "digests": self.digests, "receive": self.receive,
                   "fail_loading_after": self.fail_loading_after, "keep_base": self.base is not None,
                   "delta_base": delta_base if self.worker_rank(rep, r) in receivers else None,
                   "entries": [e.to_json() for e in entries if e.receiver == self.worker_rank(rep, r)]}
-                 for r in range(self.tp)] for rep in range(self.replicas)]
+                      for r in range(self.tp)] for rep in self.live}
 
     def close(self) -> None:
         """Leave the sync group (the store closes with the last handle)."""

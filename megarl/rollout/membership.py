@@ -1,0 +1,96 @@
+"""Which replicas take part in the run, kept in step at each push point (trainer rank 0 drives it, every trainer
+rank follows):
+
+    before the push  replicas the rollout worker lost leave the weight sync; replicas a launcher restarted (a new
+                     registration in <run.dir>/fleet/, `megarl.rollout.rendezvous.registrations`) join it again,
+                     each in a sync group of its own (`PartitionedWeightSync.admit`)
+    the push         sends the current weights to every replica in the sync: in full to a rejoined one (it holds
+                     no delta base); a replica that dies meanwhile leaves it (`PartitionedWeightSync.leave_replicas`)
+    after the push   the rollout worker drops the replicas the sync lost and gives chunks to the rejoined ones,
+                     which now hold the same version as the others
+
+The fleet is quiesced at a push point (no replica is generating), so a replica joins or leaves between two windows
+and every replica of a window holds the same weights: the lags stay those of the schedule. Below
+`rollout.min_replicas` live replicas the run fails (the sync or the rollout worker raises).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from megarl.rollout.client import RolloutClient, RolloutServerError
+from megarl.rollout.rendezvous import registrations
+from megarl.rollout.worker import RolloutWorker
+
+logger = logging.getLogger(__name__)
+
+
+class Roster:
+    """Rank 0's view of the replicas' registrations: which slot a launcher has restarted since the trainer last
+    let it in. `urls` are the replicas the run started with; `secret` the job's fleet secret (None: no
+    registrations are read, so no replica comes back: a fleet the caller started and keeps)."""
+
+    def __init__(self, run_dir: Path | str, secret: str | None, urls: list[str]) -> None:
+        self.run_dir, self.secret = run_dir, secret
+        now = registrations(run_dir, secret) if secret else {}
+        # replica -> the incarnation the trainer holds in the sync (None: not registered as the URL it started with)
+        self.known: dict[int, str | None] = {
+            i: now[i][1] if i in now and now[i][0] == url else None for i, url in enumerate(urls)}
+
+    def restarted(self, replicas: Iterable[int]) -> dict[int, RolloutClient]:
+        """Among `replicas`, those registered as a new incarnation that answers with this job's secret:
+        replica -> a client of it."""
+        if not self.secret:
+            return {}
+        now = registrations(self.run_dir, self.secret)
+        back = {}
+        for rep in replicas:
+            if rep not in now or now[rep][1] == self.known.get(rep):
+                continue
+            client = RolloutClient(now[rep][0])
+            try:
+                client.weight_version()
+            except RolloutServerError as err:  # registered but not serving (yet): asked again at the next push
+                logger.info("rollout replica %d registered again at %s but does not answer yet: %s", rep,
+                            now[rep][0], err)
+                continue
+            back[rep] = client
+            self.known[rep] = now[rep][1]
+        return back
+
+
+def before_push(weight_sync: Any, rollout: RolloutWorker | None, roster: Roster | None, version: int) -> None:
+    """Collective over the trainer ranks, at a push point (rank 0 passes its rollout worker and roster, the others
+    None): replicas the rollout worker lost leave the sync; restarted replicas join it (a replica restarted before
+    anyone noticed it died leaves first)."""
+    lost: dict[int, str] = {}
+    back: dict[int, RolloutClient] = {}
+    if rollout is not None:
+        lost = {rep: f"replica {rep} ({rollout.clients[rep].url}) stopped answering while generating: {why}"
+                for rep, why in rollout.lost().items() if rep in weight_sync.live}
+    if roster is not None:
+        back = roster.restarted(range(weight_sync.replicas))
+        for rep in back:
+            if rep in weight_sync.live and rep not in lost:
+                lost[rep] = f"replica {rep} was restarted (it registered again at {back[rep].url})"
+    weight_sync.leave_replicas(lost, version)
+    for rep in weight_sync.admit(back):
+        logger.warning("rollout replica %d (%s) rejoined the weight sync: the push to version %d sends it the whole "
+                       "model, then it takes prompts", rep, back[rep].url if rep in back else "?", version)
+
+
+def after_push(weight_sync: Any, rollout: RolloutWorker | None) -> None:
+    """Rank 0, once the push is done: the rollout worker follows the sync (drops the replicas it lost, lets the
+    rejoined ones take chunks)."""
+    if rollout is None or weight_sync.fleet is None:
+        return
+    lost = rollout.lost()
+    for rep, why in weight_sync.lost.items():
+        if rep not in lost:
+            rollout.drop(rep, why)
+    for rep, client in weight_sync.fleet.clients.items():
+        if rep in lost or client is not rollout.clients[rep]:
+            rollout.admit(rep, client)
