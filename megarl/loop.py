@@ -207,6 +207,8 @@ def run_loop(cfg: Config, rank: int, policy, weight_sync,
                 record.update(train_on_batch(policy, batch, algorithm, cfg, pad_id, *dp, lag=lag))
             record.update(_sync_metrics(syncs))
             record["sync/versions"] = [s.version for s in syncs]
+            if syncs:  # what each replica in the sync reports serving after this step's last push
+                record["sync/served_versions"] = {str(rep): label for rep, label in syncs[-1].served.items()}
             syncs = []
             if timeline is not None:
                 window_end = timeline.now()

@@ -110,6 +110,16 @@ class FleetLifecycle:
             threads[rep].start()
         return threads
 
+    def served(self) -> dict[int, str | None]:
+        """The version label each replica reports now (None: it did not answer)."""
+        labels: dict[int, str | None] = {}
+        for rep, client in self.clients.items():
+            try:
+                labels[rep] = client.weight_version()
+            except RolloutServerError:
+                labels[rep] = None
+        return labels
+
     def leave(self, replica: int) -> None:
         """Forget replica `replica` (it stopped answering): later pushes do not address it."""
         self.clients.pop(replica, None)

@@ -73,6 +73,8 @@ class SyncStats:
     reports: list[dict[str, Any]] = field(default_factory=list)  # the workers' own reports
     replicas: list[int] = field(default_factory=list)  # the replicas this push updated (those in the sync)
     lost: dict[int, str] = field(default_factory=dict)  # replicas out of the sync after this push -> why
+    served: dict[int, str | None] = field(default_factory=dict)  # replica -> the version label it reports after
+    # this push (rank 0 asks each replica in the sync; None: it did not answer)
     # sync.delta: vLLM worker -> (elements changed, elements) of the blocks it took as a delta (absent: full push)
     delta: dict[int, tuple[int, int]] = field(default_factory=dict)
     sender_base_bytes: dict[int, int] = field(default_factory=dict)  # trainer rank -> host bytes of its delta base
@@ -342,7 +344,7 @@ class PartitionedWeightSync:
             phases[f"worker_{key.removesuffix('onds')}"] = max((r.get(key, 0.0) for r in reports), default=0.0)
         return SyncStats(
             version=version, seconds=time.perf_counter() - clock[0], replicas=list(self.live),
-            lost=dict(self.lost),
+            lost=dict(self.lost), served=self.fleet.served() if self.fleet is not None else {},
             bytes_sent={r: g[0] for r, g in enumerate(gathered)},
             staging_peak_bytes={r: g[1] for r, g in enumerate(gathered)},
             bytes_received={r["rank"]: r["bytes_received"] for r in reports},
