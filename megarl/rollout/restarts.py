@@ -44,6 +44,16 @@ def _say(line: str) -> None:
     print(f"megarl: {line}", file=sys.stderr, flush=True)
 
 
+def _last_line(log: Path, limit: int = 300) -> str:
+    """The last line a server wrote to `log` (a failed start's cause, as a rule), shortened to `limit`; "" if none."""
+    try:
+        lines = [line.strip() for line in log.read_text(errors="replace").splitlines()[-50:]]
+    except OSError:
+        return ""
+    lines = [line for line in lines if line and not line.startswith("===== megarl:")]
+    return lines[-1][:limit] if lines else ""
+
+
 def _group_alive(pgid: int) -> bool:
     """Whether a process other than a zombie is still in process group `pgid` (from /proc where there is one)."""
     proc = Path("/proc")
@@ -149,7 +159,9 @@ class ReplicaWatcher:
                 new_url = self._restart(slot, k)
             except FleetError as err:
                 cause = str(err).splitlines()[0].split("; last log lines")[0]
-                _say(f"{what}; restart {k} of {self.restarts} failed: {cause} (log {log})")
+                last = _last_line(log)
+                _say(f"{what}; restart {k} of {self.restarts} failed: {cause}"
+                     f"{f', its log ending: {last}' if last else ''} (log {log})")
                 what = f"rollout replica {i} (restart {k} failed)"
                 continue
             _say(f"{what}; restarted as {new_url} (restart {k} of {self.restarts})")
