@@ -125,7 +125,9 @@ def run_trainers(cfg: Config, fleet_urls: list[str], hint: str = "") -> None:
 
 def train(cfg: Config, fleet_urls: list[str] | None = None) -> dict[str, Any]:
     """Run the job and write `summary.json` and `reward_and_sync.png`. The fleet is started (and
-    stopped) here unless `fleet_urls` names one that is already serving the same model.
+    stopped) here unless `fleet_urls` names one that is already serving the same model. A fleet started here is the
+    run's: its replicas are registered in `<run.dir>/fleet/` and a dead one is restarted up to `rollout.restarts`
+    times and registered again (`megarl.rollout.restarts`), which the trainer watches.
 
     The fleet is guarded by a secret: a fleet started here sets `MEGARL_FLEET_SECRET_FILE` (`start_fleet`) before
     the trainer ranks are spawned, and they inherit it. With `fleet_urls` the caller sets `MEGARL_FLEET_SECRET_FILE`
@@ -134,7 +136,7 @@ def train(cfg: Config, fleet_urls: list[str] | None = None) -> dict[str, Any]:
 
     run_dir = Path(cfg.run.dir)
     if fleet_urls is None:
-        with start_fleet(cfg, log_dir=run_dir) as fleet:
+        with start_fleet(cfg, log_dir=run_dir, run_dir=run_dir) as fleet:
             run_trainers(cfg, fleet.urls, hint=f"fleet logs: {', '.join(str(p) for p in fleet.logs)}")
     else:
         run_trainers(cfg, fleet_urls)

@@ -15,7 +15,7 @@ from megarl.metrics.timeline import Timeline
 from megarl.rewards.pool import RewardPool
 from megarl.rewards.scoring import BatchScorer
 from megarl.rollout.client import RolloutClient
-from megarl.rollout.worker import RolloutWorker
+from megarl.rollout.worker import RolloutWorker, RolloutWorkerError
 from megarl.sync.schedule import SyncSchedule
 from tests.slow_proxy import slow_proxy
 
@@ -101,3 +101,55 @@ def test_a_lost_replica_costs_no_batch(moe_fleet_2x1, encode, one_replica_run, c
     lines = [r.getMessage() for r in caplog.records if "lost" in r.getMessage()]
     assert len(lines) == 1 and lines[0].startswith(f"rollout replica 0 ({lost_url}) lost: RolloutServerLost"), lines
     assert ("unreachable" if how == "connection refused" else "answered 503") in lines[0]
+
+
+def _worker(urls, encode, end, min_replicas=1):
+    return RolloutWorker(
+        [RolloutClient(u, timeout_s=60) for u in urls], SyncSchedule(2, 0),
+        problems=lambda j: problem_batch(j, PROMPTS, 9, seed=3), encode=encode, sampling={"n": K, "max_tokens": 6},
+        seed=lambda j: 1000 + 100 * j,
+        score=BatchScorer(RewardPool("megarl.rewards.exact_match:exact_match", workers=1, timeout_s=10),
+                          lambda ids: "7"),
+        timeline=Timeline(), end=end, chunk_prompts=1, chunks_in_flight=2, min_replicas=min_replicas)
+
+
+def test_a_replica_admitted_at_a_push_point_takes_chunks_from_the_next_window(moe_fleet_2x1, encode):
+    # slot 0 is dead from the start (nothing listens there); at the push point before batch 2 a "restarted"
+    # replica (a live server) is admitted into slot 0 and generates part of the next window
+    dead = f"http://127.0.0.1:{free_port()}"
+    worker = _worker([dead, moe_fleet_2x1.urls[0]], encode, end=4)
+    try:
+        first = [worker.take(0), worker.take(1)]
+        assert worker.live_replicas() == 1 and list(worker.lost()) == [0] and worker.chunks_taken == [0, 2 * PROMPTS]
+        worker.quiesce(2)
+        worker.admit(0, RolloutClient(moe_fleet_2x1.urls[1], timeout_s=60))
+        worker.pushed(2)
+        second = [worker.take(2), worker.take(3)]
+        assert worker.live_replicas() == 2 and not worker.lost()
+        # the admitted replica took chunks of the second window only, and every prompt was generated once
+        assert worker.chunks_taken[0] >= 1 and sum(worker.chunks_taken) == 4 * PROMPTS, worker.chunks_taken
+    finally:
+        worker.close()
+    reference = _worker(moe_fleet_2x1.urls[:1], encode, end=4)
+    try:
+        expected = [reference.take(0), reference.take(1)]
+        reference.quiesce(2)
+        reference.pushed(2)
+        expected += [reference.take(2), reference.take(3)]
+    finally:
+        reference.close()
+    for j, (got, ref) in enumerate(zip(first + second, expected, strict=True)):
+        prompts = [encode(p.prompt) for p in problem_batch(j, PROMPTS, 9, seed=3)]
+        assert got.index == j and got.prompt_ids == [p for p in prompts for _ in range(K)]
+        assert got.response_ids == ref.response_ids  # same seeds, same weights: the one-replica samples
+
+
+def test_fewer_replicas_than_min_replicas_stops_the_rollout(moe_fleet_2x1, encode):
+    dead = f"http://127.0.0.1:{free_port()}"
+    worker = _worker([dead, moe_fleet_2x1.urls[0]], encode, end=2, min_replicas=2)
+    try:
+        with pytest.raises(RolloutWorkerError, match=r"1 replica\(s\) left, fewer than rollout.min_replicas=2") as err:
+            worker.take(0)
+        assert dead in str(err.value)
+    finally:
+        worker.close()

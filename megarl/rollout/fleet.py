@@ -11,6 +11,9 @@ Every server is guarded (`megarl.rollout.fleet_auth`): all routes but `/health` 
 from the file in `MEGARL_FLEET_SECRET_FILE`. `FleetSpec.secret_file=None` makes a fresh secret in a private
 temporary directory (mode 0700, file 0600) that `FleetHandle.stop()` deletes; name a file on a shared
 filesystem instead when the trainer runs on other nodes.
+
+`start_fleet(..., run_dir=...)` (`megarl train`'s own fleet) also registers every replica in `<run_dir>/fleet/` and
+restarts one whose server exits, up to `rollout.restarts` times (`megarl.rollout.restarts`).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -38,6 +42,7 @@ from megarl.sync.vllm_plugin import BACKEND_NAME
 
 if TYPE_CHECKING:
     from megarl.config.schema import Config
+    from megarl.rollout.restarts import ReplicaWatcher
 
 
 class FleetError(RuntimeError):
@@ -83,6 +88,9 @@ class FleetHandle:
     logs: list[Path]
     secret_file: Path  # the servers' secret, which clients send (`RolloutClient(secret_file=...)`)
     own_secret_dir: Path | None = None  # the temporary directory launch() made for the secret, removed by stop()
+    # restarts dead replicas (`start_fleet(..., run_dir=...)`): it replaces a replica's entry in urls and procs by its
+    # new server's (logs keep their paths: a restart appends), and stop() stops it before the servers
+    watcher: ReplicaWatcher | None = None
 
     @property
     def base_url(self) -> str:
@@ -98,7 +106,10 @@ class FleetHandle:
         self.stop()
 
     def stop(self, grace_s: float = 30.0) -> None:
-        """SIGTERM every server's process group, SIGKILL what is still alive after `grace_s`."""
+        """Stop the watcher first (no restart during shutdown), then SIGTERM every server's process group, SIGKILL
+        what is still alive after `grace_s`."""
+        if self.watcher is not None:
+            self.watcher.stop()
         for p in self.procs:
             _signal_group(p, signal.SIGTERM)
         deadline = time.time() + grace_s
@@ -199,10 +210,14 @@ def server_command(spec: FleetSpec, port: int) -> list[str]:
     ]
 
 
-def _wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout_s: float) -> None:
-    """Poll `/health` until it answers 200; raise with the log's tail if the server dies or times out."""
+def _wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout_s: float,
+                  stopping: threading.Event | None = None) -> None:
+    """Poll `/health` until it answers 200; raise with the log's tail if the server dies or times out (or at once,
+    saying so, when `stopping` is set)."""
     deadline = time.time() + timeout_s
     while time.time() < deadline:
+        if stopping is not None and stopping.is_set():
+            raise FleetError(f"vLLM server {url}: the fleet is stopping")
         if proc.poll() is not None:
             raise FleetError(f"vLLM server for {url} exited with code {proc.returncode}; last log lines "
                              f"({log}):\n{_tail(log)}")
@@ -239,6 +254,38 @@ def _tail(path: Path, lines: int = 30) -> str:
         return "(no log)"
 
 
+def server_port(spec: FleetSpec, replica: int, check_free: bool = True) -> int:
+    """The port replica `replica` listens on: `spec.port + replica` when `spec.port` pins them (refused if taken,
+    with `check_free`), else a free one."""
+    if not spec.port:
+        return free_port(spec.host)
+    port = spec.port + replica
+    if check_free and not port_free(port, spec.host):
+        raise FleetError(f"port {port} on {spec.host} is already in use (another server?): set rollout.port=0 "
+                         "or free it")
+    return port
+
+
+def start_server(spec: FleetSpec, replica: int, env: dict[str, str], log: Path,
+                 restart: bool = False) -> tuple[str, subprocess.Popen]:
+    """Start replica `replica`'s server (not waiting for it) in its own session, its output to `log`; its URL and
+    process. A `restart` appends to the log (the earlier incarnation's lines stay) and does not check a pinned port
+    first: the dead server's connections may hold it in TIME_WAIT, which vLLM's own bind (SO_REUSEADDR) accepts."""
+    port = server_port(spec, replica, check_free=not restart)
+    with log.open("a" if restart else "w") as f:
+        proc = subprocess.Popen(server_command(spec, port), stdout=f, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+    return f"http://{_url_host(spec.host)}:{port}", proc
+
+
+def wait_ready(url: str, proc: subprocess.Popen, log: Path, secret: str, timeout_s: float,
+               stopping: threading.Event | None = None) -> None:
+    """Wait until the server at `url` is healthy and guarded by `secret`; `FleetError` with its log's tail if not
+    (dead, unhealthy within `timeout_s`, unguarded) or if `stopping` is set meanwhile."""
+    _wait_healthy(url, proc, log, timeout_s, stopping)
+    _check_guarded(url, secret, log)
+
+
 def launch(spec: FleetSpec) -> FleetHandle:
     """Start every replica and wait until all are healthy and guarded (stops the ones started on failure)."""
     spec.log_dir.mkdir(parents=True, exist_ok=True)
@@ -251,20 +298,13 @@ def launch(spec: FleetSpec) -> FleetHandle:
     try:
         secret = read_secret(secret_file)  # fail here, not in every server, if the file is unusable
         for i in range(spec.first_replica, spec.first_replica + spec.replicas):
-            port = spec.port + i if spec.port else free_port(spec.host)
-            if not port_free(port, spec.host):
-                raise FleetError(f"port {port} on {spec.host} is already in use (another server?): set rollout.port=0 "
-                                 "or free it")
             log = spec.log_dir / f"vllm_replica{i}.log"
-            with log.open("w") as f:
-                proc = subprocess.Popen(server_command(spec, port), stdout=f, stderr=subprocess.STDOUT, env=env,
-                                        start_new_session=True)
-            fleet.urls.append(f"http://{_url_host(spec.host)}:{port}")
+            url, proc = start_server(spec, i, env, log)
+            fleet.urls.append(url)
             fleet.procs.append(proc)
             fleet.logs.append(log)
         for url, proc, log in zip(fleet.urls, fleet.procs, fleet.logs, strict=True):
-            _wait_healthy(url, proc, log, spec.startup_timeout_s)
-            _check_guarded(url, secret, log)
+            wait_ready(url, proc, log, secret, spec.startup_timeout_s)
     except BaseException:
         fleet.stop()
         raise
@@ -283,11 +323,29 @@ def fleet_spec(cfg: Config, **where: Any) -> FleetSpec:
 
 
 @contextmanager
-def start_fleet(cfg: Config, log_dir: Path) -> Iterator[FleetHandle]:
+def start_fleet(cfg: Config, log_dir: Path, run_dir: Path | None = None) -> Iterator[FleetHandle]:
     """The fleet of a run config (`megarl.config.schema.Config`), stopped on exit. Inside the block
     `MEGARL_FLEET_SECRET_FILE` names the fleet's secret file, so processes started there (the trainer ranks)
-    and `RolloutClient`s made there send it; the previous value is restored on exit."""
-    fleet = launch(fleet_spec(cfg, log_dir=Path(log_dir)))
+    and `RolloutClient`s made there send it; the previous value is restored on exit.
+
+    With `run_dir` (`megarl train`: the run's directory) the fleet is this run's: earlier registrations there are
+    cleared, every replica is registered in `<run_dir>/fleet/` once healthy and guarded, and a replica whose server
+    exits is restarted up to `rollout.restarts` times and registered again (`megarl.rollout.restarts`); the
+    registrations are removed when the fleet stops."""
+    spec = fleet_spec(cfg, log_dir=Path(log_dir))
+    if run_dir is not None:
+        from megarl.rollout.rendezvous import clear_fleet
+
+        clear_fleet(run_dir)  # an earlier run's registrations in the same run directory are not this fleet's
+    fleet = launch(spec)
+    if run_dir is not None:
+        from megarl.rollout.restarts import ReplicaWatcher
+
+        try:
+            ReplicaWatcher(fleet, spec, Path(run_dir), cfg.rollout.restarts).start()
+        except BaseException:
+            fleet.stop()
+            raise
     previous = os.environ.get(SECRET_ENV)
     os.environ[SECRET_ENV] = str(fleet.secret_file)
     try:

@@ -1,0 +1,159 @@
+"""`megarl train`'s own fleet (`start_fleet(..., run_dir=...)`) registers its replicas in `<run.dir>/fleet/` and
+restarts one whose server dies, at most `rollout.restarts` times (megarl/rollout/restarts.py). Real vLLM servers
+(one TP-1 replica of the tiny MoE, ~30 s per start on 2 cores) killed with SIGKILL, and checked from outside: the
+registration file as written on disk, HTTP requests to the URL it names, and /proc (which processes carry the
+fleet's secret file in their environment: every server process, engine core and workers included)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+
+from megarl.config.load import load_config
+from megarl.config.schema import Config
+from megarl.rollout.fleet import start_fleet
+from megarl.rollout.fleet_auth import SECRET_ENV, bearer_header, read_secret
+from megarl.rollout.rendezvous import register_replica, registrations
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _config(model_dir: Path, run_dir: Path, restarts: int) -> Config:
+    return load_config(ROOT / "configs" / "repro.yaml", [
+        f"model.hf_dir={model_dir}", f"run.dir={run_dir}", "rollout.replicas=1", "rollout.tp=1",
+        f"rollout.restarts={restarts}", "rollout.startup_timeout_s=300"])
+
+
+def _registration(run_dir: Path, replica: int = 0) -> dict[str, Any] | None:
+    try:
+        return json.loads((run_dir / "fleet" / f"replica{replica}.json").read_text())
+    except FileNotFoundError:
+        return None
+
+
+def _fleet_processes(secret_file: Path) -> list[int]:
+    """Running (not zombie) processes other than this one started with the fleet's secret file in their
+    environment, from /proc."""
+    mark = f"{SECRET_ENV}={secret_file}".encode()
+    found = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            if int(entry.name) == os.getpid() or mark not in (entry / "environ").read_bytes().split(b"\0"):
+                continue
+            if (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                found.append(int(entry.name))
+        except OSError:
+            continue  # exited while we looked, or not ours
+    return found
+
+
+def _in_group(pgid: int) -> list[int]:
+    """Running (not zombie) members of process group `pgid`, from /proc."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            members.append(int(stat.parent.name))
+    return members
+
+
+class _Stderr:
+    """What the test's process wrote to stderr so far (the watcher's threads print there)."""
+
+    def __init__(self, capfd: pytest.CaptureFixture[str]) -> None:
+        self.capfd, self.text = capfd, ""
+
+    def read(self) -> str:
+        self.text += self.capfd.readouterr().err
+        return self.text
+
+
+def _wait(condition: Callable[[], bool], timeout_s: float, what: str, stderr: _Stderr) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} not within {timeout_s:.0f}s; stderr:\n{stderr.read()[-3000:]}"
+        time.sleep(0.2)
+
+
+def _model(tiny_moe_dir: Path, tmp_path: Path) -> Path:
+    """This test's own copy of the checkpoint (one test breaks it)."""
+    return Path(shutil.copytree(tiny_moe_dir, tmp_path / "model"))
+
+
+def test_a_dead_replica_is_restarted_once_then_stays_down(tiny_moe_dir: Path, tmp_path: Path,
+                                                          capfd: pytest.CaptureFixture[str]) -> None:
+    run_dir, stderr = tmp_path / "run", _Stderr(capfd)
+    # registrations an earlier run left in the same run directory: not this fleet's
+    register_replica(run_dir, 0, "http://127.0.0.1:9", "an earlier run's secret", pid=1)
+    register_replica(run_dir, 3, "http://127.0.0.1:9", "an earlier run's secret", pid=1)
+    cfg = _config(_model(tiny_moe_dir, tmp_path), run_dir, restarts=1)
+    with start_fleet(cfg, log_dir=tmp_path / "logs", run_dir=run_dir) as fleet:
+        secret_file, secret, log = fleet.secret_file, read_secret(fleet.secret_file), fleet.logs[0]
+        first, first_url = fleet.procs[0], fleet.urls[0]
+        entry = _registration(run_dir)
+        assert entry is not None and (entry["url"], entry["pid"]) == (first_url, first.pid)
+        assert registrations(run_dir, secret) == {0: (first_url, f"{socket.gethostname()}:{first.pid}")}
+        assert not (run_dir / "fleet" / "replica3.json").exists(), "an earlier run's registration survived"
+        assert first.pid in _fleet_processes(secret_file)
+
+        os.killpg(first.pid, signal.SIGKILL)
+        _wait(lambda: (_registration(run_dir) or {}).get("pid", first.pid) != first.pid, 400,
+              "a new incarnation registered", stderr)
+        entry, second, url = _registration(run_dir), fleet.procs[0], fleet.urls[0]
+        assert entry is not None and entry["pid"] == second.pid != first.pid and entry["url"] == url
+        assert requests.get(f"{url}/health", timeout=10).status_code == 200
+        assert requests.get(f"{url}/v1/models", timeout=30).status_code == 401  # guarded
+        assert requests.get(f"{url}/v1/models", headers=bearer_header(secret), timeout=30).status_code == 200
+        assert not _in_group(first.pid), "the dead incarnation's engine core or workers outlived it"
+        assert (f"megarl: rollout replica 0 ({first_url}) exited with code -9 (log {log}); restarted as {url} "
+                "(restart 1 of 1)") in stderr.read()
+        assert "===== megarl: restart 1 of 1 of rollout replica 0" in log.read_text()  # the log goes on
+
+        os.killpg(second.pid, signal.SIGKILL)
+        _wait(lambda: "stays down" in stderr.read(), 60, "the stays-down line", stderr)
+        assert (f"megarl: rollout replica 0 ({url}) exited with code -9 (log {log}); it stays down: no restarts "
+                "left (rollout.restarts=1") in stderr.read()
+        assert _registration(run_dir) is None
+        time.sleep(3)  # three polls: nothing restarts it
+        assert fleet.procs[0] is second and not _fleet_processes(secret_file)
+        assert stderr.read().count("megarl: rollout replica 0") == 2
+    assert not list((run_dir / "fleet").glob("replica*.json"))
+    assert not _fleet_processes(secret_file) and not _in_group(first.pid) and not _in_group(second.pid)
+
+
+def test_a_failed_restart_counts_and_stopping_stops_a_restart(tiny_moe_dir: Path, tmp_path: Path,
+                                                              capfd: pytest.CaptureFixture[str],
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    run_dir, stderr, model = tmp_path / "run", _Stderr(capfd), _model(tiny_moe_dir, tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the broken checkpoint must not send vLLM to the network
+    cfg = _config(model, run_dir, restarts=2)
+    with start_fleet(cfg, log_dir=tmp_path / "logs", run_dir=run_dir) as fleet:
+        secret_file, log, first, first_url = fleet.secret_file, fleet.logs[0], fleet.procs[0], fleet.urls[0]
+        (model / "config.json").write_text("{ not json")  # every restart now fails to start
+        os.killpg(first.pid, signal.SIGKILL)
+        _wait(lambda: "restart 1 of 2 failed" in stderr.read(), 300, "the failed restart's line", stderr)
+        # restart 2 is under way (its server takes seconds to fail): leaving the block stops it
+        assert _registration(run_dir) is None
+        assert (f"megarl: rollout replica 0 ({first_url}) exited with code -9 (log {log}); restart 1 of 2 failed: "
+                "vLLM server") in stderr.read()
+        line = stderr.read().split("restart 1 of 2 failed")[1].splitlines()[0]
+        assert ", its log ending: OSError: " in line and "is not a valid JSON file" in line, line
+        assert line.endswith(f"(log {log})"), line
+    assert not _fleet_processes(secret_file), "a server outlived the fleet"
+    assert not _in_group(fleet.procs[0].pid)
+    assert "restart 2 of 2" not in stderr.read() and "stays down" not in stderr.read()
+    assert not list((run_dir / "fleet").glob("replica*.json"))
+    assert log.read_text().count("===== megarl: restart") in (1, 2)  # restart 2 had begun, or had not
