@@ -161,7 +161,8 @@ class ReplicaGroupsTransport:
         self.host, self.rank, self.trainers, self.tp = host, rank, trainers, tp
         self.timeout_s, self.window = timeout_s, window
         self.store = tcp_store(host, port, trainers + tp, is_master=rank == 0, timeout_s=timeout_s)
-        self.group = ReplicaGroups(trainers, tp)
+        self.groups = ReplicaGroups(trainers, tp)
+        self.group = self.groups  # what the sends talk to (tests wrap it to inject failures)
         self.generation: dict[int, int] = {}  # replica -> joins so far (the next join's prefix)
 
     def next_prefix(self, replica: int) -> str:
@@ -172,16 +173,16 @@ class ReplicaGroupsTransport:
         """Build replica `replica`'s group with its workers (blocks until they joined, or the group's timeout)."""
         prefix = self.next_prefix(replica)
         self.generation[replica] = self.generation.get(replica, 0) + 1
-        self.group.groups[replica] = process_group(dist.PrefixStore(prefix, self.store), self.rank,
+        self.groups.groups[replica] = process_group(dist.PrefixStore(prefix, self.store), self.rank,
                                                    self.trainers + self.tp, self.timeout_s)
 
     def leave(self, replica: int) -> None:
         """Drop replica `replica`'s group (its connections close with the last reference)."""
-        self.group.groups.pop(replica, None)
+        self.groups.groups.pop(replica, None)
 
     @property
     def replicas(self) -> list[int]:
-        return sorted(self.group.groups)
+        return sorted(self.groups.groups)
 
     def send(self, entries: list[WireEntry], local: list[tuple[HFSlice, torch.Tensor]],
              pack: Pack = raw_bytes) -> SendResult:
@@ -195,5 +196,6 @@ class ReplicaGroupsTransport:
         raise TypeError("a trainer rank's transport only sends")
 
     def close(self) -> None:
-        self.group.groups.clear()
-        self.store = None
+        """Drop every group (each closes its connections with its last reference) and the store handle."""
+        self.groups.groups.clear()
+        self.group, self.store = None, None
