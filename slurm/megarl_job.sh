@@ -263,15 +263,15 @@ else
     serve_cmd=(serve)
     rank_cmd=(rank)
 fi
-start_replica() {  # start_replica I [RESTART]: replica I's step on its node; a restart appends to the replica's log
-    local i=$1 restart=${2:-0} host=${rollout_hosts[$1 / per_node]} replica_mem open=()
+start_replica() {  # start_replica I [RESTART]: replica I's step on its node; a restart appends to the replica's logs
+    local i=$1 restart=${2:-0} host=${rollout_hosts[$1 / per_node]} replica_mem open=() again=()
     replica_mem=${ROLLOUT_MEM_PER_REPLICA_MB:-$(( ${node_mem_mb[$host]:-0} / per_node ))}
-    if (( restart > 0 )); then open=(--open-mode=append); fi
+    if (( restart > 0 )); then open=(--open-mode=append) again=(--restart); fi
     # shellcheck disable=SC2046
     run_step "$i" "megarl-serve-$i" "$host" --nodes=1 --ntasks=1 --cpus-per-task="$cpus_per_replica" --exact \
         $(gpu_option "$rollout_tp") $(mem_option "$replica_mem") --nodelist="$host" \
         --output="$logs/serve_replica$i.log" "${open[@]}" "${container[@]}" \
-        "${megarl_cmd[@]}" "${serve_cmd[@]}" --config "$config" --replica "$i"
+        "${megarl_cmd[@]}" "${serve_cmd[@]}" --config "$config" --replica "$i" "${again[@]}"
 }
 for (( i = 0; i < replicas; i++ )); do
     : > "$logs/megarl-serve-$i.srun"
@@ -311,11 +311,11 @@ fi
 restarts_made=()  # per replica: how many times it was restarted
 exit_codes=()     # per replica: the exit codes of its steps that ended while the trainer ran, e.g. "137,137"
 down=()           # per replica: 1 once it stays down
-logs_of() {  # logs_of I [VLLM_LOG]: where to read why replica I ended
-    echo "see $logs/serve_replica$1.log and ${2:-$logs/vllm_replica$1.log}"
+logs_of() {  # logs_of I: where to read why replica I ended
+    echo "see $logs/serve_replica$1.log and $logs/vllm_replica$1.log"
 }
 replica_ended() {  # replica_ended I: replica I's step has ended while the trainer runs: restart it, or leave it down
-    local i=$1 restart=$(( ${restarts_made[$1]:-0} + 1 )) vllm="$logs/vllm_replica$1.log"
+    local i=$1 restart=$(( ${restarts_made[$1]:-0} + 1 )) when
     reap_step "$i"
     exit_codes[i]=${exit_codes[i]:+${exit_codes[i]},}$step_code
     if (( restart > restarts )); then
@@ -326,12 +326,15 @@ replica_ended() {  # replica_ended I: replica I's step has ended while the train
         return 0
     fi
     restarts_made[i]=$restart
-    # the new server writes vllm_replica<i>.log afresh: keep the ended one's, numbered by the start that wrote it
-    if [[ -f $vllm ]] && mv -f "$vllm" "$vllm.$(( restart - 1 ))" 2>/dev/null; then vllm="$vllm.$(( restart - 1 ))"; fi
-    say "rollout replica $i exited with code $step_code ($(logs_of "$i" "$vllm")); restarting it" \
-        "(restart $restart of $restarts)"
+    say "rollout replica $i exited with code $step_code ($(logs_of "$i")); restarting it (restart $restart of" \
+        "$restarts)"
+    # its logs go on where the ended start's stop (`megarl serve --restart` appends to the vLLM log), after a line
+    # each, the vLLM log's as `megarl train` writes it when it restarts a replica of its own fleet
     say "restart $restart of $restarts of rollout replica $i (its step exited with code $step_code)" \
         2>> "$logs/serve_replica$i.log" || true
+    when=$(date -u '+%Y-%m-%d %H:%M:%S UTC')
+    printf '\n===== megarl: restart %s of %s of rollout replica %s (%s) =====\n' "$restart" "$restarts" "$i" "$when" \
+        >> "$logs/vllm_replica$i.log" || true
     printf -- '--- megarl job %s: restart %s of %s\n' "${SLURM_JOB_ID:-?}" "$restart" "$restarts" \
         >> "$logs/megarl-serve-$i.srun" || true
     start_replica "$i" "$restart"
