@@ -9,7 +9,7 @@ Roles: `megarl prepare` once, before the others; `megarl serve --replica I` per 
 on one node); `megarl rank` per trainer rank (trainer.world_size of them, placed by srun or torchrun).
   slurm  one heterogeneous job: group 0 = trainer nodes (one task per GPU), group 1 = rollout nodes (one replica
          per rollout.tp GPUs); prepare runs first on the first trainer node, then the rank step and one serve step
-         per replica.
+         per replica. nemo-run restarts no replica: when any step ends it kills the others (launchers/README.md).
   local  one machine: prepare, the replicas in the background, `torchrun --nproc-per-node=trainer.world_size`
          for the ranks; the replicas are stopped (SIGTERM) when the ranks end.
 Runs in the launch environment (`make launch-env`, launchers/README.md): nemo-run and megarl's base dependencies,
@@ -358,6 +358,10 @@ def main(argv: list[str] | None = None) -> int:
     job = Job(cfg, recipe_arg, args.overrides, workdir, megarl)
     print(f"megarl_nemo: trainer {topo.world_size} rank(s) on {topo.trainer_nodes} node(s); fleet {topo.replicas} "
           f"replica(s) x tp {topo.rollout_tp} on {topo.rollout_nodes} node(s) ({args.executor})", file=sys.stderr)
+    if not local and cfg.rollout.restarts:
+        print(f"megarl_nemo: rollout.restarts={cfg.rollout.restarts} does not apply here: nemo-run cannot restart one "
+              f"step of a het job, and when a replica's step ends it kills the others {args.poll_s}s later (--poll-s),"
+              " the trainer included; use slurm/megarl_job.sh for restarts (launchers/README.md)", file=sys.stderr)
     # nemo-run's console writes to stdout: there it goes to stderr, so that stdout is the dry run's script
     import nemo_run as run
 

@@ -105,6 +105,8 @@ def _parser() -> argparse.ArgumentParser:
             c.add_argument("--replica", type=int, required=True, help="which replica, 0..rollout.replicas-1")
             c.add_argument("--host", help="address to listen on (default: $MEGARL_BIND_ADDR, else this node's "
                            "address)")
+            c.add_argument("--restart", action="store_true", help="the launcher starts this replica again in the same "
+                           "job: append to its vLLM log (logs/vllm_replica<i>.log) instead of starting it afresh")
     sub.add_parser("algorithms", help="list registered algorithms")
     for name, (_, help_text) in _DELEGATED.items():
         sub.add_parser(name, help=help_text, add_help=False)
@@ -158,7 +160,9 @@ def _main(argv: list[str]) -> int:
             from megarl.config.load import load_config
 
             cfg = load_config(args.config, args.overrides)
-            return roles.serve(cfg, args.replica, args.host) if args.command == "serve" else roles.rank(cfg)
+            if args.command == "serve":
+                return roles.serve(cfg, args.replica, args.host, args.restart)
+            return roles.rank(cfg)
         elif args.command == "algorithms":
             from megarl.algorithms.registry import ALGORITHMS
 

@@ -119,8 +119,10 @@ def _raise_stop(signum: int, frame: object) -> None:
     raise _Stop(signal.Signals(signum).name)
 
 
-def serve(cfg: Config, replica: int, host: str | None = None) -> int:
-    """Run replica `replica` of the fleet until SIGTERM/SIGINT (exit 0) or until its server dies (exit 1)."""
+def serve(cfg: Config, replica: int, host: str | None = None, restart: bool = False) -> int:
+    """Run replica `replica` of the fleet until SIGTERM/SIGINT (exit 0) or until its server dies (exit 1).
+    `restart`: the launcher starts it again in the same job: its vLLM log is appended to (after the line the launcher
+    wrote there), not started afresh."""
     from megarl.rollout.fleet import FleetError, fleet_spec, launch
     from megarl.rollout.rendezvous import register_replica, unregister_replica
 
@@ -135,7 +137,7 @@ def serve(cfg: Config, replica: int, host: str | None = None) -> int:
         signal.signal(sig, _raise_stop)
     fleet = None
     try:
-        fleet = launch(spec)
+        fleet = launch(spec, restart=restart)
         register_replica(cfg.run.dir, replica, fleet.urls[0], secret)
         _say(f"rollout replica {replica} on {node_name()} serving at {fleet.urls[0]} ({visible_gpus()}; log "
              f"{fleet.logs[0]})")

@@ -6,13 +6,16 @@
 #   serve     one step per rollout replica on the rollout nodes: `megarl serve --replica i` (vLLM, TP rollout.tp)
 #   rank      one step on the trainer nodes: trainer.world_size tasks of `megarl rank`
 #
-# and exits with 0 only if the trainer ranks finished and no replica died before them. Every step's output goes to
-# $RUN_DIR/logs/; the job's own output file gets one line per event. Settings (environment variables, all
-# optional; the job script sets the defaults): docs/cluster.md.
+# and exits with the trainer's status: 0 if the trainer ranks finished with 0, else 1. A replica whose step ends
+# while the trainer runs is started again, the same step on the same node, at most ROLLOUT_RESTARTS times
+# (rollout.restarts); then it stays down and the trainer goes on with the replicas left (it fails by itself below
+# rollout.min_replicas). Every step's output goes to $RUN_DIR/logs/; the job's own output file gets one line per
+# event. Settings (environment variables, all optional; the job script sets the defaults): docs/cluster.md.
 #
 # Every step states its own resources (nodes, tasks, CPUs, GPUs, memory): a replica holds exactly rollout.tp GPUs
 # of its node, the trainer step one GPU per rank, and no job-level option (#SBATCH --gpus-per-node, --mem, ...)
-# reaches a step by inheritance. A step SLURM cannot start within STEP_START_S fails the job, named.
+# reaches a step by inheritance. A step SLURM cannot start within STEP_START_S fails the job, named (a restarted
+# replica's is named too, and the replica stays down).
 #
 # MEGARL_PREFLIGHT=1 runs the same steps, at the same places, as checks instead (`megarl preflight`): each reports
 # its node, ranks and GPUs, whether the run directory is shared, the stores and servers reachable from the other
@@ -31,10 +34,16 @@ CONTAINER_IMAGE=${CONTAINER_IMAGE:-}       # pyxis/enroot image for every step; 
 CONTAINER_MOUNTS=${CONTAINER_MOUNTS:-}     # pyxis mounts, e.g. /lustre:/lustre (the run dir must be visible)
 STOP_GRACE_S=${STOP_GRACE_S:-60}           # how long a stopping step may take before it is killed
 STEP_START_S=${STEP_START_S:-45}           # a step SLURM has not started after this long fails the job
+ROLLOUT_RESTARTS=${ROLLOUT_RESTARTS:-}     # restarts of each replica that dies; empty: the config's rollout.restarts
 POLL_S=${POLL_S:-5}                        # how often the job checks its steps
 MEGARL_PREFLIGHT=${MEGARL_PREFLIGHT:-0}    # 1: check the job's placement, network and files instead of training
 
 say() { printf 'megarl job %s: %s\n' "${SLURM_JOB_ID:-?}" "$*" >&2; }
+if [[ -n $ROLLOUT_RESTARTS && ! $ROLLOUT_RESTARTS =~ ^[0-9]+$ ]]; then
+    say "ROLLOUT_RESTARTS=$ROLLOUT_RESTARTS is not a number of restarts: set it to 0, 1, 2, ... or leave it unset" \
+        "(the config's rollout.restarts)"
+    exit 2
+fi
 
 # sbatch exports the job's own options to this script, and srun reads them as defaults for every step: with
 # `#SBATCH --gpus-per-node=8` each replica step would take all 8 GPUs of its node (`--gpus=4` does not reset it)
@@ -95,6 +104,7 @@ topology=$(srun --nodes=1 --ntasks=1 --cpus-per-task=1 --nodelist="${nodes[0]}" 
     exit 2
 }
 config=""
+config_restarts=0  # a megarl whose prepare does not print ROLLOUT_RESTARTS has no trainer that takes a replica back
 while IFS='=' read -r key value; do
     case $key in
         RUN_DIR) RUN_DIR=$value ;;
@@ -102,9 +112,11 @@ while IFS='=' read -r key value; do
         TRAINER_WORLD_SIZE) world_size=$value ;;
         ROLLOUT_REPLICAS) replicas=$value ;;
         ROLLOUT_TP) rollout_tp=$value ;;
+        ROLLOUT_RESTARTS) config_restarts=$value ;;
     esac
 done <<< "$topology"
 config=${config:-$RUN_DIR/config.yaml}
+restarts=${ROLLOUT_RESTARTS:-$config_restarts}
 logs="$RUN_DIR/logs"
 if (( MEGARL_PREFLIGHT )); then logs="$RUN_DIR/preflight"; fi
 if (( GPUS_PER_NODE > 0 )); then
@@ -144,35 +156,46 @@ for host in "${trainer_hosts_list[@]}"; do
 done
 
 # --- start the fleet and the trainer: every step runs in the background, named, so it can be watched and stopped --
+# Step i < replicas is replica i, step `trainer` the trainer. step_pids holds each step's live srun: a restarted
+# replica's new one, and "" once a step has ended and been waited for (an old pid could be reused by then).
 step_names=()
 step_pids=()
 step_where=()
-start_step() {  # start_step NAME WHERE SRUN_OPTION... -- COMMAND...: srun's own messages also go to logs/NAME.srun
-    local name=$1 where=$2
-    shift 2
-    srun --job-name="$name" "$@" 2> >(tee "$logs/$name.srun" >&2) &
-    step_names+=("$name")
-    step_pids+=("$!")
-    step_where+=("$where")
+run_step() {  # run_step INDEX NAME WHERE SRUN_OPTION... COMMAND...: (re)start step INDEX as srun in the background;
+    local index=$1 name=$2 where=$3  # srun's own messages also go to logs/NAME.srun (appended)
+    shift 3
+    srun --job-name="$name" "$@" 2> >(tee -a "$logs/$name.srun" >&2) &
+    step_names[index]=$name
+    step_pids[index]=$!
+    step_where[index]=$where
+}
+step_alive() {  # step_alive INDEX: the srun of step INDEX is still running
+    [[ -n ${step_pids[$1]} ]] && kill -0 "${step_pids[$1]}" 2>/dev/null
+}
+reap_step() {  # reap_step INDEX: wait for the srun of step INDEX; its exit code in $step_code, its pid forgotten
+    step_code=0
+    if [[ -n ${step_pids[$1]} ]]; then wait "${step_pids[$1]}" || step_code=$?; fi
+    step_pids[$1]=""
 }
 step_ids() {  # the SLURM step ids (job.step) of this job's steps called $1
     squeue --noheader --steps --jobs="$SLURM_JOB_ID" --format="%i %j" | awk -v name="$1" '$2 == name { print $1 }'
 }
-stop_steps() {  # SIGTERM to the tasks of every step still running; SIGKILL to those alive after STOP_GRACE_S
-    local i id deadline=$(( SECONDS + STOP_GRACE_S ))
-    for i in "${!step_pids[@]}"; do
-        if kill -0 "${step_pids[i]}" 2>/dev/null; then
+stop_steps() {  # stop_steps [INDEX...] (default: all): SIGTERM to the tasks of each step still running; SIGKILL to
+    local i id deadline=$(( SECONDS + STOP_GRACE_S )) which=("$@")  # those alive after STOP_GRACE_S
+    if (( ${#which[@]} == 0 )); then which=("${!step_pids[@]}"); fi
+    for i in "${which[@]}"; do
+        if step_alive "$i"; then
             for id in $(step_ids "${step_names[i]}"); do scancel --signal=TERM "$id" 2>/dev/null || true; done
         fi
     done
-    for i in "${!step_pids[@]}"; do
-        while kill -0 "${step_pids[i]}" 2>/dev/null && (( SECONDS < deadline )); do sleep 1; done
-        if kill -0 "${step_pids[i]}" 2>/dev/null; then
+    for i in "${which[@]}"; do
+        while step_alive "$i" && (( SECONDS < deadline )); do sleep 1; done
+        if step_alive "$i"; then
             say "${step_names[i]} did not stop within ${STOP_GRACE_S}s (STOP_GRACE_S): killing it"
             for id in $(step_ids "${step_names[i]}"); do scancel --signal=KILL "$id" 2>/dev/null || true; done
             kill -KILL "${step_pids[i]}" 2>/dev/null || true  # an srun still waiting for its step to be created
         fi
-        wait "${step_pids[i]}" 2>/dev/null || true
+        reap_step "$i"
     done
 }
 clean_up() {  # the job's secret: nothing may use it once the job ends
@@ -197,27 +220,34 @@ holders_of() {  # holders_of NODE: this job's running steps on NODE and what the
         if (id[1] != job || v["State"] != "RUNNING" || v["Name"] == "batch" || v["Name"] == "extern") next
         print v["NodeList"], v["Name"], v["TRES"] (v["TresPerNode"] == "" ? "" : "," v["TresPerNode"]) }')
 }
-wait_for_steps_to_start() {  # fail the job, naming them, if some steps are still not running after STEP_START_S
-    local i running reason holders deadline=$(( SECONDS + STEP_START_S )) pending=()
+await_steps() {  # await_steps INDEX...: wait at most STEP_START_S for SLURM to run these steps; $pending: those it
+    local i running deadline=$(( SECONDS + STEP_START_S ))  # still keeps pending
     while :; do
-        running=$(squeue --noheader --steps --jobs="$SLURM_JOB_ID" --format="%j")
+        running=$(squeue --noheader --steps --jobs="$SLURM_JOB_ID" --format="%j" || true)
         pending=()
-        for i in "${!step_pids[@]}"; do  # an srun that already ended is not pending (the watch below judges it)
-            if kill -0 "${step_pids[i]}" 2>/dev/null && ! grep -qxF "${step_names[i]}" <<< "$running"; then
-                pending+=("$i")
-            fi
+        for i in "$@"; do  # an srun that already ended is not pending (the watch below judges it)
+            if step_alive "$i" && ! grep -qxF "${step_names[i]}" <<< "$running"; then pending+=("$i"); fi
         done
-        if (( ${#pending[@]} == 0 )); then return 0; fi
-        if (( SECONDS >= deadline )); then break; fi
+        if (( ${#pending[@]} == 0 || SECONDS >= deadline )); then return 0; fi
         sleep 1
     done
+}
+pending_line() {  # pending_line INDEX: why step INDEX is not running, in one line (srun's last message since the
+    local reason holders  # step was last started: a restart writes a "--- " line into its .srun log first)
+    reason=$(awk '/^--- / { reason = "" } /^srun: / { reason = $0 } END { print reason }' \
+        "$logs/${step_names[$1]}.srun" 2>/dev/null || true)
+    holders=$(holders_of "${step_where[$1]%%,*}")
+    holders=${holders%, }
+    holders=${holders:+ steps of this job hold that node: $holders;}
+    echo "step ${step_names[$1]} on ${step_where[$1]} did not start within ${STEP_START_S}s (STEP_START_S): SLURM" \
+        "keeps it pending;$holders ${reason:-srun gave no reason yet}"
+}
+wait_for_steps_to_start() {  # fail the job, naming them, if some steps are still not running after STEP_START_S
+    local i
+    await_steps "${!step_pids[@]}"
+    if (( ${#pending[@]} == 0 )); then return 0; fi
     for i in "${pending[@]}"; do
-        reason=$(grep -h '^srun: ' "$logs/${step_names[i]}.srun" 2>/dev/null | tail -n 1 || true)
-        holders=$(holders_of "${step_where[i]%%,*}")
-        holders=${holders%, }
-        say "FAILED: step ${step_names[i]} on ${step_where[i]} did not start within ${STEP_START_S}s" \
-            "(STEP_START_S): SLURM keeps it pending;${holders:+ steps of this job hold that node: $holders;}" \
-            "${reason:-srun gave no reason yet}"
+        say "FAILED: $(pending_line "$i")"
         kill -TERM "${step_pids[i]}" 2>/dev/null || true  # an srun still waiting for its step gives up
     done
     say "stopping the job's other steps"
@@ -233,23 +263,29 @@ else
     serve_cmd=(serve)
     rank_cmd=(rank)
 fi
-for (( i = 0; i < replicas; i++ )); do
-    host=${rollout_hosts[i / per_node]}
+start_replica() {  # start_replica I [RESTART]: replica I's step on its node; a restart appends to the replica's logs
+    local i=$1 restart=${2:-0} host=${rollout_hosts[$1 / per_node]} replica_mem open=() again=()
     replica_mem=${ROLLOUT_MEM_PER_REPLICA_MB:-$(( ${node_mem_mb[$host]:-0} / per_node ))}
+    if (( restart > 0 )); then open=(--open-mode=append) again=(--restart); fi
     # shellcheck disable=SC2046
-    start_step "megarl-serve-$i" "$host" --nodes=1 --ntasks=1 --cpus-per-task="$cpus_per_replica" --exact \
+    run_step "$i" "megarl-serve-$i" "$host" --nodes=1 --ntasks=1 --cpus-per-task="$cpus_per_replica" --exact \
         $(gpu_option "$rollout_tp") $(mem_option "$replica_mem") --nodelist="$host" \
-        --output="$logs/serve_replica$i.log" "${container[@]}" \
-        "${megarl_cmd[@]}" "${serve_cmd[@]}" --config "$config" --replica "$i"
+        --output="$logs/serve_replica$i.log" "${open[@]}" "${container[@]}" \
+        "${megarl_cmd[@]}" "${serve_cmd[@]}" --config "$config" --replica "$i" "${again[@]}"
+}
+for (( i = 0; i < replicas; i++ )); do
+    : > "$logs/megarl-serve-$i.srun"
+    start_replica "$i"
 done
+trainer=$replicas
 trainer_hosts=$(IFS=,; echo "${trainer_hosts_list[*]}")
+: > "$logs/megarl-rank.srun"
 # shellcheck disable=SC2046
-start_step megarl-rank "$trainer_hosts" --nodes="$TRAINER_NODES" --ntasks="$world_size" \
+run_step "$trainer" megarl-rank "$trainer_hosts" --nodes="$TRAINER_NODES" --ntasks="$world_size" \
     --ntasks-per-node="$TRAINER_TASKS_PER_NODE" --cpus-per-task="$cpus_per_rank" --exact \
     $(gpu_option "$TRAINER_TASKS_PER_NODE") $(mem_option "$trainer_mem") --nodelist="$trainer_hosts" \
     --kill-on-bad-exit=1 --output="$logs/trainer_rank%t.log" "${container[@]}" \
     "${megarl_cmd[@]}" "${rank_cmd[@]}" --config "$config"
-trainer=$(( ${#step_pids[@]} - 1 ))  # the trainer is the last step; replica i is step i
 say "fleet: $replicas replica(s) on ${rollout_hosts[*]}; trainer: $world_size rank(s) on ${trainer_hosts_list[*]};" \
     "logs in $logs"
 wait_for_steps_to_start
@@ -258,9 +294,8 @@ wait_for_steps_to_start
 if (( MEGARL_PREFLIGHT )); then
     status=0
     for i in "${!step_pids[@]}"; do
-        code=0
-        wait "${step_pids[i]}" || code=$?
-        if (( code != 0 )); then say "preflight step ${step_names[i]} exited with code $code"; fi
+        reap_step "$i"
+        if (( step_code != 0 )); then say "preflight step ${step_names[i]} exited with code $step_code"; fi
     done
     scontrol show job --details "$SLURM_JOB_ID" > "$logs/allocation.txt" || true
     # shellcheck disable=SC2046
@@ -270,33 +305,82 @@ if (( MEGARL_PREFLIGHT )); then
     exit "$status"
 fi
 
-# --- watch: the trainer must finish while every replica is still up ----------------------------------------------
-replicas_up() {
-    local i
-    for (( i = 0; i < replicas; i++ )); do kill -0 "${step_pids[i]}" 2>/dev/null || return 1; done
+# --- watch: until the trainer ends. A replica whose step ends before it is started again, the same step on the same
+# node, at most $restarts times; then it stays down and the trainer goes on with the replicas left (it fails by itself
+# below rollout.min_replicas). The job's status is the trainer's.
+restarts_made=()  # per replica: how many times it was restarted
+exit_codes=()     # per replica: the exit codes of its steps that ended while the trainer ran, e.g. "137,137"
+down=()           # per replica: 1 once it stays down
+logs_of() {  # logs_of I: where to read why replica I ended
+    echo "see $logs/serve_replica$1.log and $logs/vllm_replica$1.log"
 }
-while kill -0 "${step_pids[trainer]}" 2>/dev/null && replicas_up; do sleep "$POLL_S"; done
-status=0
-for (( i = 0; i < replicas; i++ )); do  # a replica that died is the cause, whether or not the trainer noticed
-    if ! kill -0 "${step_pids[i]}" 2>/dev/null; then
-        code=0
-        wait "${step_pids[i]}" || code=$?
-        say "FAILED: rollout replica $i exited with code $code before the trainer finished" \
-            "(see $logs/serve_replica$i.log and $logs/vllm_replica$i.log)"
-        status=1
+replica_ended() {  # replica_ended I: replica I's step has ended while the trainer runs: restart it, or leave it down
+    local i=$1 restart=$(( ${restarts_made[$1]:-0} + 1 )) when
+    reap_step "$i"
+    exit_codes[i]=${exit_codes[i]:+${exit_codes[i]},}$step_code
+    if (( restart > restarts )); then
+        down[i]=1
+        say "rollout replica $i exited with code $step_code ($(logs_of "$i")); it stays down (no restart left:" \
+            "ROLLOUT_RESTARTS=$restarts); the trainer goes on with the replicas left and fails below" \
+            "rollout.min_replicas"
+        return 0
+    fi
+    restarts_made[i]=$restart
+    say "rollout replica $i exited with code $step_code ($(logs_of "$i")); restarting it (restart $restart of" \
+        "$restarts)"
+    # its logs go on where the ended start's stop (`megarl serve --restart` appends to the vLLM log), after a line
+    # each, the vLLM log's as `megarl train` writes it when it restarts a replica of its own fleet
+    say "restart $restart of $restarts of rollout replica $i (its step exited with code $step_code)" \
+        2>> "$logs/serve_replica$i.log" || true
+    when=$(date -u '+%Y-%m-%d %H:%M:%S UTC')
+    printf '\n===== megarl: restart %s of %s of rollout replica %s (%s) =====\n' "$restart" "$restarts" "$i" "$when" \
+        >> "$logs/vllm_replica$i.log" || true
+    printf -- '--- megarl job %s: restart %s of %s\n' "${SLURM_JOB_ID:-?}" "$restart" "$restarts" \
+        >> "$logs/megarl-serve-$i.srun" || true
+    start_replica "$i" "$restart"
+    await_steps "$i"
+    if (( ${#pending[@]} )); then  # as at the job's start, but the job goes on without it
+        say "$(pending_line "$i"); rollout replica $i stays down (restart $restart of $restarts did not start)"
+        kill -TERM "${step_pids[i]}" 2>/dev/null || true  # an srun still waiting for its step gives up
+        stop_steps "$i"
+        down[i]=1
+    fi
+}
+while step_alive "$trainer"; do
+    for (( i = 0; i < replicas; i++ )); do
+        if [[ -z ${down[i]:-} ]] && ! step_alive "$i" && step_alive "$trainer"; then replica_ended "$i"; fi
+    done
+    sleep "$POLL_S"
+done
+reap_step "$trainer"
+trainer_code=$step_code
+died=""  # the replicas whose steps ended while the trainer ran, or as it ended: the likely cause of its failure
+for (( i = 0; i < replicas; i++ )); do
+    state="up again"
+    if [[ -n ${step_pids[i]} ]] && ! step_alive "$i"; then  # ended as the trainer did: not restarted
+        reap_step "$i"
+        exit_codes[i]=${exit_codes[i]:+${exit_codes[i]},}$step_code
+        state="not restarted"
+    elif [[ -n ${down[i]:-} ]]; then
+        state="down"
+    fi
+    if [[ -n ${exit_codes[i]:-} ]]; then
+        codes="exit code ${exit_codes[i]}"
+        if [[ ${exit_codes[i]} == *,* ]]; then codes="exit codes ${exit_codes[i]}"; fi
+        died="${died:+$died; }replica $i ($codes; restarted ${restarts_made[i]:-0} of $restarts time(s); $state;"
+        died+=" $(logs_of "$i"))"
     fi
 done
-if ! kill -0 "${step_pids[trainer]}" 2>/dev/null; then
-    code=0
-    wait "${step_pids[trainer]}" || code=$?
-    if (( code != 0 )); then
-        say "FAILED: the trainer ranks exited with code $code (see $logs/trainer_rank*.log)"
-        status=1
-    elif (( status == 0 )); then
-        say "trainer finished; outputs in $RUN_DIR (summary.json, metrics.jsonl)"
-    fi
+status=0
+if (( trainer_code != 0 )); then
+    say "FAILED: the trainer ranks exited with code $trainer_code (see $logs/trainer_rank*.log)"
+    if [[ -n $died ]]; then say "rollout replica(s) that died before it, the likely cause: $died"; fi
+    say "stopping the job's other steps"
+    status=1
+else
+    say "trainer finished; outputs in $RUN_DIR (summary.json, metrics.jsonl)"
+    if [[ -n $died ]]; then say "rollout replica(s) that died during the run: $died"; fi
 fi
-if (( status != 0 )); then say "stopping the job's other steps"; fi
 stop_steps
 clean_up
 exit "$status"

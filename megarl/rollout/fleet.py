@@ -286,8 +286,9 @@ def wait_ready(url: str, proc: subprocess.Popen, log: Path, secret: str, timeout
     _check_guarded(url, secret, log)
 
 
-def launch(spec: FleetSpec) -> FleetHandle:
-    """Start every replica and wait until all are healthy and guarded (stops the ones started on failure)."""
+def launch(spec: FleetSpec, restart: bool = False) -> FleetHandle:
+    """Start every replica and wait until all are healthy and guarded (stops the ones started on failure).
+    `restart`: the replicas ran before in this run (a launcher restarts them): their logs are appended to."""
     spec.log_dir.mkdir(parents=True, exist_ok=True)
     own_dir = None if spec.secret_file is not None else Path(tempfile.mkdtemp(prefix="megarl_fleet_"))
     secret_file = Path(spec.secret_file).resolve() if own_dir is None else new_fleet_secret(own_dir)
@@ -299,7 +300,7 @@ def launch(spec: FleetSpec) -> FleetHandle:
         secret = read_secret(secret_file)  # fail here, not in every server, if the file is unusable
         for i in range(spec.first_replica, spec.first_replica + spec.replicas):
             log = spec.log_dir / f"vllm_replica{i}.log"
-            url, proc = start_server(spec, i, env, log)
+            url, proc = start_server(spec, i, env, log, restart=restart)
             fleet.urls.append(url)
             fleet.procs.append(proc)
             fleet.logs.append(log)
