@@ -46,9 +46,11 @@ def with_advantages(batch: RolloutBatch, algorithm: Algorithm, algo_cfg: Algorit
 
 def batch_metrics(batch: RolloutBatch, flags: tuple[str, ...] = ()) -> dict[str, float]:
     """The step record's view of a batch: mean reward, reward timeouts, samples the reward function flagged per flag
-    (`flags` are recorded as 0 when absent, e.g. `reward/unparsable`), response lengths in tokens."""
+    (`flags` are recorded as 0 when absent, e.g. `reward/unparsable`), response lengths in tokens, and the samples
+    it holds (prompts x K when nothing was lost or generated twice)."""
     lengths = [len(r) for r in batch.response_ids]
-    return {"reward/mean": float(batch.rewards.mean()), "reward/timeouts": batch.reward_timeouts,
+    return {"batch/samples": len(batch.response_ids),
+            "reward/mean": float(batch.rewards.mean()), "reward/timeouts": batch.reward_timeouts,
             **{f"reward/{flag}": 0 for flag in flags},
             **{f"reward/{flag}": n for flag, n in batch.reward_flags.items()},
             "response/length_mean": sum(lengths) / len(lengths),

@@ -163,6 +163,8 @@ def run_loop(cfg: Config, rank: int, policy, weight_sync,
     skipped_in_a_row = 0  # checkpoints are saved only after a step that was not skipped
     skipped_total = sum(r.get("train/skipped_step", 0) for r in writer.records) if writer is not None else 0
 
+    rollout: RolloutWorker | None = None  # rank 0's, started below (after the initial push, if any)
+
     def push() -> None:  # collective over the trainer ranks
         with _span(timeline, "push", "push", f"v{policy.version}"):
             before_push(weight_sync, rollout, roster, policy.version)
@@ -171,7 +173,7 @@ def run_loop(cfg: Config, rank: int, policy, weight_sync,
 
     if cfg.sync.push_initial and resumed is None:  # a resumed run's next batch starts with a push anyway
         push()
-    rollout, window_start = None, 0.0
+    window_start = 0.0
     try:
         if rank == 0 and start_rollout is not None:
             with _span(timeline, "trainer", "startup", "rollout worker"):
