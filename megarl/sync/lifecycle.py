@@ -136,14 +136,17 @@ class FleetLifecycle:
             for rep, client in self.clients.items():
                 try:
                     client.pause()
-                except RolloutServerLost as err:
+                    paused.append(client)
+                    if rep not in self._stale_closed:  # only an earlier trainer (one that died mid-update) leaves one
+                        client.collective_rpc("megarl_end_stale_update")
+                    client.start_weight_update()
+                    opened.append(client)
+                except RolloutServerLost as err:  # it may have died just now, after answering /pause
+                    if _still_serving(client):
+                        raise
                     lost[rep] = f"replica {rep} ({client.url}) does not answer: {type(err).__name__}: {err}"
-                    continue
-                paused.append(client)
-                if rep not in self._stale_closed:  # only an earlier trainer (one that died mid-update) leaves one open
-                    client.collective_rpc("megarl_end_stale_update")
-                client.start_weight_update()
-                opened.append(client)
+                    if paused and paused[-1] is client:
+                        paused.pop()
         except Exception as err:  # noqa: BLE001 - returned, then raised on every trainer rank
             for client in opened:
                 _best_effort(lambda c=client: c.finish_weight_update(None))  # closes the session, label unchanged
