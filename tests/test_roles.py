@@ -130,7 +130,7 @@ def prepared(tmp_path_factory: pytest.TempPathFactory) -> Path:
     assert out.returncode == 0, out.stderr[-3000:]
     topology = dict(line.split("=", 1) for line in out.stdout.splitlines())
     assert topology == {"RUN_DIR": str(root / "run"), "TRAINER_WORLD_SIZE": "2", "ROLLOUT_REPLICAS": "1",
-                        "ROLLOUT_TP": "2", "CONFIG": str(root / "run" / "config.yaml")}
+                        "ROLLOUT_TP": "2", "ROLLOUT_RESTARTS": "2", "CONFIG": str(root / "run" / "config.yaml")}
     return root / "run"
 
 

@@ -164,12 +164,13 @@ def _wait_for_line(tmp_path: Path, job: object, pattern: str, timeout_s: float) 
 
 
 def _wait_for_new_step(cluster: SlurmCluster, name: str, old: str, job: object, timeout_s: float) -> str:
-    """The id of the step called `name` once one other than `old` runs (a restarted step)."""
+    """The id of the step called `name` once one other than `old` runs (a restarted step; the old one may still be
+    listed while it completes)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         out = cluster.run("squeue", "--noheader", "--steps", "--format=%i %j").stdout
-        ids = [line.split()[0] for line in out.splitlines() if line.split()[1:] == [name]]
-        if ids and ids != [old]:
+        ids = [line.split()[0] for line in out.splitlines() if line.split()[1:] == [name] and line.split()[0] != old]
+        if ids:
             assert len(ids) == 1, out
             return ids[0]
         assert not job.done(), f"the job ended before {name} ran again"  # type: ignore[attr-defined]
@@ -184,12 +185,26 @@ def _step_placement(cluster: SlurmCluster, step: str) -> tuple[str, str, str]:
     return fields["NodeList"], fields["TRES"], fields.get("TresPerNode", "")
 
 
+def _serve_running(run_dir: Path, replica: int, restart: bool) -> bool:
+    """Whether a `megarl serve --replica <replica> [--restart]` of this run is running (from /proc)."""
+    want = f"{run_dir}/config.yaml\0--replica\0{replica}\0".encode() + (b"--restart\0" if restart else b"")
+    for entry in Path("/proc").iterdir():
+        try:
+            cmdline = (entry / "cmdline").read_bytes() if entry.name.isdigit() else b""
+        except OSError:
+            continue
+        if b"\0serve\0" in cmdline and want in cmdline and (restart or b"--restart" not in cmdline):
+            return True
+    return False
+
+
 def test_a_replica_that_keeps_dying_is_restarted_at_most_rollout_restarts_times(slurm_cluster: SlurmCluster,
                                                                                  tmp_path: Path) -> None:
     # ROLLOUT_RESTARTS=1 overrides the config's rollout.restarts (2): replica 1 is killed, restarted once (the same
-    # step on the same node with the same resources), killed again as soon as it runs, and then stays down. The
-    # second kill does not wait for the new vLLM server (~30 s here): the bound is the job script's, whatever
-    # the replica was doing.
+    # step on the same node with the same resources), killed again once its `megarl serve --restart` process runs
+    # (a signal sent as SLURM marks the step running may reach no task yet), and then stays down. The second kill
+    # does not wait for the new server (~30 s here, longer under load, while the run may end): the bound is the job
+    # script's, whatever the replica was doing.
     env = {**_job_env(tmp_path, "run.steps=16"), "ROLLOUT_RESTARTS": "1"}
     run_dir, logs = tmp_path / "run", tmp_path / "run" / "logs"
     with ThreadPoolExecutor(1) as pool:
@@ -206,6 +221,9 @@ def test_a_replica_that_keeps_dying_is_restarted_at_most_rollout_restarts_times(
         second = _wait_for_new_step(slurm_cluster, "megarl-serve-1", first, job, timeout_s=60)
         assert placement[0] == "node3" and "gpu" in placement[2], placement
         assert _step_placement(slurm_cluster, second) == placement  # node, CPUs, memory and GPUs as before
+        while not _serve_running(run_dir, replica=1, restart=True):  # the emulated nodes are this machine
+            assert not job.done() and time.monotonic() < deadline, "the restarted step never ran megarl serve"
+            time.sleep(0.2)
         slurm_cluster.run("scancel", "--signal=KILL", second)
         stays_down = _wait_for_line(tmp_path, job, r"rollout replica 1 exited with code \d+ .*stays down",
                                     timeout_s=60)
