@@ -7,12 +7,12 @@ Every group of processes megarl starts on one machine goes through `run_ranks`: 
 tests' distributed helpers. Each process calls `fn(rank, *args)`; `fn` and `args` must be picklable (`fn` a
 module-level function). How the processes start (`start_method`): on a machine with a GPU, spawned (a fresh
 interpreter: no CUDA or thread state inherited from the parent); without one, forked from a forkserver that has
-imported torch and megatron-core once (`PRELOAD`), because a fresh interpreter spends seconds of CPU importing
-them, per rank, per group (measured on the 2-core CI machine: 7-15 s for a group of two ranks spawned, 0.06 s
-forked once the server runs). Either way a rank starts with the parent's current environment variables, working
-directory and `sys.path`, not those of whoever started the forkserver. A rank's return value is serialised with
-`torch.save` into bytes and sent through its own pipe, so tensors come back as ordinary tensors (not views of
-shared memory that would die with the process).
+imported torch, megatron-core and the ranks' other third-party modules once (`PRELOAD`), because a fresh interpreter
+spends seconds of CPU importing them, per rank, per group (measured on the 2-core CI machine: 7-15 s for a group of
+two ranks spawned, 0.06 s forked once the server runs). Either way a rank starts with the parent's current
+environment variables, working directory and `sys.path`, not those of whoever started the forkserver. A rank's
+return value is serialised with `torch.save` into bytes and sent through its own pipe, so tensors come back as
+ordinary tensors (not views of shared memory that would die with the process).
 
 The parent never hangs on a dead rank: it waits on the pipes and on the processes' exit sentinels together, so
 a rank killed by a signal (the OOM killer's SIGKILL) or leaving through `os._exit` before reporting is a
@@ -34,8 +34,12 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any, Self
 
-# imported once by the forkserver (CPU machines), so its forked ranks start with them loaded
-PRELOAD = ("torch", "megatron.core")  # third-party only: megarl itself is imported by each rank (0.6 s)
+# imported once by the forkserver (CPU machines), so its forked ranks start with them loaded: torch, megatron-core and
+# the other third-party modules every trainer rank imports (transformers for the tokenizer, torch's distributed
+# optimizers through megatron's optimizer). Third-party only: megarl itself is imported by each rank (1.5 s of CPU).
+# Measured per rank of a 2-rank group: its imports of megarl's trainer modules took 3.6 s of CPU with torch and
+# megatron-core preloaded, 1.5 s with all of these. Not pyarrow: importing it starts a thread, and the server forks.
+PRELOAD = ("torch", "megatron.core", "transformers", "torch.distributed.optim")
 STOP_GRACE_S = 5.0  # after SIGTERM, how long a rank may take to exit before SIGKILL
 EXIT_GRACE_S = 60.0  # after reporting its result, how long a rank may take to exit before it is stopped
 
