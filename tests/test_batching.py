@@ -85,7 +85,8 @@ def test_batch_metrics_by_hand():
                          engine_logprobs=[[-0.1], [-0.1] * 3, [-0.1] * 2], rewards=torch.tensor([[1.0, 0.0, 0.5]]),
                          advantages=None, policy_version=0, reward_timeouts=1, reward_flags={"unparsable": 2})
     assert batch_metrics(batch, ("unparsable", "gold_unparsable")) == {
-        "batch/samples": 3, "reward/mean": 0.5, "reward/timeouts": 1, "reward/unparsable": 2, "reward/gold_unparsable": 0,
+        "batch/samples": 3, "reward/mean": 0.5, "reward/timeouts": 1, "reward/unparsable": 2,
+        "reward/gold_unparsable": 0,
         "response/length_mean": 2.0, "response/length_min": 1, "response/length_max": 3}
 
 

@@ -32,7 +32,9 @@ from tests.test_slurm_job import (
     _model_bytes,
     _records,
     _step_id,
+    _step_placement,
     _submit,
+    _wait_for_line,
 )
 
 PROMPTS, K = 32, 8  # configs/demo_moe.yaml's data.prompts_per_step and rollout.samples_per_prompt
@@ -97,6 +99,8 @@ def test_a_killed_replica_is_restarted_rejoins_and_no_step_or_sample_is_lost(slu
         job = pool.submit(_submit, slurm_cluster, tmp_path, env)
         _wait_for("a first trained step", lambda: _records_now(run_dir), job)
         first_pid = _registered_pid(run_dir, 1)
+        first_step = _step_id(slurm_cluster, "megarl-serve-1")
+        placement = _step_placement(slurm_cluster, first_step)
         url = json.loads((run_dir / "fleet" / "replica1.json").read_text())["url"]
         os.kill(_server_pid(url), signal.SIGKILL)  # replica 1's vLLM server, not its step
         # the trainer goes on with replica 0 alone: a push point leaves replica 1 out of the sync
@@ -112,7 +116,15 @@ def test_a_killed_replica_is_restarted_rejoins_and_no_step_or_sample_is_lost(slu
                      and any(q["fleet/replicas_in_sync"] == 1 for q in _records_now(run_dir)[:r["step"]])],
             job)[0]
         assert rejoined["step"] < steps - 3, f"replica 1 rejoined too late to be killed again: {rejoined}"
-        slurm_cluster.run("scancel", "--signal=KILL", _step_id(slurm_cluster, "megarl-serve-1"))
+        restarted_step = _step_id(slurm_cluster, "megarl-serve-1")
+        assert restarted_step != first_step and placement[0] == "node3" and "gpu" in placement[2], placement
+        assert _step_placement(slurm_cluster, restarted_step) == placement  # node, CPUs, memory, GPUs as before
+        slurm_cluster.run("scancel", "--signal=KILL", restarted_step)
+        stays_down = _wait_for_line(tmp_path, job, r"rollout replica 1 exited with code \d+ .*stays down",
+                                    timeout_s=60)
+        time.sleep(3)  # three of the job's polls (POLL_S=1): no second restart
+        steps_now = slurm_cluster.run("squeue", "--noheader", "--steps", "--format=%j").stdout.split()
+        assert "megarl-serve-1" not in steps_now and "megarl-serve-0" in steps_now, steps_now
         result = job.result()
 
     why = _describe(slurm_cluster, tmp_path, result)
@@ -120,6 +132,20 @@ def test_a_killed_replica_is_restarted_rejoins_and_no_step_or_sample_is_lost(slu
     output = _job_output(tmp_path, result)
     assert output.count("restarting it (restart 1 of 1)") == 1 and output.count("stays down") == 1, why
     assert re.search(r"rollout replica 1 exited with code 1 .*restarting it", output), why  # its vLLM died
+    assert re.fullmatch(r"megarl job \d+: rollout replica 1 exited with code 137 \(see \S+/serve_replica1\.log and "
+                        r"\S+/vllm_replica1\.log\); it stays down \(no restart left: ROLLOUT_RESTARTS=1\); the "
+                        r"trainer goes on with the replicas left and fails below rollout\.min_replicas",
+                        stays_down), why
+    assert "rollout replica 0 exited" not in output, why
+    assert re.search(r"replica 1 \(exit codes 1,137; restarted 1 of 1 time\(s\); down;", output), why
+    # the replica's logs go on across its two starts, one restart line between them: its step's, its vLLM
+    # server's (the first server's lines kept), srun's messages
+    logs = run_dir / "logs"
+    assert (logs / "serve_replica1.log").read_text().count("restart 1 of 1 of rollout replica 1") == 1, why
+    first_server, *restarts = (logs / "vllm_replica1.log").read_text().split(
+        "===== megarl: restart 1 of 1 of rollout replica 1 (")
+    assert len(restarts) == 1 and "vLLM" in first_server, why
+    assert (logs / "megarl-serve-1.srun").read_text().count("restart 1 of 1") == 1, why
     records = _records(run_dir)
     # every step trained once, at the schedule's lag, on prompts x K samples, with a finite loss
     assert [r["step"] for r in records] == list(range(steps)), why
@@ -139,3 +165,4 @@ def test_a_killed_replica_is_restarted_rejoins_and_no_step_or_sample_is_lost(slu
     model = _model_bytes(tmp_path / "tiny-moe")
     for r in pushed:
         assert r["sync/bytes_received"] == model * len(r["sync/served_versions"]) * r["sync/count"], r
+    slurm_cluster.wait_idle()

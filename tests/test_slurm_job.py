@@ -1,9 +1,9 @@
 """`sbatch slurm/guru_moe.sh` on a real SLURM cluster of emulated GPU nodes (tests/slurm_cluster.py): the same
 script users submit, at CPU scale through its environment variables (the tiny MoE recipe, a pipeline of two trainer
 ranks on node1 and node2, two vLLM replicas sharing node3 with their own GPUs each, as the shipped scripts place
-them). A finished run, a rollout replica killed over and over (restarted at most ROLLOUT_RESTARTS times), a killed
-replica the trainer cannot do without (rollout.min_replicas) and the resubmission that resumes the run from its last
-checkpoint, and a step SLURM cannot start, named within seconds."""
+them). A finished run, a killed replica the trainer cannot do without (rollout.min_replicas) and the resubmission
+that resumes the run from its last checkpoint, and a step SLURM cannot start, named within seconds. A replica killed
+mid-run, restarted, let back in and killed again (the run goes on): tests/test_slurm_failover.py."""
 
 from __future__ import annotations
 
@@ -163,95 +163,11 @@ def _wait_for_line(tmp_path: Path, job: object, pattern: str, timeout_s: float) 
     raise AssertionError(f"no line matching {pattern!r} in the job's output after {timeout_s}s")
 
 
-def _wait_for_new_step(cluster: SlurmCluster, name: str, old: str, job: object, timeout_s: float) -> str:
-    """The id of the step called `name` once one other than `old` runs (a restarted step; the old one may still be
-    listed while it completes)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        out = cluster.run("squeue", "--noheader", "--steps", "--format=%i %j").stdout
-        ids = [line.split()[0] for line in out.splitlines() if line.split()[1:] == [name] and line.split()[0] != old]
-        if ids:
-            assert len(ids) == 1, out
-            return ids[0]
-        assert not job.done(), f"the job ended before {name} ran again"  # type: ignore[attr-defined]
-        time.sleep(0.2)
-    raise AssertionError(f"{name} did not run again within {timeout_s}s")
-
-
 def _step_placement(cluster: SlurmCluster, step: str) -> tuple[str, str, str]:
     """Where a running step is and what it holds, as slurmctld says: (NodeList, TRES, TresPerNode)."""
     fields = dict(item.split("=", 1) for item in
                   cluster.run("scontrol", "--oneliner", "show", "step", step).stdout.split() if "=" in item)
     return fields["NodeList"], fields["TRES"], fields.get("TresPerNode", "")
-
-
-def _serve_running(run_dir: Path, replica: int, restart: bool) -> bool:
-    """Whether a `megarl serve --replica <replica> [--restart]` of this run is running (from /proc)."""
-    want = f"{run_dir}/config.yaml\0--replica\0{replica}\0".encode() + (b"--restart\0" if restart else b"")
-    for entry in Path("/proc").iterdir():
-        try:
-            cmdline = (entry / "cmdline").read_bytes() if entry.name.isdigit() else b""
-        except OSError:
-            continue
-        if b"\0serve\0" in cmdline and want in cmdline and (restart or b"--restart" not in cmdline):
-            return True
-    return False
-
-
-def test_a_replica_that_keeps_dying_is_restarted_at_most_rollout_restarts_times(slurm_cluster: SlurmCluster,
-                                                                                 tmp_path: Path) -> None:
-    # ROLLOUT_RESTARTS=1 overrides the config's rollout.restarts (2): replica 1 is killed, restarted once (the same
-    # step on the same node with the same resources), killed again once its `megarl serve --restart` process runs
-    # (a signal sent as SLURM marks the step running may reach no task yet), and then stays down. The second kill
-    # does not wait for the new server (~30 s here, longer under load, while the run may end): the bound is the job
-    # script's, whatever the replica was doing.
-    env = {**_job_env(tmp_path, "run.steps=16"), "ROLLOUT_RESTARTS": "1"}
-    run_dir, logs = tmp_path / "run", tmp_path / "run" / "logs"
-    with ThreadPoolExecutor(1) as pool:
-        job = pool.submit(_submit, slurm_cluster, tmp_path, env)
-        deadline = time.monotonic() + JOB_TIMEOUT_S
-        metrics = run_dir / "metrics.jsonl"
-        while not (metrics.is_file() and "\n" in metrics.read_text()):  # a step trained, both replicas serving
-            assert not job.done() and time.monotonic() < deadline, "the job did not train a step"
-            time.sleep(0.2)
-        first = _step_id(slurm_cluster, "megarl-serve-1")
-        placement = _step_placement(slurm_cluster, first)
-        slurm_cluster.run("scancel", "--signal=KILL", first)
-        restarting = _wait_for_line(tmp_path, job, r"rollout replica 1 exited", timeout_s=60)
-        second = _wait_for_new_step(slurm_cluster, "megarl-serve-1", first, job, timeout_s=60)
-        assert placement[0] == "node3" and "gpu" in placement[2], placement
-        assert _step_placement(slurm_cluster, second) == placement  # node, CPUs, memory and GPUs as before
-        while not _serve_running(run_dir, replica=1, restart=True):  # the emulated nodes are this machine
-            assert not job.done() and time.monotonic() < deadline, "the restarted step never ran megarl serve"
-            time.sleep(0.2)
-        slurm_cluster.run("scancel", "--signal=KILL", second)
-        stays_down = _wait_for_line(tmp_path, job, r"rollout replica 1 exited with code \d+ .*stays down",
-                                    timeout_s=60)
-        time.sleep(3)  # three of the job's polls (POLL_S=1): no third start
-        steps_now = slurm_cluster.run("squeue", "--noheader", "--steps", "--format=%j").stdout.split()
-        assert "megarl-serve-1" not in steps_now and "megarl-serve-0" in steps_now, steps_now
-        result = job.result()
-
-    output = _job_output(tmp_path, result)
-    why = _describe(slurm_cluster, tmp_path, result)
-    assert re.fullmatch(r"megarl job \d+: rollout replica 1 exited with code 137 \(see \S+/serve_replica1\.log and "
-                        r"\S+/vllm_replica1\.log\); restarting it \(restart 1 of 1\)", restarting), why
-    assert re.fullmatch(r"megarl job \d+: rollout replica 1 exited with code \d+ \(see \S+/serve_replica1\.log and "
-                        r"\S+/vllm_replica1\.log\); it stays down \(no restart left: ROLLOUT_RESTARTS=1\); the "
-                        r"trainer goes on with the replicas left and fails below rollout\.min_replicas",
-                        stays_down), why
-    assert output.count("restarting it") == 1 and output.count("stays down") == 1, why
-    assert "rollout replica 0 exited" not in output, why
-    # the replica's logs go on across the two starts, one restart line between them: its step's, its vLLM
-    # server's (the first server's lines kept), srun's messages
-    assert (logs / "serve_replica1.log").read_text().count("restart 1 of 1 of rollout replica 1") == 1, why
-    first_server, *restarts = (logs / "vllm_replica1.log").read_text().split(
-        "===== megarl: restart 1 of 1 of rollout replica 1 (")
-    assert len(restarts) == 1 and "vLLM" in first_server, why
-    srun_log = (logs / "megarl-serve-1.srun").read_text()
-    assert srun_log.count("restart 1 of 1") == 1 and "Killed" in srun_log, srun_log
-    assert re.search(r"replica 1 \(exit codes 137,\d+; restarted 1 of 1 time\(s\); down;", output), why
-    slurm_cluster.wait_idle()
 
 
 def test_killed_rollout_step_fails_the_job_and_resubmission_resumes(slurm_cluster: SlurmCluster,
