@@ -178,6 +178,7 @@ def run_loop(cfg: Config, rank: int, policy, weight_sync,
         if rank == 0 and start_rollout is not None:
             with _span(timeline, "trainer", "startup", "rollout worker"):
                 rollout = start_rollout(timeline, start, saved, data_position)
+            after_push(weight_sync, rollout)  # replicas the initial push found dead take no chunks
         for step in bar:
             before = push_point(schedule, step, cfg.run.steps)  # the batch a push of the weights precedes now
             if before is not None:

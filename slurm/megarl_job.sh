@@ -181,12 +181,14 @@ step_ids() {  # the SLURM step ids (job.step) of this job's steps called $1
     squeue --noheader --steps --jobs="$SLURM_JOB_ID" --format="%i %j" | awk -v name="$1" '$2 == name { print $1 }'
 }
 stop_steps() {  # stop_steps [INDEX...] (default: all): SIGTERM to the tasks of each step still running; SIGKILL to
-    local i id deadline=$(( SECONDS + STOP_GRACE_S )) which=("$@")  # those alive after STOP_GRACE_S
+    local i id ids deadline=$(( SECONDS + STOP_GRACE_S )) which=("$@")  # those alive after STOP_GRACE_S
     if (( ${#which[@]} == 0 )); then which=("${!step_pids[@]}"); fi
     for i in "${which[@]}"; do
         if step_alive "$i"; then
-            for id in $(step_ids "${step_names[i]}"); do scancel --signal=TERM "$id" 2>/dev/null || true; done
-        fi
+            ids=$(step_ids "${step_names[i]}" || true)
+            for id in $ids; do scancel --signal=TERM "$id" 2>/dev/null || true; done
+            if [[ -z $ids ]]; then kill -TERM "${step_pids[i]}" 2>/dev/null || true; fi  # its srun still waits for
+        fi  # SLURM to create the step: it gives up
     done
     for i in "${which[@]}"; do
         while step_alive "$i" && (( SECONDS < deadline )); do sleep 1; done
@@ -220,13 +222,18 @@ holders_of() {  # holders_of NODE: this job's running steps on NODE and what the
         if (id[1] != job || v["State"] != "RUNNING" || v["Name"] == "batch" || v["Name"] == "extern") next
         print v["NodeList"], v["Name"], v["TRES"] (v["TresPerNode"] == "" ? "" : "," v["TresPerNode"]) }')
 }
+declare -A step_stale=()  # index -> ids (job.step) of its ended steps, which squeue may still list while they complete
 await_steps() {  # await_steps INDEX...: wait at most STEP_START_S for SLURM to run these steps; $pending: those it
-    local i running deadline=$(( SECONDS + STEP_START_S ))  # still keeps pending
+    local i id name ok running deadline=$(( SECONDS + STEP_START_S ))  # still keeps pending
     while :; do
-        running=$(squeue --noheader --steps --jobs="$SLURM_JOB_ID" --format="%j" || true)
+        running=$(squeue --noheader --steps --jobs="$SLURM_JOB_ID" --format="%i %j" || true)
         pending=()
         for i in "$@"; do  # an srun that already ended is not pending (the watch below judges it)
-            if step_alive "$i" && ! grep -qxF "${step_names[i]}" <<< "$running"; then pending+=("$i"); fi
+            ok=0
+            while read -r id name; do  # a step of its name that is not one of its ended ones
+                if [[ $name == "${step_names[i]}" && " ${step_stale[$i]:-} " != *" $id "* ]]; then ok=1; fi
+            done <<< "$running"
+            if step_alive "$i" && (( ! ok )); then pending+=("$i"); fi
         done
         if (( ${#pending[@]} == 0 || SECONDS >= deadline )); then return 0; fi
         sleep 1
@@ -337,6 +344,7 @@ replica_ended() {  # replica_ended I: replica I's step has ended while the train
         >> "$logs/vllm_replica$i.log" || true
     printf -- '--- megarl job %s: restart %s of %s\n' "${SLURM_JOB_ID:-?}" "$restart" "$restarts" \
         >> "$logs/megarl-serve-$i.srun" || true
+    step_stale[$i]="${step_stale[$i]:-} $(step_ids "${step_names[i]}" | tr '\n' ' ' || true)"
     start_replica "$i" "$restart"
     await_steps "$i"
     if (( ${#pending[@]} )); then  # as at the job's start, but the job goes on without it

@@ -67,13 +67,20 @@ def _server_pid(url: str) -> int:
     return int(found[0])
 
 
+def _is_python(pid: int) -> bool:
+    try:
+        return Path(Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()).name.startswith("python")
+    except OSError:  # it ended meanwhile
+        return False
+
+
 @contextmanager
 def _trainer_frozen(run_dir: Path) -> Iterator[None]:
     """The job's trainer ranks stopped (SIGSTOP) inside the block, so a restart that takes longer than the rest of
     the run (vLLM starts take 30 s to minutes on a loaded machine) still happens mid-run; SIGCONT after."""
-    pids = [int(p) for p in subprocess.run(["pgrep", "-f", f"megarl rank --config {run_dir}/"], capture_output=True,
-                                           text=True).stdout.split()]
-    assert len(pids) == 2, pids
+    found = subprocess.run(["pgrep", "-f", f"megarl rank --config {run_dir}/"], capture_output=True, text=True)
+    pids = [int(p) for p in found.stdout.split() if _is_python(int(p))]  # the ranks, not the sruns that started them
+    assert len(pids) == 2, (found.stdout, pids)
     for pid in pids:
         os.kill(pid, signal.SIGSTOP)
     try:

@@ -58,8 +58,15 @@ class Roster:
                             now[rep][0], err)
                 continue
             back[rep] = client
-            self.known[rep] = now[rep][1]
         return back
+
+    def admitted(self, replicas: Iterable[int]) -> None:
+        """These replicas (from `restarted`) joined the sync: their current incarnations are the known ones (one
+        that failed to join stays unknown, so the next push point tries it again)."""
+        now = registrations(self.run_dir, self.secret) if self.secret else {}
+        for rep in replicas:
+            if rep in now:
+                self.known[rep] = now[rep][1]
 
 
 def before_push(weight_sync: Any, rollout: RolloutWorker | None, roster: Roster | None, version: int) -> None:
@@ -76,10 +83,15 @@ def before_push(weight_sync: Any, rollout: RolloutWorker | None, roster: Roster 
         for rep in back:
             if rep in weight_sync.live and rep not in lost:
                 lost[rep] = f"replica {rep} was restarted (it registered again at {back[rep].url})"
-    weight_sync.leave_replicas(lost, version)
-    for rep in weight_sync.admit(back):
-        logger.warning("rollout replica %d (%s) rejoined the weight sync: the push to version %d sends it the whole "
-                       "model, then it takes prompts", rep, back[rep].url if rep in back else "?", version)
+    weight_sync.leave_replicas(lost, version, bound=False)  # a restarted replica may rejoin just below
+    admitted = weight_sync.admit(back)
+    if roster is not None:
+        roster.admitted(admitted)
+    for rep in admitted:
+        if rep in back:
+            logger.warning("rollout replica %d (%s) rejoined the weight sync: the push to version %d sends it the "
+                           "whole model, then it takes prompts", rep, back[rep].url, version)
+    weight_sync.require_min_replicas(version)
 
 
 def after_push(weight_sync: Any, rollout: RolloutWorker | None) -> None:

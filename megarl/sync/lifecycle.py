@@ -156,6 +156,13 @@ class FleetLifecycle:
         self._stale_closed |= set(self.clients) - set(lost)
         return None, lost
 
+    def abort_open(self, lost: dict[int, str]) -> None:
+        """Undo `open` on every replica but the `lost` ones: close the session unlabelled and resume."""
+        for rep, client in self.clients.items():
+            if rep not in lost:
+                _best_effort(lambda c=client: c.finish_weight_update(None))
+                _best_effort(client.resume)
+
     def start_updates(self, infos: dict[int, list[dict[str, Any]]]) -> dict[int, ResultThread]:
         """One `/update_weights` call per replica, each in a thread (it returns once its workers have received,
         checked and loaded their blocks); `infos[i]` holds replica i's update info per TP rank."""
@@ -201,6 +208,6 @@ class FleetLifecycle:
                     after = "it keeps serving its previous weights"
                 failures[rep] = f"replica {rep} ({client.url}): {type(err).__name__}: {err} ({after})"
             finally:
-                if not mixed and rep not in dead:
+                if not mixed:  # (a dead one refuses at once; one wrongly judged dead serves on)
                     _best_effort(client.resume)
         return reports, failures, dead

@@ -146,6 +146,15 @@ class PartitionedWeightSync:
         for t in joins.values():
             t.join_or_raise()
 
+    def require_min_replicas(self, version: int) -> None:
+        """Every trainer rank (they agree on `live`): raise `WeightSyncError` if fewer than `min_replicas` replicas
+        are in the sync."""
+        if len(self.live) < self.min_replicas:
+            lost = "; ".join(why for _, why in sorted(self.lost.items())) or "none lost"
+            raise WeightSyncError(f"weight sync to version {version}: {len(self.live)} replica(s) in the sync, fewer "
+                                  f"than rollout.min_replicas={self.min_replicas} (lost: {lost}); resume from the last "
+                                  "checkpoint once the fleet is back")
+
     def _join_threads(self, groups: dict[int, str]) -> dict[int, Any]:
         """Rank 0: ask the replicas in `groups` (replica -> its group's prefix) to join; the threads to join after."""
         if self.fleet is None:
@@ -179,11 +188,16 @@ class PartitionedWeightSync:
         threads = {}
         if self.fleet is not None:
             for rep in asked:
+                try:  # a server that does not answer stays out; the others join
+                    clients[rep].weight_version()
+                except Exception as err:  # noqa: BLE001 - named in the warning below
+                    failed[rep] = f"{type(err).__name__}: {err}"
+                    continue
                 self.fleet.clients[rep] = clients[rep]
             try:
-                threads = self._join_threads(groups)
-            except Exception as err:  # noqa: BLE001 - a server that does not answer: it stays out
-                failed = {rep: f"{type(err).__name__}: {err}" for rep in asked}
+                threads = self._join_threads({rep: g for rep, g in groups.items() if rep not in failed})
+            except Exception as err:  # noqa: BLE001 - it died since: it stays out with the others
+                failed |= {rep: f"{type(err).__name__}: {err}" for rep in asked if rep not in failed}
         box = [failed]
         dist.broadcast_object_list(box, src=0)
         failed = dict(box[0])
@@ -276,6 +290,8 @@ class PartitionedWeightSync:
             self._needs_reported = True
         with self._trainer_ranks_answer(version):
             failure, lost = self.fleet.open() if self.fleet else (None, {})
+            if self.fleet is not None and lost and len(set(self.live) - set(lost)) < self.min_replicas:
+                self.fleet.abort_open(lost)  # the push will not happen: the survivors serve on, unchanged
             self._raise_everywhere(failure, version)
             self.leave_replicas(lost, version)
         phases["open_s"] = lap()
@@ -355,10 +371,11 @@ class PartitionedWeightSync:
                        sum(e.block.numel for e in entries if e.receiver == w)) for w in receivers},
         )
 
-    def leave_replicas(self, lost: dict[int, str], version: int, known: bool = False) -> None:
+    def leave_replicas(self, lost: dict[int, str], version: int, known: bool = False, bound: bool = True) -> None:
         """Collective over the trainer ranks: rank 0's `lost` replicas (replica -> why, each naming its replica
         and URL) leave the sync on every rank (`known`: every rank passes them already); with fewer than
-        `min_replicas` left, every rank raises `WeightSyncError` naming them (`version`: the push it is part of)."""
+        `min_replicas` left, every rank raises `WeightSyncError` naming them (`version`: the push it is part of;
+        `bound=False`: the caller checks later, `require_min_replicas`, e.g. after restarted replicas rejoin)."""
         if not known:
             box: list[Any] = [lost]
             dist.broadcast_object_list(box, src=0)
@@ -367,7 +384,7 @@ class PartitionedWeightSync:
             return
         self._leave(lost)
         names = "; ".join(why for _, why in sorted(lost.items()))  # each names its replica and URL
-        if len(self.live) < self.min_replicas:
+        if bound and len(self.live) < self.min_replicas:
             raise WeightSyncError(f"weight sync to version {version} failed: {names}; {len(self.live)} replica(s) "
                                   f"left, fewer than rollout.min_replicas={self.min_replicas} (resume from the last "
                                   "checkpoint once the fleet is back)")
