@@ -61,7 +61,7 @@ def prepared(earlier_run: Path, tiny_moe_dir: Path) -> dict[str, str]:
 def test_prepare_preflight_touches_no_run(prepared: dict[str, str], earlier_run: Path) -> None:
     config = earlier_run / "preflight" / "config.yaml"
     assert prepared == {"RUN_DIR": str(earlier_run), "TRAINER_WORLD_SIZE": "4", "ROLLOUT_REPLICAS": "2",
-                        "ROLLOUT_TP": "2", "CONFIG": str(config)}
+                        "ROLLOUT_TP": "2", "ROLLOUT_RESTARTS": "2", "CONFIG": str(config)}
     assert (earlier_run / "metrics.jsonl").read_text() == '{"step": 0}\n'
     assert (earlier_run / "private" / "fleet_secret").read_text() == "s3cret"
     assert (earlier_run / "fleet" / "replica0.json").exists() and not (earlier_run / "config.yaml").exists()
