@@ -39,6 +39,7 @@ class Roster:
         # replica -> the incarnation the trainer holds in the sync (None: not registered as the URL it started with)
         self.known: dict[int, str | None] = {
             i: now[i][1] if i in now and now[i][0] == url else None for i, url in enumerate(urls)}
+        self._offered: dict[int, str] = {}  # replica -> the incarnation `restarted` last returned a client of
 
     def restarted(self, replicas: Iterable[int]) -> dict[int, RolloutClient]:
         """Among `replicas`, those registered as a new incarnation that answers with this job's secret:
@@ -58,15 +59,16 @@ class Roster:
                             now[rep][0], err)
                 continue
             back[rep] = client
+            self._offered[rep] = now[rep][1]
         return back
 
     def admitted(self, replicas: Iterable[int]) -> None:
-        """These replicas (from `restarted`) joined the sync: their current incarnations are the known ones (one
-        that failed to join stays unknown, so the next push point tries it again)."""
-        now = registrations(self.run_dir, self.secret) if self.secret else {}
+        """These replicas (from `restarted`) joined the sync: the incarnations `restarted` offered are the known
+        ones (one that failed to join stays unknown, so the next push point tries it again; one restarted once more
+        since it was offered is a new incarnation, let in at the next push point)."""
         for rep in replicas:
-            if rep in now:
-                self.known[rep] = now[rep][1]
+            if rep in self._offered:
+                self.known[rep] = self._offered[rep]
 
 
 def before_push(weight_sync: Any, rollout: RolloutWorker | None, roster: Roster | None, version: int) -> None:

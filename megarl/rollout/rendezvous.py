@@ -58,15 +58,6 @@ def unregister_replica(run_dir: Path | str, replica: int) -> None:
     (fleet_dir(run_dir) / f"replica{replica}.json").unlink(missing_ok=True)
 
 
-def _registered(path: Path, job: str) -> str | None:
-    """The URL in a registration file of this job, or None (absent, unreadable, or another job's)."""
-    try:
-        entry = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return entry.get("url") if entry.get("job") == job else None
-
-
 def registrations(run_dir: Path | str, secret: str) -> dict[int, tuple[str, str]]:
     """This job's registered replicas now: replica -> (url, incarnation), where the incarnation (node and pid of the
     registering process) changes when a replica is restarted, even at the same URL. Another job's files, partial
@@ -138,10 +129,10 @@ def wait_for_fleet(run_dir: Path | str, replicas: int, secret: str, timeout_s: f
     """The URLs of replicas 0..replicas-1 of this job, in order, once all have registered; `FleetError` naming
     the missing replicas, which of them started (and their logs) and which never did, if some have not registered
     within `timeout_s` (rollout.startup_timeout_s)."""
-    job, directory = secret_id(secret), fleet_dir(run_dir)
     deadline = time.monotonic() + timeout_s
     while True:
-        urls = [_registered(directory / f"replica{i}.json", job) for i in range(replicas)]
+        found = registrations(run_dir, secret)
+        urls = [found[i][0] if i in found else None for i in range(replicas)]
         if all(urls):
             return [url for url in urls if url]
         if time.monotonic() >= deadline:
