@@ -58,7 +58,8 @@ def run_rank(cfg: Config, place: ProcessPlace, sync_port: int, fleet_urls: Calla
         hf = read_hf_config(cfg.model.hf_dir)
         policy = MegatronPolicy(cfg.model.hf_dir, hf, cfg.optimizer, logprob_chunk=t.logprob_chunk_tokens,
                                 distributed_optimizer=t.distributed_optimizer, recompute=t.recompute,
-                                routing_replay=t.routing_replay)
+                                routing_replay=t.routing_replay, logprob_vocab_block=t.logprob_vocab_block,
+                                logprob_kernel=t.logprob_kernel)
         urls = fleet_urls() if rank == 0 else []
         clients = [RolloutClient(url) for url in urls]
         weight_sync = PartitionedWeightSync(

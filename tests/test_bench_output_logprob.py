@@ -61,6 +61,18 @@ def test_methods_match_a_float64_dense_reference(records):
                     assert err < 1e-5, f"{method} tokens={n} TP={tp} {key}: relative error {err:.2e}"
 
 
+def test_fused_vocab_blocks_match_the_reference():
+    """`--vocab-block 1000` (no divisor of the 4,096-row shards): the tiled fused method still equals float64."""
+    cfg = OutputBenchConfig(**{**CFG.__dict__, "vocab_block": 1000})
+    values: dict = {}
+    output_logprob.measure(cfg, [CFG.hidden], [256], [2], methods=("fused",), progress=False, values=values)
+    ref, probes = _reference(256), values["fused", 2, 256, CFG.hidden]
+    for key in ("logp", "entropy"):
+        torch.testing.assert_close(probes[key].double(), ref[key], atol=2e-5, rtol=1e-5, msg=key)
+    for key in ("grad_h_probe", "grad_w_probe"):
+        assert float((probes[key] - ref[key]).norm() / ref[key].norm()) < 1e-5, key
+
+
 def test_records_measured_projected_and_bounded(records):
     assert {(r["method"], r["tp"], r["tokens"]) for r in records} == {(m, 2, n) for m in METHODS for n in TOKENS}
     for r in records:

@@ -4,7 +4,8 @@ values the loss sees in `train_step`), the same loss and the same gradient of ev
 layer's (or the tied embedding's) included, as the unfused output layer + `vocab_parallel_logprobs_entropy`.
 Layouts: TP 1, TP 2 (a vocabulary of 31 padded to 32: rank 1's shard ends in a padding row), PP 2, the tied
 tiny model at PP 1 (the output weight IS the embedding; TP 1 and 2) and PP 2 (the last stage's copy). Chunks of 5 tokens
-(microbatches of 2 x 7 tokens: 3 chunks, the last partial). Sequence parallelism (MoE at TP > 1) cannot be built
+(microbatches of 2 x 7 tokens: 3 chunks, the last partial); in three layouts also vocabulary blocks of 5 or 7 rows
+(`trainer.logprob_vocab_block`). Sequence parallelism (MoE at TP > 1) cannot be built
 on CPU (megatron's torch norms refuse it without Transformer Engine / Apex): its gather / reduce-scatter is tested
 at the function level (tests/test_fused_output_logprobs.py).
 
@@ -38,6 +39,8 @@ LAYOUTS = [
     ("tied-pp2", 2, TrainerLayout(pp=2), "dense-tied"),
     ("tied-tp2", 2, TrainerLayout(tp=2), "dense-tied"),
 ]
+# the fused path tiled over vocabulary blocks too (`trainer.logprob_vocab_block`): 5 and 7 rows divide no shard
+VOCAB_BLOCKS = {"tp2-vocab31": 5, "pp2": 7, "tied-tp2": 5}
 TOL = dict(atol=1e-6, rtol=1e-6)
 
 
@@ -87,7 +90,8 @@ def _rank(rank, world, layouts, ports, hf_dirs):
         init_trainer_groups(layout, rank, size, "127.0.0.1", port)
         try:
             hf = read_hf_config(hf_dirs[kind])
-            policy = MegatronPolicy(hf_dirs[kind], hf, OptimizerConfig(lr=1e-3, grad_clip=1e9), logprob_chunk=CHUNK)
+            policy = MegatronPolicy(hf_dirs[kind], hf, OptimizerConfig(lr=1e-3, grad_clip=1e9), logprob_chunk=CHUNK,
+                                    logprob_vocab_block=VOCAB_BLOCKS.get(label))
             default_fused = policy.fused_logprobs  # the default: fused wherever there is an output layer
             out = {fused: _run(policy, hf, fused) for fused in (True, False)}
             hidden, vocab_shard = hf["hidden_size"], None

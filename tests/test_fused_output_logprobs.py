@@ -7,7 +7,8 @@ chunk sizes that do and do not divide the tokens:
   states and of the whole weight, to 1e-6 (values) / 1e-5 relative to the largest gradient.
 And it holds far less memory: the peak resident memory of forward + backward at 4096 tokens x 32k vocabulary
 (fp32 logits: 512 MB), chunks of 256 tokens, measured in a fresh process per path (VmHWM after resetting it
-through /proc/self/clear_refs), is below a fifth of the unfused path's (observed: a tenth).
+through /proc/self/clear_refs), is below a fifth of the unfused path's (observed: a tenth), and tiles of 2,048
+vocabulary rows halve it again.
 bf16 (the GPU's dtype) is checked against the unfused path at bf16's resolution.
 """
 
@@ -29,6 +30,8 @@ from tests.dist_utils import run_distributed
 S, B, H = 20, 2, 8  # sequence divisible by 1, 2, 4 (sequence parallel slices); 40 tokens, not a chunk multiple
 V_PADDED, V_REAL = 48, 45  # the last TP rank's shard ends in padding rows at TP 2 and 4
 CHUNKS = (7, 4096)  # 7 divides neither the 40 tokens nor a sequence slice; 4096 is one chunk
+# (token chunk, vocabulary block): 5 rows divides no shard (48, 24, 12 rows, 45 / 21 / 9 real), None is the shard
+TILINGS = [(chunk, None) for chunk in CHUNKS] + [(7, 5), (4096, 5)]
 
 
 def _inputs():
@@ -63,11 +66,11 @@ def _rank(rank, world, sequence_parallel):
     group = dist.new_group(list(range(world)))
     hidden, weight, targets, mask, w_lp, w_ent = _inputs()
     out = {}
-    for chunk in CHUNKS:
+    for chunk, block in TILINGS:
         shard = weight[rank * v:(rank + 1) * v].clone().requires_grad_(True)
         s = S // world
         h = (hidden[rank * s:(rank + 1) * s] if sequence_parallel else hidden).clone().requires_grad_(True)
-        lp, ent = fused_output_logprobs_entropy(h, shard, targets, group, chunk, valid, sequence_parallel)
+        lp, ent = fused_output_logprobs_entropy(h, shard, targets, group, chunk, valid, sequence_parallel, block)
         _loss(lp, ent, mask, w_lp, w_ent).backward()
         fused = (lp.detach(), ent.detach(), h.grad, shard.grad)
 
@@ -79,7 +82,7 @@ def _rank(rank, world, sequence_parallel):
         _loss(lp_u, ent_u, mask, w_lp, w_ent).backward()
         grad_h = h_u.grad.clone()
         dist.all_reduce(grad_h, group=group)  # ColumnParallelLinear's input gradient: summed over the shards
-        out[chunk] = fused, (lp_u.detach(), ent_u.detach(), grad_h, shard_u.grad)
+        out[chunk, block] = fused, (lp_u.detach(), ent_u.detach(), grad_h, shard_u.grad)
     return out
 
 
@@ -89,9 +92,9 @@ def test_matches_unfused_and_dense(world, sequence_parallel):
     ref_lp, ref_ent, ref_gh, ref_gw = _dense_reference()
     per_rank = run_distributed(_rank, world, sequence_parallel)
     tol = dict(atol=1e-6, rtol=1e-6)
-    for chunk in CHUNKS:
-        fused = [r[chunk][0] for r in per_rank]
-        unfused = [r[chunk][1] for r in per_rank]
+    for tiling in TILINGS:
+        fused = [r[tiling][0] for r in per_rank]
+        unfused = [r[tiling][1] for r in per_rank]
         for (lp, ent, _, _), (lp_u, ent_u, _, _) in zip(fused, unfused, strict=True):  # every rank: all tokens
             torch.testing.assert_close(lp, lp_u, **tol)
             torch.testing.assert_close(ent, ent_u, **tol)
@@ -129,11 +132,11 @@ def test_bf16_close_to_unfused():
     rounded to bf16 (rel 2^-8) on both paths, the fused weight gradient summed over chunks in fp32."""
     hidden, weight, targets, mask, w_lp, w_ent = _inputs()
     outs = []
-    for fused in (True, False):
+    for block in (None, 5, "unfused"):  # fused (one block, then blocks of 5 rows: fp32 block accumulators), unfused
         h = hidden.bfloat16().requires_grad_(True)
         w = weight.bfloat16().requires_grad_(True)
-        if fused:
-            lp, ent = fused_output_logprobs_entropy(h, w, targets, None, 7, V_REAL)
+        if block != "unfused":
+            lp, ent = fused_output_logprobs_entropy(h, w, targets, None, 7, V_REAL, vocab_block=block)
         else:
             logits = (h @ w.t()).clone()
             logits[..., V_REAL:] = torch.finfo(logits.dtype).min
@@ -141,11 +144,46 @@ def test_bf16_close_to_unfused():
         _loss(lp, ent, mask, w_lp, w_ent).backward()
         assert h.grad.dtype == w.grad.dtype == torch.bfloat16
         outs.append((lp.detach(), ent.detach(), h.grad.float(), w.grad.float()))
-    (lp, ent, gh, gw), (lp_u, ent_u, gh_u, gw_u) = outs
-    torch.testing.assert_close(lp, lp_u, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(ent, ent_u, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(gh, gh_u, atol=2e-2 * float(gh_u.abs().max()), rtol=0)
-    torch.testing.assert_close(gw, gw_u, atol=2e-2 * float(gw_u.abs().max()), rtol=0)
+    *fused, (lp_u, ent_u, gh_u, gw_u) = outs
+    for lp, ent, gh, gw in fused:
+        torch.testing.assert_close(lp, lp_u, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ent, ent_u, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(gh, gh_u, atol=2e-2 * float(gh_u.abs().max()), rtol=0)
+        torch.testing.assert_close(gw, gw_u, atol=2e-2 * float(gw_u.abs().max()), rtol=0)
+
+
+def test_compiled_tiles_equal_eager_and_dense():
+    """`kernel="compiled"` (the tile functions through torch.compile: inductor's C++ here, Triton on a GPU) gives
+    the dense reference's values and gradients (fp32, as the eager kernel does in test_matches_unfused_and_dense),
+    and in bf16 the eager kernel's to bf16's resolution; chunks of 7 tokens and blocks of 5 rows give tiles of four
+    shapes (one compilation, dynamic shapes)."""
+    ref_lp, ref_ent, ref_gh, ref_gw = _dense_reference()
+    hidden, weight, targets, mask, w_lp, w_ent = _inputs()
+    runs = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for kernel in ("compiled", "eager"):
+            h, w = (t.to(dtype).clone().requires_grad_(True) for t in (hidden, weight))
+            lp, ent = fused_output_logprobs_entropy(h, w, targets, None, 7, V_REAL, vocab_block=5, kernel=kernel)
+            _loss(lp, ent, mask, w_lp, w_ent).backward()
+            assert h.grad.dtype == w.grad.dtype == dtype
+            runs[dtype, kernel] = (lp.detach(), ent.detach(), h.grad.float(), w.grad.float())
+    lp, ent, gh, gw = runs[torch.float32, "compiled"]
+    torch.testing.assert_close(lp, ref_lp, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(ent, ref_ent, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(gh, ref_gh, atol=1e-5 * float(ref_gh.abs().max()), rtol=0)
+    torch.testing.assert_close(gw, ref_gw, atol=1e-5 * float(ref_gw.abs().max()), rtol=0)
+    assert not gw[V_REAL:].any()
+    compiled, eager = runs[torch.bfloat16, "compiled"], runs[torch.bfloat16, "eager"]
+    for got, want in zip(compiled[:2], eager[:2], strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for got, want in zip(compiled[2:], eager[2:], strict=True):  # one bf16 rounding of dL/dz apart at most
+        torch.testing.assert_close(got, want, atol=1e-2 * float(want.abs().max()), rtol=0)
+
+
+def test_unknown_kernel_is_refused():
+    hidden, weight, targets, *_ = _inputs()
+    with pytest.raises(ValueError, match="unknown fused log-prob kernel 'triton'.*eager, compiled"):
+        fused_output_logprobs_entropy(hidden, weight, targets, None, 7, V_REAL, kernel="triton")
 
 
 # ---------------------------------------------------------------- memory
@@ -174,8 +212,9 @@ _MEMORY_SCRIPT = textwrap.dedent("""
 
     def run(n):
         h = hidden[:n].detach().requires_grad_(True)
-        if path == "fused":
-            lp, ent = fused_output_logprobs_entropy(h, weight, targets[:n], None, chunk)
+        if path.startswith("fused"):  # "fused-blocks": vocabulary blocks of 2,048 rows
+            block = 2048 if path == "fused-blocks" else None
+            lp, ent = fused_output_logprobs_entropy(h, weight, targets[:n], None, chunk, vocab_block=block)
         else:
             lp, ent = vocab_parallel_logprobs_entropy(h @ weight.t(), targets[:n], None, chunk)
         (lp * w_lp[:n] + ent * w_ent[:n]).sum().backward()
@@ -202,8 +241,11 @@ def test_peak_memory_far_below_the_unfused_path():
     """4096 tokens x 32k vocabulary, fp32: the unfused path holds the logits (512 MB) and their gradient (512 MB);
     the fused one a few 256-token chunks (32 MB each) and the weight gradient (8 MB)."""
     logits_bytes = MEMORY_TOKENS * MEMORY_VOCAB * 4
-    unfused, fused = _peak_bytes("unfused"), _peak_bytes("fused")
+    unfused, fused, blocks = _peak_bytes("unfused"), _peak_bytes("fused"), _peak_bytes("fused-blocks")
     print(f"peak above baseline: unfused {unfused / 2**20:.0f} MiB, fused {fused / 2**20:.0f} MiB, "
-          f"ratio {fused / unfused:.3f}")
+          f"ratio {fused / unfused:.3f}; vocabulary blocks of 2,048 rows {blocks / 2**20:.0f} MiB")
     assert unfused >= 1.5 * logits_bytes  # the measurement sees the logits and their gradient
     assert fused < 0.2 * unfused  # observed: 0.10 (104 of 1056 MiB)
+    # blocks of 2,048 rows: 256 x 2,048 tiles (2 MiB each) instead of 256 x 32,768 (32 MiB); the weight
+    # gradient (8 MiB) and dL/dh (1 MiB) stay
+    assert blocks < 0.5 * fused

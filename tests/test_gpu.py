@@ -5,7 +5,10 @@ They cover the CUDA side of code that CI exercises only on CPU:
   log-probs, entropy, gradient norm, gradients and AdamW step of `transformers` run on the CPU in fp32;
 - the sharded log-prob/entropy function on CUDA tensors at a realistic vocabulary (151,936) equals dense
   `torch.log_softmax` in fp64, for fp32 and bf16 logits, and its peak extra memory stays a few chunks, far
-  below one full-vocabulary fp32 tensor.
+  below one full-vocabulary fp32 tensor;
+- the output layer fused with it (`fused_output_logprobs_entropy`) on CUDA, tiled over vocabulary blocks, with the
+  eager and the torch.compile'd (Triton) tile kernels, equals dense fp64 at vocabulary 151,936 in bf16, and holds
+  no `[tokens, V]` tensor.
 One GPU means one NCCL rank (NCCL refuses two ranks on one device), so layouts with several ranks are
 covered by the gloo tests on CPU.
 """
@@ -16,6 +19,7 @@ import pytest
 import torch
 
 from megarl.models.tiny import make_tiny_checkpoint
+from megarl.parallel.fused_output_logprobs import fused_output_logprobs_entropy
 from megarl.parallel.groups import TrainerLayout
 from megarl.parallel.vocab_logprobs import vocab_parallel_logprobs_entropy
 from tests.dist_utils import free_port, run_distributed
@@ -81,3 +85,59 @@ def test_vocab_logprobs_on_gpu_realistic_vocab(dtype):
     grad_bytes = logits.numel() * logits.element_size()
     chunk_fp32 = chunk * vocab * 4
     assert extra <= grad_bytes + 8 * chunk_fp32, (extra, grad_bytes, chunk_fp32)
+
+
+def _fused_on(dev: torch.device, kernel: str, tokens: int = 2048, vocab: int = 151_936, hidden: int = 256,
+              chunk: int = 512, block: int = 16_384) -> dict:
+    """The fused path on `dev` in bf16 against a dense fp64 reference on the CPU; its peak extra CUDA memory."""
+    g = torch.Generator().manual_seed(1)
+    hidden_states = torch.randn(tokens, hidden, generator=g).bfloat16()
+    weight = (torch.randn(vocab, hidden, generator=g) * 3 / hidden**0.5).bfloat16()
+    targets = torch.randint(0, vocab, (tokens,), generator=g)
+    w_lp, w_ent = torch.randn(tokens, generator=g), torch.randn(tokens, generator=g)
+
+    h64, w64 = hidden_states.double().requires_grad_(True), weight.double().requires_grad_(True)
+    logsm = torch.log_softmax(h64 @ w64.t(), dim=-1)
+    ref_lp, ref_ent = logsm.gather(-1, targets[:, None]).squeeze(-1), -(logsm.exp() * logsm).sum(-1)
+    (ref_lp * w_lp + ref_ent * w_ent).sum().backward()
+    del logsm
+
+    h = hidden_states.to(dev).requires_grad_(True)
+    w = weight.to(dev).requires_grad_(True)
+    args = (targets.to(dev), None, chunk)
+    if kernel == "compiled":  # compile outside the measurement
+        fused_output_logprobs_entropy(h, w, *args, vocab_block=block, kernel=kernel)[0].sum().backward()
+        h.grad = w.grad = None
+    cuda = dev.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated() if cuda else 0
+    lp, ent = fused_output_logprobs_entropy(h, w, *args, vocab_block=block, kernel=kernel)
+    (lp * w_lp.to(dev) + ent * w_ent.to(dev)).sum().backward()
+    extra = torch.cuda.max_memory_allocated() - base if cuda else None
+    return {"lp": (lp.double().cpu(), ref_lp.detach()), "ent": (ent.double().cpu(), ref_ent.detach()),
+            "grad_h": (h.grad.double().cpu(), h64.grad), "grad_w": (w.grad.double().cpu(), w64.grad),
+            "extra": extra, "shape": (tokens, vocab, hidden, chunk, block)}
+
+
+def _check_fused(out: dict) -> None:
+    for key in ("lp", "ent"):
+        got, want = out[key]
+        torch.testing.assert_close(got, want, atol=5e-2, rtol=2e-2, msg=key)  # bf16 logits: z rounded to 2^-8
+    for key in ("grad_h", "grad_w"):
+        got, want = out[key]
+        err = float((got - want).norm() / want.norm())
+        assert err < 3e-2, f"{key}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("kernel", ["eager", "compiled"])
+def test_fused_output_on_gpu_tiled_equals_fp64(kernel):
+    out = _fused_on(torch.device("cuda"), kernel)
+    _check_fused(out)
+    tokens, vocab, hidden, chunk, block = out["shape"]
+    # what it may hold: the bf16 weight gradient, one fp32 block accumulator, dL/dh in fp32 and bf16, a few
+    # chunk x block fp32 tiles; one [tokens, V] fp32 logits tensor alone would be 1.2 GB here
+    allowed = vocab * hidden * 2 + block * hidden * 4 + tokens * hidden * 6 + 8 * chunk * block * 4
+    assert out["extra"] <= allowed, (out["extra"], allowed)
+    assert out["extra"] < tokens * vocab * 4 / 4

@@ -3,8 +3,8 @@ tensor-parallel rank of the output layer plus the per-token log-prob and entropy
 last stage's hidden states to the gradients of the hidden states and of the output weight:
 
     fused     megarl's `fused_output_logprobs_entropy` (on by default in `MegatronPolicy`): the projection and the
-              vocab-parallel log-prob + entropy chunk by chunk over tokens; the backward recomputes a chunk's
-              logits, so no `[tokens, V/tp]` tensor exists.
+              vocab-parallel log-prob + entropy tile by tile (`--chunk-tokens` tokens by `--vocab-block` rows of
+              the shard); the backward recomputes a tile's logits, so no `[tokens, V/tp]` tensor exists.
     unfused   the output layer as megatron's `ColumnParallelLinear` computes it (`copy_to_tensor_model_parallel_
               region`, then `hidden @ W^T`: the whole `[tokens, V/tp]` logits), then megarl's
               `vocab_parallel_logprobs_entropy` over them (megarl's path before the fusion).
@@ -63,6 +63,8 @@ class OutputBenchConfig:
     tokens: int = 4096
     dtype: str = "float32"  # of the hidden states and the output weight (the softmax math is fp32 in all methods)
     chunk_tokens: int = 1024  # the fused and unfused methods' token chunk
+    vocab_block: int | None = None  # the fused method's rows of the shard per tile (None: the whole shard)
+    kernel: str = "eager"  # the fused method's tile kernels: "eager" or "compiled" (torch.compile)
     repeats: int = 1
     seed: int = 0
 
@@ -102,11 +104,14 @@ def hidden_targets_weights(cfg: OutputBenchConfig) -> tuple[torch.Tensor, ...]:
 def estimated_bytes(method: str, cfg: OutputBenchConfig, tp: int) -> int:
     """A rough upper estimate of one rank's peak (to decide what may run here): the logits and their gradient in
     the input dtype, fp32 working copies (megatron: its saved softmax and the shard entropy's), the weight
-    gradient; fused: a few `chunk x V/tp` fp32 buffers, the fp32 weight-gradient accumulator, dL/dh."""
+    gradient; fused: a few `chunk x block` fp32 buffers, the weight gradient and an fp32 block accumulator, dL/dh
+    (and its fp32 accumulator when there are several blocks)."""
     width, isz = cfg.vocab // tp, DTYPES[cfg.dtype].itemsize
     weight_grad = width * cfg.hidden * 4
     if method == "fused":
-        return 4 * min(cfg.chunk_tokens, cfg.tokens) * width * 4 + 2 * weight_grad + cfg.tokens * cfg.hidden * 4
+        block = min(cfg.vocab_block or width, width)
+        return (4 * min(cfg.chunk_tokens, cfg.tokens) * block * 4 + weight_grad + block * cfg.hidden * 4
+                + cfg.tokens * cfg.hidden * 8)
     logits = cfg.tokens * width
     extra = 2 * logits * 4 if method == "megatron" else min(cfg.chunk_tokens, cfg.tokens) * width * 12
     return 2 * logits * isz + extra + 2 * weight_grad
@@ -123,22 +128,23 @@ def _logits(hidden: torch.Tensor, weight: torch.Tensor, group: dist.ProcessGroup
     return torch.matmul(copy_to_tensor_model_parallel_region(hidden, group=group), weight.t())
 
 
-def fused(hidden, weight, targets, group, chunk):
+def fused(hidden, weight, targets, group, cfg: OutputBenchConfig):
     from megarl.parallel.fused_output_logprobs import fused_output_logprobs_entropy
 
-    return fused_output_logprobs_entropy(hidden, weight, targets, group, chunk)
+    return fused_output_logprobs_entropy(hidden, weight, targets, group, cfg.chunk_tokens,
+                                         vocab_block=cfg.vocab_block, kernel=cfg.kernel)
 
 
-def unfused(hidden, weight, targets, group, chunk):
+def unfused(hidden, weight, targets, group, cfg: OutputBenchConfig):
     from megarl.parallel.vocab_logprobs import vocab_parallel_logprobs_entropy
 
-    return vocab_parallel_logprobs_entropy(_logits(hidden, weight, group), targets, group, chunk)
+    return vocab_parallel_logprobs_entropy(_logits(hidden, weight, group), targets, group, cfg.chunk_tokens)
 
 
-def megatron(hidden, weight, targets, group, chunk):
+def megatron(hidden, weight, targets, group, cfg: OutputBenchConfig):
     from megarl.bench.logprob import megatron_logprobs_entropy
 
-    return megatron_logprobs_entropy(_logits(hidden, weight, group), targets, group, chunk)
+    return megatron_logprobs_entropy(_logits(hidden, weight, group), targets, group, cfg.chunk_tokens)
 
 
 _METHOD_FNS = {"fused": fused, "unfused": unfused, "megatron": megatron}
@@ -162,6 +168,8 @@ def _rank_main(rank: int, tp: int, port: int, cfg: OutputBenchConfig, method: st
         hidden, targets, w_lp, w_ent, probe = (t.to(dev) for t in hidden_targets_weights(cfg))
         weight = weight_shard(cfg, tp, rank).to(dev).requires_grad_(True)
         fn = _METHOD_FNS[method]
+        if method == "fused" and cfg.kernel == "compiled":  # compile outside the measurement, on these shapes
+            fn(hidden.clone().requires_grad_(True), weight, targets, group, cfg)[0].sum().backward()
         memory, times = None, []
         for i in range(max(cfg.repeats, 1)):
             h = hidden.clone().requires_grad_(True)
@@ -170,7 +178,7 @@ def _rank_main(rank: int, tp: int, port: int, cfg: OutputBenchConfig, method: st
             if i == 0:
                 memory = PeakMemory.start(dev.type == "cuda")
             t0 = time.perf_counter()
-            logp, entropy = fn(h, weight, targets, group, cfg.chunk_tokens)
+            logp, entropy = fn(h, weight, targets, group, cfg)
             (logp * w_lp + entropy * w_ent).sum().backward()
             if dev.type == "cuda":
                 torch.cuda.synchronize()
@@ -230,10 +238,11 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def _project(records: list[dict[str, Any]], cfg: OutputBenchConfig) -> None:
     """Fill skipped cases from the measured cases of their (method, tp, hidden). Memory: the unfused methods are
     affine in tokens (their logits and logit gradients grow, the weight gradient does not): a line through the two
-    largest measured cases. The fused method's chunk buffers stop growing once there are two chunks (the previous
+    largest measured cases. The fused method's tile buffers stop growing once there are two chunks (the previous
     chunk's temporaries are alive while the next is computed), so its line starts at the largest measured case
     and grows by what does grow with tokens, dL/dh and five fp32 statistics per token (`hidden x itemsize + 20`
-    bytes): measure at least two chunks. Never below the largest measured case. Time: in proportion to tokens from
+    bytes; `hidden x (itemsize + 4) + 20` with several vocabulary blocks, dL/dh then summed in fp32): measure at
+    least two chunks. Never below the largest measured case. Time: in proportion to tokens from
     the largest measured case (every method's work is linear in tokens)."""
     for r in records:
         if r["measured"]:
@@ -249,7 +258,8 @@ def _project(records: list[dict[str, Any]], cfg: OutputBenchConfig) -> None:
             continue
         (n0, p0, _), (n1, p1, t1) = pts[-2], pts[-1]
         if r["method"] == "fused":
-            slope = r["hidden"] * DTYPES[cfg.dtype].itemsize + 20
+            blocks = cfg.vocab_block is not None and cfg.vocab_block < cfg.vocab // r["tp"]
+            slope = r["hidden"] * (DTYPES[cfg.dtype].itemsize + (4 if blocks else 0)) + 20
         else:
             slope = (p1 - p0) / (n1 - n0)
         r["peak_bytes"] = int(max(p1, p1 + slope * (r["tokens"] - n1)))
@@ -350,7 +360,8 @@ def format_table(cfg: OutputBenchConfig, records: list[dict[str, Any]]) -> str:
     where = f"GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available() else f"CPU, {os.cpu_count()} cores"
     lines = [
         f"output layer + log-prob + entropy, forward + backward from the hidden states; vocab {cfg.vocab:,}, "
-        f"{cfg.dtype}, chunk {cfg.chunk_tokens} tokens; {where}; per rank (max over ranks); "
+        f"{cfg.dtype}, chunk {cfg.chunk_tokens} tokens, fused vocabulary block "
+        f"{cfg.vocab_block or 'the shard'}, {cfg.kernel} kernels; {where}; per rank (max over ranks); "
         "* = projected from the measured cases (memory affine, time proportional in tokens), not run",
         f"{'hidden':>6} {'tokens':>6} {'TP':>2} {'method':<9} {'peak GiB':>9} {'x unfused':>9} {'time s':>8} "
         f"{'x unfused':>9} {'logits GiB':>10}",
@@ -415,6 +426,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS), help="with --hidden")
     p.add_argument(
+        "--vocab-block",
+        type=int,
+        default=None,
+        help="with --hidden: the fused method's rows of the vocabulary shard per tile (trainer.logprob_vocab_block;"
+        " default: the whole shard)",
+    )
+    p.add_argument(
+        "--kernel",
+        choices=("eager", "compiled"),
+        default="eager",
+        help="with --hidden: the fused method's tile kernels (trainer.logprob_kernel); 'compiled' compiles them "
+        "in an unmeasured first pass",
+    )
+    p.add_argument(
         "--measure-up-to",
         type=int,
         default=None,
@@ -456,7 +481,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {args.out}")
         return 0
     dtype = args.dtype
-    cfg = OutputBenchConfig(chunk_tokens=args.chunk_tokens, repeats=args.repeats, dtype=dtype, vocab=args.vocab)
+    if args.vocab_block is not None and args.vocab_block < 1:
+        print(f"megarl bench logprob: --vocab-block must be a positive number of rows, got {args.vocab_block}",
+              file=sys.stderr)
+        return 2
+    cfg = OutputBenchConfig(chunk_tokens=args.chunk_tokens, repeats=args.repeats, dtype=dtype, vocab=args.vocab,
+                            vocab_block=args.vocab_block, kernel=args.kernel)
     try:
         records = measure(
             cfg, args.hidden, args.token_counts, list(args.tp), tuple(args.methods), args.measure_up_to, args.max_gb

@@ -75,6 +75,20 @@ class TrainerConfig(_Strict):
     logprob_chunk_tokens: int = Field(
         4096, ge=1, description="Tokens per chunk in the vocab-parallel log-prob/entropy (bounds peak memory)."
     )
+    logprob_vocab_block: int | None = Field(
+        16384, ge=1, description="Rows of this rank's vocabulary shard per tile of the fused output log-prob: its "
+        "tiles are `logprob_chunk_tokens x logprob_vocab_block` and its weight gradient is finished one block at a "
+        "time in fp32, so the fused path holds no `[chunk, V/tp]` buffer and no fp32 copy of the whole weight "
+        "gradient (dL/dh is then summed in fp32). null: the whole shard, one block (so is any value >= V/tp). The "
+        "same values and gradients either way; at 32k tokens, hidden 2,048, fp32 it peaks at 1.85 GiB where the "
+        "whole shard peaks at 3.17 GiB (projected from CPU runs; docs/benchmarks.md, 'bench logprob --hidden').",
+    )
+    logprob_kernel: Literal["eager", "compiled"] = Field(
+        "eager", description="The fused output log-prob's elementwise work per tile (fp32 upcast, max, exp, sums; "
+        "dL/dz in backward): 'eager' runs it op by op, each op a pass through memory; 'compiled' through "
+        "torch.compile (Triton kernels on a GPU, compiled once per rank at the first step). The matrix products "
+        "are the same; results equal to fp32 rounding.",
+    )
     cpu_threads: int = Field(
         0, ge=0, description="torch intra-op threads per trainer rank on a machine without a GPU; 0 = the cores "
         "left to each of the processes that compute on this machine: cores // (world_size + rollout.tp x "

@@ -2,35 +2,60 @@
 
 `hidden [N, h]` (the last stage's final hidden states) and this rank's output-weight shard `W [V/tp, h]` (the
 output layer's, or the embedding's when they are tied) go in; per-token `log p(target)` and the entropy come
-out. Tokens are processed `chunk_size` at a time: forward computes one chunk's logits `z = h W^T`, reduces
-them over the TP group with exactly the steps of `vocab_parallel_logprobs_entropy`
-(`VocabParallelLogprobMath`: global max, then one sum of three per-token numbers) and drops them, keeping
-three per-token vectors; backward recomputes the chunk's logits, turns them into `dL/dz` and contracts it at
-once, so no `[N, V/tp]` tensor exists in forward or backward (peak: a few `chunk_size x V/tp` fp32 buffers):
+out. The logits are computed one tile at a time: `chunk_size` tokens by `vocab_block` rows of the shard, so no
+`[N, V/tp]` tensor exists in forward or backward (peak: a few `chunk_size x vocab_block` fp32 buffers, an fp32
+`vocab_block x h` accumulator, and dL/dh).
 
-    dL/dh = sum over shards of dL/dz W       (all-reduced over the TP group, as ColumnParallelLinear's input)
-    dL/dW = sum over chunks of dL/dz^T h     (this shard's rows, accumulated in fp32)
+Forward, per chunk of tokens: each tile `z = h W_b^T` gives its row max and the sums `sum e^(z-m)`,
+`sum e^(z-m) (z-m)` relative to it, merged tile by tile (`merge_softmax_sums`, the online softmax), then across
+the TP group (one max, then one sum of three per-token numbers, as `vocab_parallel_logprobs_entropy` reduces
+them); three per-token vectors are kept. With one block and TP 1 the arithmetic is the unfused path's.
+Backward recomputes each tile's logits, vocabulary blocks outside and token chunks inside, so a block's weight
+gradient is finished (in fp32) before the next begins:
+
+    dL/dh   = sum over shards and blocks of dL/dz_b W_b   (all-reduced over the TP group, as ColumnParallelLinear's)
+    dL/dW_b = sum over chunks of dL/dz_b^T h               (this shard's rows, accumulated in fp32)
+
+The elementwise work of a tile (fp32 upcast, max, exp, sums; in backward the whole `dL/dz`) is two functions,
+`FusedOutputLogprobMath.tile_stats` and `.tile_grad`, run as written (`kernel="eager"`: a few passes over the
+tile, each through memory) or through `torch.compile` (`kernel="compiled"`: on a GPU Triton kernels that read
+the tile's logits once or twice; the matrix products stay cuBLAS's). Same math, same results to fp32 rounding.
 
 The input mapping is ColumnParallelLinear's: without sequence parallelism `hidden` is the same on every TP
 rank and its gradient is all-reduced; with it, `hidden` is this rank's slice of dim 0 (the sequence), gathered
 in forward (again in backward, instead of being kept) and its gradient reduce-scattered. The process group is
-passed explicitly; None means the shard is the whole vocabulary.
+passed explicitly; None means the shard is the whole vocabulary. Rows of the shard at or past `valid` (the
+vocabulary padded to a multiple of TP) are no tokens: they are skipped (exp of the unfused path's masked
+logits is exactly 0) and get a zero gradient.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Literal
+
 import torch
 import torch.distributed as dist
 
-from megarl.parallel.vocab_logprobs import VocabParallelLogprobMath, _vocab_range
+from megarl.parallel.vocab_logprobs import VocabParallelLogprobMath, _all_reduce, _vocab_range
+
+_NO_LOGIT = torch.finfo(torch.float32).min  # the running max of a token before any column (exp(_NO_LOGIT - m) = 0)
+Kernel = Literal["eager", "compiled"]
+KERNELS: tuple[str, ...] = ("eager", "compiled")
 
 
 def _tp_size(group: dist.ProcessGroup | None) -> int:
     return dist.get_world_size(group) if group is not None else 1
 
 
+def vocab_blocks(valid: int, vocab_block: int | None) -> list[tuple[int, int]]:
+    """`[lo, hi)` row ranges of the shard's real rows, `vocab_block` rows each (None: one block of all)."""
+    step = valid if vocab_block is None else vocab_block
+    return [(lo, min(lo + step, valid)) for lo in range(0, valid, max(step, 1))]
+
+
 class FusedOutputLogprobMath:
-    """The steps the fusion adds around `VocabParallelLogprobMath`, each on one chunk of tokens."""
+    """The steps the fusion adds around `VocabParallelLogprobMath`, each on one tile or one chunk of tokens."""
 
     @staticmethod
     def gather_sequence(hidden: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -58,28 +83,68 @@ class FusedOutputLogprobMath:
         return out
 
     @staticmethod
-    def chunk_logits(h: torch.Tensor, weight: torch.Tensor, valid: int) -> torch.Tensor:
-        """z = h W^T in the weight's dtype (what the output layer computes), columns >= `valid` (vocabulary padded
-        to a multiple of TP: no token) set to the dtype's lowest value as the unfused path does; returned in fp32."""
-        z = h @ weight.t()
-        if valid < z.shape[-1]:
-            z[:, valid:] = torch.finfo(z.dtype).min
-        return z.float()
+    def tile_stats(z: torch.Tensor, in_tile: torch.Tensor,
+                   local_target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One tile's logits `z = h W_b^T` (the weight's dtype, as the output layer computes them; overwritten) ->
+        per token (m, sum e^(z-m), sum e^(z-m) (z-m), z_y): m the row max, z_y the target's logit for tokens whose
+        target is a column of the tile (0 for the others). The math in fp32."""
+        z = z.float()
+        z_y = z.gather(-1, local_target[:, None]).squeeze(-1) * in_tile
+        m = z.max(dim=-1).values
+        z.sub_(m[:, None])
+        e = z.exp()
+        sum_e = e.sum(-1)
+        return m, sum_e, e.mul_(z).sum(-1), z_y  # e * (z - m) written over e: one more tile buffer, not two
 
     @staticmethod
-    def grad_logits_unpadded(grad: torch.Tensor, valid: int, dtype: torch.dtype) -> torch.Tensor:
-        """dL/dz of the padding columns is 0 (they are constants in the unfused path), then dL/dz in the
-        weight's dtype, the dtype the unfused output layer's backward receives."""
-        grad[:, valid:] = 0
-        return grad.to(dtype)
+    def tile_grad(z: torch.Tensor, shift: torch.Tensor, log_z: torch.Tensor, mean_z: torch.Tensor,
+                  grad_logp: torch.Tensor, grad_entropy: torch.Tensor, in_tile: torch.Tensor,
+                  local_target: torch.Tensor) -> torch.Tensor:
+        """One tile's recomputed logits (the weight's dtype) -> dL/dz in that dtype (what the unfused output
+        layer's backward receives), from the forward's per-token statistics; the math in fp32."""
+        grad = VocabParallelLogprobMath.grad_logits(z.float().sub_(shift[:, None]), log_z, mean_z, grad_logp,
+                                                    grad_entropy, in_tile, local_target)
+        return grad.to(z.dtype)
 
     @staticmethod
-    def accumulate_weight_grad(grad_weight: torch.Tensor, grad_z: torch.Tensor, h: torch.Tensor) -> None:
-        """dL/dW += dL/dz^T h for one chunk, into the fp32 accumulator (chunk products rounded once each)."""
-        if grad_z.dtype == grad_weight.dtype:
-            grad_weight.addmm_(grad_z.t(), h)
+    def rescale_softmax_sums(m: torch.Tensor, sum_e: torch.Tensor, sum_ez: torch.Tensor,
+                             to: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sums relative to `m` -> relative to `to >= m`: e^(z-to) = e^(z-m) f with f = e^(m-to), and
+        (z - to) = (z - m) + (m - to)."""
+        f = (m - to).exp()
+        return sum_e * f, (sum_ez + (m - to) * sum_e) * f
+
+    @classmethod
+    def merge_softmax_sums(cls, a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """Two column sets' (m, sum_e, sum_ez) -> those of their union (the online softmax's step)."""
+        m = torch.maximum(a[0], b[0])
+        sa, sb = cls.rescale_softmax_sums(*a, m), cls.rescale_softmax_sums(*b, m)
+        return m, sa[0] + sb[0], sa[1] + sb[1]
+
+    @staticmethod
+    def accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+        """acc += a @ b: the product in the operands' dtype (as the unfused layer computes it), added in acc's."""
+        if a.dtype == acc.dtype:
+            acc.addmm_(a, b)
         else:
-            grad_weight += (grad_z.t() @ h).float()
+            acc.add_(a @ b)
+
+
+_COMPILED: dict[str, Callable] = {}
+
+
+def tile_kernels(kernel: Kernel) -> tuple[Callable, Callable]:
+    """(tile_stats, tile_grad) as written ("eager") or through `torch.compile` ("compiled"; compiled once per
+    process, with dynamic shapes: the last chunk and the last block of a shard are narrower)."""
+    fused = FusedOutputLogprobMath
+    if kernel == "eager":
+        return fused.tile_stats, fused.tile_grad
+    if kernel != "compiled":
+        raise ValueError(f"unknown fused log-prob kernel {kernel!r}: one of {', '.join(KERNELS)}")
+    if not _COMPILED:
+        _COMPILED.update(stats=torch.compile(fused.tile_stats, dynamic=True, fullgraph=True),
+                         grad=torch.compile(fused.tile_grad, dynamic=True, fullgraph=True))
+    return _COMPILED["stats"], _COMPILED["grad"]
 
 
 class _FusedOutputLogprobEntropy(torch.autograd.Function):
@@ -87,61 +152,90 @@ class _FusedOutputLogprobEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                group: dist.ProcessGroup | None, chunk_size: int, valid: int,
-                sequence_parallel: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                group: dist.ProcessGroup | None, chunk_size: int, valid: int, sequence_parallel: bool,
+                vocab_block: int | None, kernel: Kernel) -> tuple[torch.Tensor, torch.Tensor]:
         math, fused = VocabParallelLogprobMath, FusedOutputLogprobMath
+        tile_stats, _ = tile_kernels(kernel)
         h = fused.gather_sequence(hidden, group) if sequence_parallel else hidden
         h = h.reshape(-1, h.shape[-1])
-        start, stop = _vocab_range(weight.shape[0], group)
+        start, _ = _vocab_range(weight.shape[0], group)
+        blocks = vocab_blocks(valid, vocab_block)
         # per token: the outputs, and the softmax statistics kept for backward (m, log Z, E_p[z - m])
         logp, entropy, shift, log_z, mean_z = (torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
                                                for _ in range(5))
         for lo in range(0, h.shape[0], chunk_size):
             rows = slice(lo, lo + chunk_size)
-            z, shift[rows] = math.shift_by_global_max(fused.chunk_logits(h[rows], weight, valid), group, inplace=True)
-            in_shard, local_target = math.target_in_shard(targets[rows], start, stop)
-            sums = math.global_sums(z, in_shard, local_target, group)
-            logp[rows], entropy[rows], log_z[rows], mean_z[rows] = math.logprob_entropy(*sums)
+            n = h[rows].shape[0]
+            zero = torch.zeros(n, dtype=torch.float32, device=h.device)
+            sums, z_y = (torch.full_like(zero, _NO_LOGIT), zero, zero), zero  # no column yet
+            for vlo, vhi in blocks:
+                in_tile, local_target = math.target_in_shard(targets[rows], start + vlo, start + vhi)
+                *tile_sums, tile_z_y = tile_stats(h[rows] @ weight[vlo:vhi].t(), in_tile, local_target)
+                z_y = z_y + tile_z_y
+                sums = fused.merge_softmax_sums(sums, tile_sums)
+            m = _all_reduce(sums[0].clone(), dist.ReduceOp.MAX, group)
+            sum_e, sum_ez = fused.rescale_softmax_sums(*sums, m)
+            in_shard, _ = math.target_in_shard(targets[rows], start, start + valid)
+            stats = _all_reduce(torch.stack([sum_e, sum_ez, (z_y - m) * in_shard]), dist.ReduceOp.SUM, group)
+            # E_p[z - m] = sum_ez / sum_e: logprob_entropy's "mean_z" is relative to the shift, as in the unfused path
+            logp[rows], entropy[rows], log_z[rows], mean_z[rows] = math.logprob_entropy(*stats)
+            shift[rows] = m
         ctx.save_for_backward(hidden, weight, targets, shift, log_z, mean_z)
         ctx.group, ctx.chunk_size, ctx.valid, ctx.sequence_parallel = group, chunk_size, valid, sequence_parallel
-        ctx.start, ctx.stop = start, stop
+        ctx.start, ctx.blocks, ctx.kernel = start, blocks, kernel
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp: torch.Tensor, grad_entropy: torch.Tensor):
         math, fused = VocabParallelLogprobMath, FusedOutputLogprobMath
         hidden, weight, targets, shift, log_z, mean_z = ctx.saved_tensors
+        _, tile_grad = tile_kernels(ctx.kernel)
         h = fused.gather_sequence(hidden, ctx.group) if ctx.sequence_parallel else hidden
         h = h.reshape(-1, h.shape[-1])
-        grad_h = torch.empty_like(h)  # this shard's part of dL/dh, for every token of the (gathered) input
+        one_block = len(ctx.blocks) <= 1
+        # this shard's part of dL/dh for every token of the (gathered) input: summed over blocks in fp32
+        grad_h = torch.zeros(h.shape, dtype=h.dtype if one_block else torch.float32, device=h.device)
         want_weight_grad = ctx.needs_input_grad[1]
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight_grad else None
-        for lo in range(0, h.shape[0], ctx.chunk_size):
-            rows = slice(lo, lo + ctx.chunk_size)
-            z = fused.chunk_logits(h[rows], weight, ctx.valid).sub_(shift[rows, None])
-            in_shard, local_target = math.target_in_shard(targets[rows], ctx.start, ctx.stop)
-            grad_z = math.grad_logits(z, log_z[rows], mean_z[rows], grad_logp[rows], grad_entropy[rows],
-                                      in_shard, local_target)
-            grad_z = fused.grad_logits_unpadded(grad_z, ctx.valid, weight.dtype)
-            grad_h[rows] = grad_z @ weight
+        grad_weight = torch.zeros_like(weight) if want_weight_grad else None  # padding rows stay 0
+        in_place = weight.dtype == torch.float32  # an fp32 weight's gradient is its own fp32 accumulator
+        for vlo, vhi in ctx.blocks:
+            w_b = weight[vlo:vhi]
+            acc = None  # this block's dL/dW, summed over the chunks in fp32
             if want_weight_grad:
-                fused.accumulate_weight_grad(grad_weight, grad_z, h[rows])
+                acc = grad_weight[vlo:vhi] if in_place else w_b.new_zeros(w_b.shape, dtype=torch.float32)
+            for lo in range(0, h.shape[0], ctx.chunk_size):
+                rows = slice(lo, lo + ctx.chunk_size)
+                in_tile, local_target = math.target_in_shard(targets[rows], ctx.start + vlo, ctx.start + vhi)
+                grad_z = tile_grad(h[rows] @ w_b.t(), shift[rows], log_z[rows], mean_z[rows], grad_logp[rows],
+                                   grad_entropy[rows], in_tile, local_target)
+                fused.accumulate(grad_h[rows], grad_z, w_b)
+                if acc is not None:
+                    fused.accumulate(acc, grad_z.t(), h[rows])
+            if acc is not None and not in_place:
+                grad_weight[vlo:vhi] = acc
+        grad_h = grad_h.to(h.dtype)
         grad_hidden = fused.reduce_input_grad(grad_h, ctx.group, ctx.sequence_parallel).reshape(hidden.shape)
-        grad_weight = grad_weight.to(weight.dtype) if want_weight_grad else None
-        return grad_hidden, grad_weight, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None
 
 
 def fused_output_logprobs_entropy(
     hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, group: dist.ProcessGroup | None,
     chunk_size: int = 4096, valid_vocab: int | None = None, sequence_parallel: bool = False,
+    vocab_block: int | None = None, kernel: Kernel = "eager",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`hidden [..., h]` (the output layer's input; with `sequence_parallel`, this rank's slice of dim 0),
     `weight [V/tp, h]` (this rank's output-weight shard, rows `rank*V/tp ...`), `targets [...]` (global token
     ids, long, shaped like the full input's leading dims) -> `(logprobs, entropy)` shaped like `targets`, fp32:
     what `vocab_parallel_logprobs_entropy(hidden @ weight.T, ...)` returns, differentiable w.r.t. `hidden` and
-    `weight`. `valid_vocab`: this shard's real vocabulary rows (the rest is padding); default all. Peak extra
-    memory: a few `chunk_size x V/tp` fp32 buffers and an fp32 `[V/tp, h]` weight-gradient accumulator."""
+    `weight`. `valid_vocab`: this shard's real vocabulary rows (the rest is padding); default all.
+    `vocab_block`: shard rows per tile (None: the whole shard). Peak extra memory: a few `chunk_size x
+    vocab_block` fp32 buffers, a `vocab_block x h` fp32 weight-gradient accumulator (none for an fp32 weight,
+    whose gradient is accumulated in place), dL/dh (in fp32 when there are several blocks). `kernel`: the
+    tiles' elementwise work as written ("eager") or through `torch.compile` ("compiled")."""
     valid = weight.shape[0] if valid_vocab is None else valid_vocab
+    if vocab_block is not None and vocab_block < 1:
+        raise ValueError(f"vocab_block must be a positive number of rows or None (the whole shard), got {vocab_block}")
+    tile_kernels(kernel)  # an unknown kernel fails here, before any work
     logp, entropy = _FusedOutputLogprobEntropy.apply(hidden, weight, targets.reshape(-1), group, chunk_size,
-                                                     valid, sequence_parallel)
+                                                     valid, sequence_parallel, vocab_block, kernel)
     return logp.reshape(targets.shape), entropy.reshape(targets.shape)

@@ -72,9 +72,9 @@ class VocabParallelLogprobMath:
         The gradient is written over `z` (the caller's temporary): one more `[n, V/tp]` buffer, `p`, not four."""
         p = (z - log_z[:, None]).exp_()
         grad = z.sub_(mean_z[:, None]).mul_(-grad_entropy[:, None]).sub_(grad_logp[:, None]).mul_(p)
-        rows = in_shard.nonzero().squeeze(-1)
-        grad[rows, local_target[rows]] += grad_logp[rows]
-        return grad
+        # + g_logp at the target column, for the tokens whose target is in this shard (+0 elsewhere: exact);
+        # no data-dependent shapes, so torch.compile takes it whole (`fused_output_logprobs`' compiled tiles)
+        return grad.scatter_add_(-1, local_target[:, None], (grad_logp * in_shard)[:, None])
 
 
 class _VocabParallelLogprobEntropy(torch.autograd.Function):

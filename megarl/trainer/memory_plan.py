@@ -13,8 +13,9 @@ Its inputs are the HF config, the trainer layout and the microbatch token budget
   times the microbatches in flight (1F1B: pipeline stage s holds up to pp - s microbatches' activations; without
   pipelining, one), plus the stage's input and, with attention that keeps its scores (the CPU local spec),
   `heads/tp x s^2` per row of b per layer;
-- logits (last stage): fused (`megarl.parallel.fused_output_logprobs`, the default): four `chunk x V/tp` fp32
-  buffers, the fp32 `[V/tp, h]` weight-gradient accumulator and dL/dh `[tokens, h]`; unfused: the whole
+- logits (last stage): fused (`megarl.parallel.fused_output_logprobs`, the default): four `chunk x block` fp32
+  tile buffers (`block` = `trainer.logprob_vocab_block` rows, default the shard's `V/tp`), the `[V/tp, h]` weight
+  gradient it returns (fp32 weights: accumulated in place, no second copy) and dL/dh `[tokens, h]`; unfused: the whole
   `[tokens, V/tp]` fp32 logits and their gradient, plus three chunk buffers;
 - reserve: `RESERVE_BYTES` for what lives outside torch's tensors (CUDA context, NCCL buffers, allocator
   fragmentation), an allowance rather than a measurement.
@@ -97,14 +98,15 @@ def layer_elements(hf: dict[str, Any], tp: int, sequence_parallel: bool, moe: bo
     return attn + mlp_norm + mlp
 
 
-def logits_bytes(hf: dict[str, Any], tokens: int, tp: int, fused: bool, chunk: int) -> int:
-    """The last stage's log-prob memory beyond the layers (see the module docstring)."""
+def logits_bytes(hf: dict[str, Any], tokens: int, tp: int, fused: bool, chunk: int, block: int | None = None) -> int:
+    """The last stage's log-prob memory beyond the layers (see the module docstring); `block`: the fused path's
+    vocabulary rows per tile (None: the shard)."""
     from megarl.models.qwen_provider import padded_vocab_size
 
     vt, h = padded_vocab_size(hf, tp) // tp, hf["hidden_size"]
     chunk = min(chunk, tokens)
     if fused:
-        return FP32 * (4 * chunk * vt + vt * h + tokens * h)
+        return FP32 * (4 * chunk * min(block or vt, vt) + vt * h + tokens * h)
     return FP32 * (2 * tokens * vt + 3 * chunk * vt)
 
 
@@ -150,7 +152,8 @@ def trainer_memory(hf: dict[str, Any], cfg: Config, flash: bool = True, fused: b
                 grads=FP32 * params,
                 optimizer=int(state),
                 activations=in_flight * activation_bytes(hf, tokens, longest, layers, t.tp, flash, t.recompute),
-                logits=logits_bytes(hf, tokens, t.tp, fused, t.logprob_chunk_tokens) if last else 0,
+                logits=logits_bytes(hf, tokens, t.tp, fused, t.logprob_chunk_tokens, t.logprob_vocab_block)
+                if last else 0,
                 reserve=RESERVE_BYTES,
                 tokens=tokens,
                 in_flight=in_flight,

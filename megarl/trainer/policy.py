@@ -120,18 +120,21 @@ class MegatronPolicy:
 
     def __init__(self, hf_dir: str | Path, hf: dict[str, Any], optim: OptimizerConfig, logprob_chunk: int = 4096,
                  distributed_optimizer: bool = False, recompute: str = "none", routing_replay: bool = False,
-                 fused_logprobs: bool = True):
+                 fused_logprobs: bool = True, logprob_vocab_block: int | None = None,
+                 logprob_kernel: str = "eager"):
         """`fused_logprobs`: on the last stage, the output projection fused with the log-probs
         (`fused_output_logprobs_entropy`: the same values and gradients without the whole logits) wherever the
         output layer allows it (`_fusable_output_layer`); elsewhere, or when False, the output layer's logits
-        through `vocab_parallel_logprobs_entropy`. `distributed_optimizer`: shard the AdamW state over
-        data-parallel replicas (`ShardedAdamW`);
+        through `vocab_parallel_logprobs_entropy`. `logprob_vocab_block`: the fused path's shard rows per tile
+        (None: the whole shard); `logprob_kernel`: its tiles' elementwise work, "eager" or "compiled".
+        `distributed_optimizer`: shard the AdamW state over data-parallel replicas (`ShardedAdamW`);
         `recompute`: activation recomputation, "none" / "full" / "selective" (`qwen_provider.recompute_fields`);
         `routing_replay`: microbatches that carry `routed_experts [b, s, L, k]` are routed to exactly those
         experts (`megarl.trainer.routing_replay`)."""
         from megatron.core import parallel_state as ps
 
-        self.hf, self.optim_cfg, self.chunk = hf, optim, logprob_chunk
+        self.hf, self.optim_cfg, self.chunk, self.vocab_block = hf, optim, logprob_chunk, logprob_vocab_block
+        self.logprob_kernel = logprob_kernel
         _check_replay_layout(routing_replay, recompute, ps.get_tensor_model_parallel_world_size())
         self.model = build_gpt_model(hf, ps.get_tensor_model_parallel_world_size(),
                                      ps.get_pipeline_model_parallel_world_size(),
@@ -244,10 +247,12 @@ class MegatronPolicy:
         weight = (model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights
                   else model.output_layer.weight)
         if not model.output_layer.sequence_parallel:
-            return fused_output_logprobs_entropy(hidden, weight, targets, self.tp_group, self.chunk, self.local_vocab)
+            return fused_output_logprobs_entropy(hidden, weight, targets, self.tp_group, self.chunk, self.local_vocab,
+                                                 vocab_block=self.vocab_block, kernel=self.logprob_kernel)
         # sequence parallel: hidden [b, s/tp, h] holds this rank's slice of the sequence, dim 0 of [s, b, h]
         lp, ent = fused_output_logprobs_entropy(hidden.transpose(0, 1), weight, targets.t(), self.tp_group,
-                                                self.chunk, self.local_vocab, sequence_parallel=True)
+                                                self.chunk, self.local_vocab, sequence_parallel=True,
+                                                vocab_block=self.vocab_block, kernel=self.logprob_kernel)
         return lp.t(), ent.t()
 
     def _run(self, microbatches: list[dict[str, torch.Tensor]], last_stage_fn: Callable,
