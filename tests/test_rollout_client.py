@@ -44,3 +44,26 @@ def test_server_that_cannot_start_reports_its_log(tmp_path):
     with pytest.raises(FleetError, match=r"exited with code .*last log lines") as err:
         launch(FleetSpec(model_dir=empty, tp=1, log_dir=tmp_path / "logs", startup_timeout_s=300))
     assert str(empty) in str(err.value)  # the tail shows vLLM's own complaint about the model directory
+
+
+def test_a_hung_replica_costs_the_label_query_seconds_not_the_request_timeout(moe_fleet, monkeypatch):
+    """After a push, `FleetLifecycle.served()` asks each replica its label for the metrics. A replica that accepts
+    the connection and never answers (a socket that listens and never replies) is reported as None within the
+    short label timeout, not after the client's 600 s request timeout; the live replica's label comes back."""
+    import socket
+    import time
+
+    from megarl.sync import lifecycle
+
+    monkeypatch.setattr(lifecycle, "LABEL_TIMEOUT_S", 1.0)
+    with socket.socket() as hung:
+        hung.bind(("127.0.0.1", 0))
+        hung.listen(8)  # the kernel completes the handshake; nothing ever reads or answers
+        clients = [RolloutClient(moe_fleet.base_url), RolloutClient(f"http://127.0.0.1:{hung.getsockname()[1]}")]
+        assert all(c.timeout_s == 600 for c in clients)
+        t0 = time.monotonic()
+        labels = lifecycle.FleetLifecycle(clients, tp=1).served()
+        elapsed = time.monotonic() - t0
+    assert labels == {0: clients[0].weight_version(), 1: None}
+    assert labels[0] is not None
+    assert elapsed < 10, elapsed

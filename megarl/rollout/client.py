@@ -90,10 +90,12 @@ class RolloutClient:
         self._pool = ThreadPoolExecutor(max_parallel)
 
     # ---- plumbing --------------------------------------------------------------------------------------------
-    def _request(self, method: str, route: str, **kwargs: Any) -> Any:
-        """One HTTP call; a dead server or a non-200 reply raises naming the URL, the status and the body."""
+    def _request(self, method: str, route: str, timeout_s: float | None = None, **kwargs: Any) -> Any:
+        """One HTTP call (`timeout_s`: this call's, default the client's); a dead server or a non-200 reply raises
+        naming the URL, the status and the body."""
+        timeout = self.timeout_s if timeout_s is None else timeout_s
         try:
-            r = requests.request(method, f"{self.url}{route}", timeout=self.timeout_s, headers=self._headers, **kwargs)
+            r = requests.request(method, f"{self.url}{route}", timeout=timeout, headers=self._headers, **kwargs)
         except requests.RequestException as err:
             raise RolloutServerLost(f"rollout server {self.url}{route} unreachable: {err}") from None
         if r.status_code == 401:
@@ -112,8 +114,8 @@ class RolloutClient:
     def _post(self, route: str, body: dict[str, Any] | None = None, params: dict | None = None) -> Any:
         return self._request("POST", route, json=body, params=params)
 
-    def _get(self, route: str) -> Any:
-        return self._request("GET", route)
+    def _get(self, route: str, timeout_s: float | None = None) -> Any:
+        return self._request("GET", route, timeout_s=timeout_s)
 
     # ---- generation ------------------------------------------------------------------------------------------
     def generate(self, prompt_token_ids: list[list[int]], n: int, max_tokens: int | list[int],
@@ -181,9 +183,10 @@ class RolloutClient:
             return False
 
     # ---- weights ---------------------------------------------------------------------------------------------
-    def weight_version(self) -> str | None:
-        """The label of the weights the server is serving now (`"default"` until the first update)."""
-        return self._get("/weight_info").get("weight_version")
+    def weight_version(self, timeout_s: float | None = None) -> str | None:
+        """The label of the weights the server is serving now (`"default"` until the first update); `timeout_s`:
+        this call's timeout (default the client's)."""
+        return self._get("/weight_info", timeout_s=timeout_s).get("weight_version")
 
     def init_weight_transfer(self, init_info: dict[str, Any]) -> None:
         """Every worker creates its weight-transfer engine and joins the sync group (blocks until all joined)."""

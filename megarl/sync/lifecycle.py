@@ -22,6 +22,8 @@ from typing import Any
 from megarl.rollout.client import RolloutClient, RolloutServerError, RolloutServerLost
 from megarl.sync.needs import RolloutNeeds, recorded_by_fleet
 
+LABEL_TIMEOUT_S = 30.0  # how long `served()` waits for one replica's label (a cheap GET; a live server answers at once)
+
 
 class UpdateRefused(RuntimeError):
     """A replica's workers reported errors for this update (their messages, joined)."""
@@ -111,11 +113,12 @@ class FleetLifecycle:
         return threads
 
     def served(self) -> dict[int, str | None]:
-        """The version label each replica reports now (None: it did not answer)."""
+        """The version label each replica reports now (None: it did not answer within `LABEL_TIMEOUT_S`: a metric
+        must not hold the push, which has already finished, for the client's whole request timeout)."""
         labels: dict[int, str | None] = {}
         for rep, client in self.clients.items():
             try:
-                labels[rep] = client.weight_version()
+                labels[rep] = client.weight_version(timeout_s=LABEL_TIMEOUT_S)
             except RolloutServerError:
                 labels[rep] = None
         return labels
