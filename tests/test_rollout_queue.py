@@ -15,6 +15,7 @@ from megarl.metrics.timeline import Timeline
 from megarl.rewards.pool import RewardPool
 from megarl.rewards.scoring import BatchScorer
 from megarl.rollout.client import RolloutClient
+from megarl.rollout.evaluation import Evaluator
 from megarl.rollout.worker import RolloutWorker, RolloutWorkerError
 from megarl.sync.schedule import SyncSchedule
 from tests.slow_proxy import slow_proxy
@@ -103,14 +104,15 @@ def test_a_lost_replica_costs_no_batch(moe_fleet_2x1, encode, one_replica_run, c
     assert ("unreachable" if how == "connection refused" else "answered 503") in lines[0]
 
 
-def _worker(urls, encode, end, min_replicas=1):
+def _worker(urls, encode, end, min_replicas=1, evaluator=None):
     return RolloutWorker(
         [RolloutClient(u, timeout_s=60) for u in urls], SyncSchedule(2, 0),
         problems=lambda j: problem_batch(j, PROMPTS, 9, seed=3), encode=encode, sampling={"n": K, "max_tokens": 6},
         seed=lambda j: 1000 + 100 * j,
         score=BatchScorer(RewardPool("megarl.rewards.exact_match:exact_match", workers=1, timeout_s=10),
                           lambda ids: "7"),
-        timeline=Timeline(), end=end, chunk_prompts=1, chunks_in_flight=2, min_replicas=min_replicas)
+        timeline=Timeline(), end=end, chunk_prompts=1, chunks_in_flight=2, min_replicas=min_replicas,
+        evaluator=evaluator)
 
 
 def test_a_replica_admitted_at_a_push_point_takes_chunks_from_the_next_window(moe_fleet_2x1, encode):
@@ -153,3 +155,26 @@ def test_fewer_replicas_than_min_replicas_stops_the_rollout(moe_fleet_2x1, encod
         assert dead in str(err.value)
     finally:
         worker.close()
+
+
+def test_a_replica_lost_in_an_evaluation_leaves_the_worker_and_below_min_replicas_stops_it(moe_fleet_2x1, encode):
+    """No batch to generate (end=0): only the evaluation talks to replica 1, which answers 503 to every generate
+    request. The worker takes it out (`lost()`), and with min_replicas=2 the evaluation raises naming the bound."""
+    scorer = BatchScorer(RewardPool("megarl.rewards.exact_match:exact_match", workers=1, timeout_s=10), lambda ids: "7")
+    with slow_proxy(moe_fleet_2x1.urls[1], answer=0) as dying:
+        urls = [moe_fleet_2x1.urls[0], dying]
+        evaluator = Evaluator([RolloutClient(u, timeout_s=60) for u in urls], problem_batch(-1, 4, 9, seed=1),
+                              encode, scorer, {"n": K, "max_tokens": 4}, seed=7)
+        for min_replicas in (1, 2):
+            worker = _worker(urls, encode, end=0, min_replicas=min_replicas, evaluator=evaluator)
+            try:
+                if min_replicas == 1:
+                    assert worker.evaluate()["eval/replicas_lost"] == 1
+                else:
+                    with pytest.raises(RolloutWorkerError, match=r"(?s)replica 1 .* lost during the evaluation: .*503.*"
+                                       r"1 replica\(s\) left, fewer than rollout.min_replicas=2"):
+                        worker.evaluate()
+                assert list(worker.lost()) == [1] and worker.live_replicas() == 1
+            finally:
+                worker.close()
+    scorer.close()

@@ -11,6 +11,12 @@ without it (only wall time changes). Metrics, per evaluation (K = `eval.samples`
     eval/mean@K   mean reward over every prompt's K samples (accuracy, for 0/1 rewards)
     eval/pass@K   share of prompts with at least one correct sample (reward >= 1), the unbiased estimator
                   of Chen et al. 2021 with n = k = K
+    eval/replicas_lost  replicas that stopped answering during this evaluation
+
+A replica that stops answering mid-evaluation (`RolloutServerLost`) is reported through `on_lost` (the rollout
+worker takes it out, as it does when one dies generating a batch) and its unfinished prompts are split over the
+replicas left; prompt i is seeded by its index, so the metrics are those of an evaluation on the survivors alone.
+With no replica left the evaluation raises.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from megarl.data.problem import Problem
 from megarl.rewards.scoring import BatchScorer
-from megarl.rollout.client import RolloutClient, Sample
+from megarl.rollout.client import RolloutClient, RolloutServerLost, Sample
 
 
 def pass_at_k(n: int, correct: int, k: int) -> float:
@@ -36,8 +42,9 @@ def pass_at_k(n: int, correct: int, k: int) -> float:
 
 
 class Evaluator:
-    """Samples `sampling["n"]` responses for each of `problems` on the fleet's replicas (prompt i on replica
-    i mod R, all replicas at once), scores them with `scorer`, and returns the `eval/...` metrics."""
+    """Samples `sampling["n"]` responses for each of `problems` on the fleet's replicas (the k-th live replica
+    takes prompts k, k + R, ...; all replicas at once), scores them with `scorer`, and returns the `eval/...`
+    metrics."""
 
     def __init__(self, clients: list[RolloutClient], problems: Sequence[Problem], encode: Callable[[str], list[int]],
                  scorer: BatchScorer, sampling: dict, seed: int) -> None:
@@ -47,21 +54,41 @@ class Evaluator:
         self._prompts = [encode(p.prompt) for p in problems]
         self.k = int(sampling["n"])
 
-    def __call__(self, clients: list[RolloutClient] | None = None) -> dict[str, float]:
-        """The metrics, generated on `clients` (default: the ones it was built with; the rollout worker passes the
-        replicas still serving). Prompt i is seeded by its index, so who serves it does not change what is sampled."""
+    def __call__(self, clients: dict[int, RolloutClient] | None = None,
+                 on_lost: Callable[[int, str], None] | None = None) -> dict[str, float]:
+        """The metrics, generated on `clients` (replica -> client; default: the ones it was built with; the rollout
+        worker passes the replicas still serving). Prompt i is seeded by its index, so who serves it does not change
+        what is sampled. `on_lost(replica, why)`: called for a replica that stops answering, whose prompts then go
+        to the others."""
         start = time.perf_counter()
-        clients = self.clients if clients is None else clients
-        replicas = len(clients)
+        live = dict(enumerate(self.clients)) if clients is None else dict(clients)
+        samples: dict[int, list[Sample]] = {}
+        todo, lost = list(range(len(self._prompts))), 0
+        while todo:
+            if not live:
+                raise RolloutServerLost(f"evaluation: every rollout replica stopped answering ({len(todo)} of "
+                                        f"{len(self._prompts)} held-out prompts left unsampled)")
+            shares = {rep: todo[k::len(live)] for k, rep in enumerate(sorted(live))}
+            with ThreadPoolExecutor(len(shares), thread_name_prefix="megarl-eval") as pool:
+                futures = {rep: pool.submit(self._generate, live[rep], share) for rep, share in shares.items()}
+            todo = []
+            for rep, future in futures.items():
+                try:
+                    samples.update(zip(shares[rep], future.result(), strict=True))
+                except RolloutServerLost as err:
+                    todo += shares[rep]
+                    lost += 1
+                    del live[rep]
+                    if on_lost is not None:
+                        on_lost(rep, f"{type(err).__name__}: {err}")
+            todo.sort()
+        return self._metrics([samples[i] for i in range(len(self.problems))], lost, start)
 
-        def on_replica(r: int) -> list[list[Sample]]:
-            mine = range(r, len(self._prompts), replicas)
-            return clients[r].generate([self._prompts[i] for i in mine], **self.sampling,
-                                            seed=[self.seed + i for i in mine])
+    def _generate(self, client: RolloutClient, prompts: list[int]) -> list[list[Sample]]:
+        return client.generate([self._prompts[i] for i in prompts], **self.sampling,
+                               seed=[self.seed + i for i in prompts])
 
-        with ThreadPoolExecutor(replicas, thread_name_prefix="megarl-eval") as pool:
-            shares = list(pool.map(on_replica, range(replicas)))
-        samples = [shares[i % replicas][i // replicas] for i in range(len(self.problems))]
+    def _metrics(self, samples: list[list[Sample]], lost: int, start: float) -> dict[str, float]:
         rewards, timeouts, flags = self.scorer.rewards_of(self.problems, samples)
         versions = sorted({s.policy_version for group in samples for s in group})
         k = self.k
@@ -74,6 +101,7 @@ class Evaluator:
             "eval/response_tokens": sum(len(s.response_ids) for g in samples for s in g) / len(flat),
             "eval/prompts": len(self.problems),
             "eval/timeouts": timeouts,
+            "eval/replicas_lost": lost,
             **{f"eval/{flag}": count for flag, count in flags.items()},
             "eval/seconds": time.perf_counter() - start,
         }

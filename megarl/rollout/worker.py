@@ -173,7 +173,23 @@ class RolloutWorker:
         (the requests share the servers), so the schedule and the training data are unchanged."""
         if self._evaluator is None:
             raise RuntimeError("evaluate(): this rollout worker was built without an evaluator (eval.interval=0)")
-        return self._evaluator(self.live_clients())
+        with self._cv:
+            live = {r: c for r, c in enumerate(self.clients) if r not in self._lost}
+        return self._evaluator(live, on_lost=self._lost_in_evaluation)
+
+    def _lost_in_evaluation(self, replica: int, why: str) -> None:
+        """A replica stopped answering during an evaluation: it takes no more chunks (its loops find out at their
+        next request, and give their chunks back); below `rollout.min_replicas` the run stops, as in generation."""
+        with self._cv:
+            self._lost.setdefault(replica, why)
+            self._cv.notify_all()
+            left = len(self.clients) - len(self._lost)
+        url = self.clients[replica].url
+        logger.warning("rollout replica %d (%s) lost during the evaluation: %s", replica, url, why)
+        if left < self._min_replicas or self._static:
+            bound = ("static_split has no failover" if self._static
+                     else f"{left} replica(s) left, fewer than rollout.min_replicas={self._min_replicas}")
+            raise RolloutWorkerError(f"replica {replica} ({url}) lost during the evaluation: {why}; {bound}")
 
     def data_position(self, batch: int) -> dict | None:
         """Where batch `batch` starts in the task's data (a checkpoint records it; None: the task has none)."""
