@@ -67,7 +67,7 @@ def run_rank(cfg: Config, place: ProcessPlace, sync_port: int, fleet_urls: Calla
             rollout_replicas=cfg.rollout.replicas, store_host=place.master_addr, store_port=sync_port,
             bucket_bytes=int(cfg.sync.bucket_mb * 2**20), timeout_s=t.collective_timeout_s, needs=cfg.sync.needs,
             receive=cfg.sync.receive, delta=cfg.sync.delta, wire_dtype=getattr(torch, cfg.rollout.dtype),
-            min_replicas=cfg.rollout.min_replicas,
+            min_replicas=cfg.rollout.min_replicas, rejoin_timeout_s=cfg.sync.rejoin_timeout_s,
         )
         start_rollout, roster = None, None
         if rank == 0:

@@ -1,6 +1,7 @@
 """A deliberately slow or dying replica: an HTTP proxy in front of a real vLLM server that holds every generate
 request `delay_s` seconds before forwarding it, and after `answer` generate requests stops forwarding them and
-answers 503 as a failing vLLM server does (everything else, and the replies, pass through unchanged)."""
+answers 503 as a failing vLLM server does; requests to the `swallow` routes are answered 200 and never forwarded
+(a replica that says yes and never does it). Everything else, and the replies, pass through unchanged."""
 
 from __future__ import annotations
 
@@ -14,14 +15,20 @@ import requests
 
 
 @contextmanager
-def slow_proxy(target: str, delay_s: float = 0.0, answer: int | None = None) -> Iterator[str]:
-    """The URL of a proxy to `target` that delays `/inference/v1/generate` by `delay_s` and answers 503 to every
-    generate request after the first `answer` (None: never)."""
+def slow_proxy(target: str, delay_s: float = 0.0, answer: int | None = None,
+               swallow: tuple[str, ...] = ()) -> Iterator[str]:
+    """The URL of a proxy to `target` that delays `/inference/v1/generate` by `delay_s`, answers 503 to every
+    generate request after the first `answer` (None: never), and 200 with no body, unforwarded, to `swallow`."""
     lock, seen = threading.Lock(), [0]
 
     class Handler(BaseHTTPRequestHandler):
         def _forward(self, method: str) -> None:
             body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            if self.path.split("?")[0] in swallow:
+                self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
             if self.path.startswith("/inference/v1/generate"):
                 with lock:
                     seen[0] += 1

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 from safetensors.torch import load_file
 
 from megarl.config.schema import OptimizerConfig
@@ -28,6 +29,7 @@ from megarl.rollout.client import RolloutClient
 from megarl.rollout.fleet import FleetSpec, launch
 from tests.dist_utils import free_port, run_distributed
 from tests.fleet_fixture import perturbed_checkpoint
+from tests.slow_proxy import slow_proxy
 
 BOUND_S = 120  # a failed update must be reported well within the sync group's timeout (600 s here)
 
@@ -62,8 +64,10 @@ def _served_by(client):
 def _lose_rejoin_then_fail(rank, world, hf_dir, pushed_dir, urls, doomed_pid, port, sync_port, logs, secret_file):
     """Every trainer rank, over one sync of a 2-replica TP-1 fleet (rollout.min_replicas=1 at first):
     v1 to both; v2 with replica 1 killed mid-update (the push goes on without it); v3 to replica 0 only;
-    replica 1 restarted and let back in; v4 to both; then min_replicas=2 and replica 1 killed mid-update again:
-    v5 fails naming it."""
+    replica 1 restarted; first offered through a proxy that accepts the join request and never passes it on (its
+    workers never arrive): with sync.rejoin_timeout_s=5 the trainer ranks give up on it after 5 s and it stays out;
+    then let back in for real; v4 to both; then min_replicas=2 and replica 1 killed mid-update again: v5 fails
+    naming it."""
     from megarl.parallel.groups import TrainerLayout, destroy_trainer_groups, init_trainer_groups
     from megarl.rollout.client import RolloutClient
     from megarl.sync.weight_sync import PartitionedWeightSync, WeightSyncError
@@ -101,6 +105,13 @@ def _lose_rejoin_then_fail(rank, world, hf_dir, pushed_dir, urls, doomed_pid, po
                                          secret_file=secret_file))
             back = {1: RolloutClient(restarted.urls[0], timeout_s=120)}
             out["restarted_before"] = _served_by(back[1])
+        sync.rejoin_timeout_s = 5.0
+        with slow_proxy(restarted.urls[0] if rank == 0 else "", swallow=("/init_weight_transfer_engine",)) as silent:
+            dist.barrier()  # rank 0 was starting the new server: time the admit alone
+            t0 = time.monotonic()
+            out["admitted_silent"] = sync.admit({1: RolloutClient(silent, timeout_s=120)} if rank == 0 else {})
+            out["silent_seconds"], out["live_after_silent"] = time.monotonic() - t0, list(sync.live)
+        sync.rejoin_timeout_s = 120.0
         out["admitted"] = sync.admit(back)
         out["v4"] = push(4)
         if rank == 0:
@@ -128,6 +139,9 @@ def test_a_replica_killed_mid_update_leaves_the_sync_and_a_restarted_one_rejoins
         assert [r[v]["live"] for v in ("v1", "v2", "v3", "v4", "v5")] == [[0, 1], [0], [0], [0, 1], [0]], r
         for v in ("v1", "v2", "v3", "v4"):
             assert "error" not in r[v] and r[v]["seconds"] < BOUND_S, (v, r[v])
+        # the silent rejoin: given up after sync.rejoin_timeout_s (5 s), not the group timeout (600 s); it stays out
+        assert r["admitted_silent"] == [] and r["live_after_silent"] == [0], r
+        assert r["silent_seconds"] < 30, r["silent_seconds"]
         assert r["admitted"] == [1]
         # v5: below rollout.min_replicas=2, every rank raises naming the dead replica and the bound
         error = r["v5"]["error"]

@@ -257,6 +257,12 @@ class SyncConfig(_Strict):
             raise ValueError("sync.delta=true needs sync.receive=staged: a delta is written into the worker's copy "
                              "of what it last loaded, which a streamed receiver does not keep")
         return self
+    rejoin_timeout_s: float = Field(
+        300.0, gt=0, description="How long the trainer ranks wait, at a push point, for a restarted replica's vLLM "
+        "workers to join its new sync group (and that group's timeout afterwards). A replica that does not arrive "
+        "in time (it died again mid-join) stays out and is asked again at the next push point; the run goes on. "
+        "The initial groups use trainer.collective_timeout_s.",
+    )
     push_initial: bool = Field(
         False, description="Push the trainer's weights once before the first batch, for a fleet that did not "
         "start from the trainer's checkpoint (a reused fleet, a resumed run). Counted in step 0's sync metrics.",

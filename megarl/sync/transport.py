@@ -169,12 +169,14 @@ class ReplicaGroupsTransport:
         """The prefix of replica `replica`'s next group (the same on every trainer rank: joins are collective)."""
         return replica_group_prefix(replica, self.generation.get(replica, 0))
 
-    def join(self, replica: int) -> None:
-        """Build replica `replica`'s group with its workers (blocks until they joined, or the group's timeout)."""
+    def join(self, replica: int, timeout_s: float | None = None) -> None:
+        """Build replica `replica`'s group with its workers (blocks until they joined, or `timeout_s`: default the
+        transport's; it is also the new group's timeout)."""
         prefix = self.next_prefix(replica)
         self.generation[replica] = self.generation.get(replica, 0) + 1
         self.groups.groups[replica] = process_group(dist.PrefixStore(prefix, self.store), self.rank,
-                                                   self.trainers + self.tp, self.timeout_s)
+                                                   self.trainers + self.tp,
+                                                   self.timeout_s if timeout_s is None else timeout_s)
 
     def leave(self, replica: int) -> None:
         """Drop replica `replica`'s group (its connections close with the last reference)."""

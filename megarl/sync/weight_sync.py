@@ -113,7 +113,7 @@ class PartitionedWeightSync:
                  rollout_tp: int, rollout_replicas: int, store_host: str, store_port: int, bucket_bytes: int,
                  timeout_s: float = 600.0, digests: bool = False, needs: NeedsSource = "recorded",
                  receive: ReceiveMode = "staged", delta: bool = False, wire_dtype: torch.dtype | None = None,
-                 min_replicas: int | None = None) -> None:
+                 min_replicas: int | None = None, rejoin_timeout_s: float | None = None) -> None:
         self.rank, self.trainers, self.hf = rank, world_size, hf_config
         self.clients, self.tp, self.replicas = clients, rollout_tp, rollout_replicas
         self.bucket_bytes, self.digests, self.receive = bucket_bytes, digests, receive
@@ -127,6 +127,8 @@ class PartitionedWeightSync:
         self.fail_loading_after: int | None = None  # failure injection (tests): the workers' loaders raise after N
         self.sync_world = world_size + rollout_replicas * rollout_tp
         self.timeout_s = timeout_s
+        # sync.rejoin_timeout_s: how long `admit` waits for a restarted replica's workers (None: timeout_s)
+        self.rejoin_timeout_s = timeout_s if rejoin_timeout_s is None else rejoin_timeout_s
         # rollout.min_replicas: fewest replicas a push may leave in the sync (None: every replica, any loss fails)
         self.min_replicas = rollout_replicas if min_replicas is None else min_replicas
         self.live: list[int] = list(range(rollout_replicas))  # replicas in the sync, the same on every trainer rank
@@ -155,12 +157,13 @@ class PartitionedWeightSync:
                                   f"than rollout.min_replicas={self.min_replicas} (lost: {lost}); resume from the last "
                                   "checkpoint once the fleet is back")
 
-    def _join_threads(self, groups: dict[int, str]) -> dict[int, Any]:
-        """Rank 0: ask the replicas in `groups` (replica -> its group's prefix) to join; the threads to join after."""
+    def _join_threads(self, groups: dict[int, str], timeout_s: float | None = None) -> dict[int, Any]:
+        """Rank 0: ask the replicas in `groups` (replica -> its group's prefix) to join, their groups with
+        `timeout_s` (default `timeout_s`); the threads to join after."""
         if self.fleet is None:
             return {}
-        return self.fleet.join(groups, self.store_host, self.store_port, self.trainers, self.replicas, self.timeout_s,
-                               self.needs)
+        return self.fleet.join(groups, self.store_host, self.store_port, self.trainers, self.replicas,
+                               self.timeout_s if timeout_s is None else timeout_s, self.needs)
 
     def _leave(self, lost: dict[int, str]) -> None:
         """Every trainer rank, with the same `lost` (replica -> why): those replicas leave the sync (their groups
@@ -177,7 +180,8 @@ class PartitionedWeightSync:
         """Collective over the trainer ranks: let restarted replicas back into the sync (rank 0 passes their
         clients, replica -> client; the other ranks pass {}). Each joins a new group of its own; the next push sends
         it the whole model (it holds no delta base) and it is in `live` from then on. A replica that fails to join
-        (it died again, or did not answer within the group's timeout) stays out. Returns the replicas let in."""
+        (it died again, or its workers did not arrive within `rejoin_timeout_s`) stays out, to be asked again at the
+        next push point; the trainer ranks wait at most that long for it. Returns the replicas let in."""
         box: list[Any] = [sorted(clients) if self.rank == 0 else None]
         dist.broadcast_object_list(box, src=0)
         asked = [rep for rep in box[0] if rep not in self.live]
@@ -195,7 +199,8 @@ class PartitionedWeightSync:
                     continue
                 self.fleet.clients[rep] = clients[rep]
             try:
-                threads = self._join_threads({rep: g for rep, g in groups.items() if rep not in failed})
+                threads = self._join_threads({rep: g for rep, g in groups.items() if rep not in failed},
+                                             self.rejoin_timeout_s)
             except Exception as err:  # noqa: BLE001 - it died since: it stays out with the others
                 failed |= {rep: f"{type(err).__name__}: {err}" for rep in asked if rep not in failed}
         box = [failed]
@@ -205,7 +210,7 @@ class PartitionedWeightSync:
             if rep in failed:
                 continue
             try:
-                self.transport.join(rep)
+                self.transport.join(rep, self.rejoin_timeout_s)
             except Exception as err:  # noqa: BLE001 - the same on every trainer rank: agreed below
                 failed[rep] = f"{type(err).__name__}: {err}"
         for rep, thread in threads.items():
