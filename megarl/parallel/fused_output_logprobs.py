@@ -18,8 +18,8 @@ gradient is finished (in fp32) before the next begins:
 
 The elementwise work of a tile (fp32 upcast, max, exp, sums; in backward the whole `dL/dz`) is two functions,
 `FusedOutputLogprobMath.tile_stats` and `.tile_grad`, run as written (`kernel="eager"`: a few passes over the
-tile, each through memory) or through `torch.compile` (`kernel="compiled"`: on a GPU Triton kernels that read
-the tile's logits once or twice; the matrix products stay cuBLAS's). Same math, same results to fp32 rounding.
+tile, each through memory) or through `torch.compile` (`kernel="compiled"`: fused kernels, Triton's on a GPU,
+C++ on a CPU; the matrix products stay the BLAS's). Same math, same results to fp32 rounding.
 
 The input mapping is ColumnParallelLinear's: without sequence parallelism `hidden` is the same on every TP
 rank and its gradient is all-reduced; with it, `hidden` is this rank's slice of dim 0 (the sequence), gathered
