@@ -8,20 +8,22 @@ from __future__ import annotations
 import json
 import math
 import subprocess
-import sys
 
+from megarl.cli import main as cli_main
 from megarl.models.qwen_provider import read_hf_config
 from tests.test_weight_sync import _hand_bytes_per_rank
 
 
-def test_bench_savings_smoke(moe_fleet, tiny_moe_dir, tmp_path):
-    """Changes the fleet's weights (each run pushes its trainer's initial weights first)."""
+def test_bench_savings_smoke(moe_fleet, tiny_moe_dir, tmp_path, capsys):
+    """Changes the fleet's weights (each run pushes its trainer's initial weights first). `megarl bench savings`
+    runs through the CLI's entry point in this process (no interpreter, imports or forkserver of its own to start)."""
     out = tmp_path / "savings.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "megarl.cli", "bench", "savings", "--steps", "4", "--intervals", "4", "1",
-         "--fleet-url", moe_fleet.base_url, "--out", str(out), f"model.hf_dir={tiny_moe_dir}",
-         "data.prompts_per_step=4", "rollout.samples_per_prompt=2"],
-        capture_output=True, text=True, timeout=900)
+    argv = ["bench", "savings", "--steps", "4", "--intervals", "4", "1", "--fleet-url", moe_fleet.base_url, "--out",
+            str(out), f"model.hf_dir={tiny_moe_dir}", "data.prompts_per_step=4", "rollout.samples_per_prompt=2"]
+    capsys.readouterr()
+    code = cli_main(argv)
+    printed = capsys.readouterr()
+    proc = subprocess.CompletedProcess(["megarl", *argv], code, printed.out, printed.err)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert out.with_suffix(".png").stat().st_size > 0
     rows = json.loads(out.read_text())["rows"]

@@ -8,11 +8,11 @@ from __future__ import annotations
 import json
 import math
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from megarl.cli import main as cli_main
 from megarl.config.load import load_config
 from megarl.repro.report import judge
 from megarl.repro.runner import KEPT, REQUIRED, find_reusable
@@ -119,13 +119,17 @@ def test_judge_without_runs():
     assert judge(Comparison("a", "b", "greater", "x"), {"a": [0.5], "b": []})["verdict"] == "not run"
 
 
-def _smoke(study: str, fleet_url: str, model_dir: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
+def _smoke(capsys: pytest.CaptureFixture[str], study: str, fleet_url: str, model_dir: Path, out: Path,
+           *extra: str) -> subprocess.CompletedProcess:
+    """`megarl repro STUDY --smoke ...` through the CLI's own entry point, in this process (no interpreter, imports
+    or forkserver of its own to start for each invocation): its exit code and what it printed."""
     # the shared fleet is TP 2; small batches keep each run to a few seconds of steps
-    return subprocess.run(
-        [sys.executable, "-m", "megarl.cli", "repro", study, "--smoke", "--fleet-url", fleet_url, "--out", str(out),
-         *extra, f"model.hf_dir={model_dir}", "rollout.tp=2", "data.prompts_per_step=4",
-         "rollout.samples_per_prompt=4"],
-        capture_output=True, text=True, timeout=900, cwd=ROOT)
+    argv = ["repro", study, "--smoke", "--fleet-url", fleet_url, "--out", str(out), *extra, f"model.hf_dir={model_dir}",
+            "rollout.tp=2", "data.prompts_per_step=4", "rollout.samples_per_prompt=4"]
+    capsys.readouterr()  # what earlier invocations printed is theirs
+    code = cli_main(argv)
+    printed = capsys.readouterr()
+    return subprocess.CompletedProcess(["megarl", *argv], code, printed.out, printed.err)
 
 
 def _expected_lag(m: int, n: int, batch: int) -> int:
@@ -136,10 +140,11 @@ def _expected_lag(m: int, n: int, batch: int) -> int:
 
 
 @pytest.mark.parametrize("name", sorted(STUDIES))
-def test_repro_smoke(name, moe_fleet, tiny_moe_dir, tmp_path):
+def test_repro_smoke(name, moe_fleet, tiny_moe_dir, tmp_path, capsys, monkeypatch):
     """Changes the fleet's weights (every run pushes its trainer's initial weights first)."""
     study = STUDIES[name]
-    proc = _smoke(name, moe_fleet.base_url, tiny_moe_dir, tmp_path)
+    monkeypatch.chdir(ROOT)  # the CLI's default --config is relative to the repository
+    proc = _smoke(capsys, name, moe_fleet.base_url, tiny_moe_dir, tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads((tmp_path / f"{name}.json").read_text())
     assert (tmp_path / f"{name}.png").stat().st_size > 10_000
@@ -166,8 +171,8 @@ def test_repro_smoke(name, moe_fleet, tiny_moe_dir, tmp_path):
     assert any("not run" not in row for row in rows) == (len(study.smoke) == 2)
     if name == "rec-f1":  # the same seed gives the same curve: rerun one setting's seed 0 from scratch
         again = tmp_path / "again"
-        proc = _smoke(name, moe_fleet.base_url, tiny_moe_dir, again, "--seeds", "1", "--settings", study.smoke[0],
-                      "--fresh")
+        proc = _smoke(capsys, name, moe_fleet.base_url, tiny_moe_dir, again, "--seeds", "1", "--settings",
+                      study.smoke[0], "--fresh")
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         first = {r["setting"]: r["records"] for r in results["runs"] if r["seed"] == 0}
         rerun = json.loads((again / f"{name}.json").read_text())["runs"]
@@ -177,5 +182,5 @@ def test_repro_smoke(name, moe_fleet, tiny_moe_dir, tmp_path):
                 for key in ("reward/mean", "loss", "entropy", "batch_lag", "grad_norm"):
                     assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), (run["setting"], key)
         # a rerun into the same directory reuses the complete runs instead of training again
-        proc = _smoke(name, moe_fleet.base_url, tiny_moe_dir, tmp_path)
+        proc = _smoke(capsys, name, moe_fleet.base_url, tiny_moe_dir, tmp_path)
         assert proc.returncode == 0 and proc.stdout.count("(reused;") == 4, proc.stdout[-2000:]

@@ -1,9 +1,11 @@
 """`sbatch slurm/guru_moe.sh` on a real SLURM cluster of emulated GPU nodes (tests/slurm_cluster.py): the same
 script users submit, at CPU scale through its environment variables (the tiny MoE recipe, a pipeline of two trainer
 ranks on node1 and node2, two vLLM replicas sharing node3 with their own GPUs each, as the shipped scripts place
-them). A finished run, a killed replica the trainer cannot do without (rollout.min_replicas) and the resubmission
-that resumes the run from its last checkpoint, and a step SLURM cannot start, named within seconds. A replica killed
-mid-run, restarted, let back in and killed again (the run goes on): tests/test_slurm_failover.py."""
+them). A killed replica the trainer cannot do without (rollout.min_replicas) fails the job, and the resubmission
+resumes the run from its last checkpoint and finishes it, checked as any finished run (every step at the schedule's
+lags, whole pushes, each role where the script put it, a clean end); and a step SLURM cannot start, named within
+seconds. A replica killed mid-run, restarted, let back in and killed again (the run goes on):
+tests/test_slurm_failover.py."""
 
 from __future__ import annotations
 
@@ -93,11 +95,12 @@ def _step_gpus(log: str) -> set[int]:
     return {int(g) for g in match.group(1).split(",")}
 
 
-def test_guru_moe_job_trains_across_nodes(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
-    steps, m, n = 6, 2, 1  # configs/demo_moe.yaml's sync.interval and sync.offset
-    result = _submit(slurm_cluster, tmp_path, _job_env(tmp_path, f"run.steps={steps}"))
-    assert result.returncode == 0, _describe(slurm_cluster, tmp_path, result)
-
+def _check_finished_run(cluster: SlurmCluster, tmp_path: Path, result: subprocess.CompletedProcess[str],
+                        steps: int) -> None:
+    """A job that trained every step of the run: every step's metrics, at the schedule's exact lags; every push
+    sent the whole model to both replicas; each role ran where the script placed it; a clean end."""
+    m, n = 2, 1  # configs/demo_moe.yaml's sync.interval and sync.offset
+    assert result.returncode == 0, _describe(cluster, tmp_path, result)
     run_dir, logs = tmp_path / "run", tmp_path / "run" / "logs"
     records = _records(run_dir)
     assert [r["step"] for r in records] == list(range(steps))
@@ -114,7 +117,7 @@ def test_guru_moe_job_trains_across_nodes(slurm_cluster: SlurmCluster, tmp_path:
     assert summary["sync/bytes_received_total"] == summary["sync/bytes_sent_total"]
     assert summary["sync/bytes_sent_total"] == summary["sync/pushes"] * 2 * model_bytes
     # each role ran where the script placed it: the pipeline's two stages on two nodes, both replicas on node3,
-    # each with one GPU of its own
+    # each with one GPU of its own (a job's first start of each step truncates that step's log: this job's own)
     for rank, node in ((0, "node1"), (1, "node2")):  # one rank per node, each holding one GPU of it
         log = (logs / f"trainer_rank{rank}.log").read_text()
         assert f"trainer rank {rank}/2 on {node} (slurm, local rank 0, GPUs " in log, log
@@ -170,8 +173,8 @@ def _step_placement(cluster: SlurmCluster, step: str) -> tuple[str, str, str]:
     return fields["NodeList"], fields["TRES"], fields.get("TresPerNode", "")
 
 
-def test_killed_rollout_step_fails_the_job_and_resubmission_resumes(slurm_cluster: SlurmCluster,
-                                                                   tmp_path: Path) -> None:
+def test_killed_rollout_step_fails_the_job_and_resubmission_trains_the_rest_across_nodes(
+        slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
     # with rollout.min_replicas=2 the trainer cannot go on without the killed replica, and ROLLOUT_RESTARTS=0 does
     # not restart it: the trainer fails, and the job names the replica as the likely cause
     steps = 16
@@ -202,17 +205,17 @@ def test_killed_rollout_step_fails_the_job_and_resubmission_resumes(slurm_cluste
     latest = max(int(p.name.removeprefix("step_")) for p in saved)
     before = _records(run_dir)[:latest + 1]
 
+    # the resubmission is a whole job that finishes the run: every step, exact lags, whole pushes, placement, a
+    # clean end (the checks of a job run from scratch; one job less than a separate run of its own)
     resumed = _submit(slurm_cluster, tmp_path, {**env, "MEGARL_OVERRIDES": env["MEGARL_OVERRIDES"]
                                                 + " checkpoint.resume=latest"})
-    assert resumed.returncode == 0, _describe(slurm_cluster, tmp_path, resumed)
+    _check_finished_run(slurm_cluster, tmp_path, resumed, steps)
     records = _records(run_dir)
-    assert [r["step"] for r in records] == list(range(steps))
     # it went on from the newest checkpoint: the steps up to it are the first job's, and it trained only the rest
     assert records[:latest + 1] == before
     trained_now = sorted({int(s.label.removeprefix("step ")) for s in load_spans(run_dir / "timeline.json")
                           if s.kind == "train"})
     assert trained_now == list(range(latest + 1, steps))
-    assert json.loads((run_dir / "summary.json").read_text())["steps"] == steps
 
 
 def test_a_step_that_cannot_start_fails_the_job_naming_it(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
