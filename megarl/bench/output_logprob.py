@@ -45,6 +45,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megarl.parallel.fused_output_logprobs import KERNELS
 from megarl.parallel.spawn import free_port, run_ranks
 
 METHODS = ("fused", "unfused", "megatron")
@@ -434,7 +435,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--kernel",
-        choices=("eager", "compiled"),
+        choices=KERNELS,
         default="eager",
         help="with --hidden: the fused method's tile kernels (trainer.logprob_kernel); 'compiled' compiles them "
         "in an unmeasured first pass",

@@ -32,7 +32,7 @@ logits is exactly 0) and get a zero gradient.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 import torch.distributed as dist
@@ -41,7 +41,7 @@ from megarl.parallel.vocab_logprobs import VocabParallelLogprobMath, _all_reduce
 
 _NO_LOGIT = torch.finfo(torch.float32).min  # the running max of a token before any column (exp(_NO_LOGIT - m) = 0)
 Kernel = Literal["eager", "compiled"]
-KERNELS: tuple[str, ...] = ("eager", "compiled")
+KERNELS: tuple[str, ...] = get_args(Kernel)
 
 
 def _tp_size(group: dist.ProcessGroup | None) -> int:

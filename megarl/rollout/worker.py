@@ -173,9 +173,7 @@ class RolloutWorker:
         (the requests share the servers), so the schedule and the training data are unchanged."""
         if self._evaluator is None:
             raise RuntimeError("evaluate(): this rollout worker was built without an evaluator (eval.interval=0)")
-        with self._cv:
-            live = {r: c for r, c in enumerate(self.clients) if r not in self._lost}
-        return self._evaluator(live, on_lost=self._lost_in_evaluation)
+        return self._evaluator(self.live_clients(), on_lost=self._lost_in_evaluation)
 
     def _lost_in_evaluation(self, replica: int, why: str) -> None:
         """A replica stopped answering during an evaluation: it takes no more chunks (its loops find out at their
@@ -186,10 +184,17 @@ class RolloutWorker:
             left = len(self.clients) - len(self._lost)
         url = self.clients[replica].url
         logger.warning("rollout replica %d (%s) lost during the evaluation: %s", replica, url, why)
-        if left < self._min_replicas or self._static:
-            bound = ("static_split has no failover" if self._static
-                     else f"{left} replica(s) left, fewer than rollout.min_replicas={self._min_replicas}")
-            raise RolloutWorkerError(f"replica {replica} ({url}) lost during the evaluation: {why}; {bound}")
+        if (stop := self._why_stop(left)) is not None:
+            raise RolloutWorkerError(f"replica {replica} ({url}) lost during the evaluation: {why}; {stop}")
+
+    def _why_stop(self, left: int) -> str | None:
+        """Why the run cannot go on with `left` replicas serving (None: it can)."""
+        if self._static:
+            return "static_split has no failover"
+        if left < self._min_replicas:
+            return ("no rollout replica is left" if left == 0
+                    else f"{left} replica(s) left, fewer than rollout.min_replicas={self._min_replicas}")
+        return None
 
     def data_position(self, batch: int) -> dict | None:
         """Where batch `batch` starts in the task's data (a checkpoint records it; None: the task has none)."""
@@ -222,9 +227,10 @@ class RolloutWorker:
                 self._start_loop(replica, slot)
             self._cv.notify_all()
 
-    def live_clients(self) -> list[RolloutClient]:
+    def live_clients(self) -> dict[int, RolloutClient]:
+        """The replicas still taking chunks: replica -> its client."""
         with self._cv:
-            return [c for r, c in enumerate(self.clients) if r not in self._lost]
+            return {r: c for r, c in enumerate(self.clients) if r not in self._lost}
 
     def batches_generated(self) -> int:
         """How many batches have been fully generated so far (consumed ones included)."""
@@ -324,10 +330,8 @@ class RolloutWorker:
                 self._lost.setdefault(replica, cause)
             self._cv.notify_all()
             left = len(self.clients) - len(self._lost)
-            if left < self._min_replicas or self._static:
-                why = ("static_split has no failover" if self._static else "no rollout replica is left" if left == 0
-                       else f"{left} replica(s) left, fewer than rollout.min_replicas={self._min_replicas}")
-                raise RolloutWorkerError(f"replica {replica} ({url}), batch {chunk.batch}: {cause}; {why}")
+            if (stop := self._why_stop(left)) is not None:
+                raise RolloutWorkerError(f"replica {replica} ({url}), batch {chunk.batch}: {cause}; {stop}")
         if first:
             logger.warning(
                 "rollout replica %d (%s) lost: %s; its unfinished chunks go back to the queue, %d "
