@@ -14,11 +14,13 @@ import os
 from pathlib import Path
 from typing import Any
 
-from megarl.config.load import ConfigError, check_against_model, load_config, read_hf_config, save_config
+from megarl.checks import check_against_model
+from megarl.config.load import ConfigError, load_config, save_config
 from megarl.config.schema import Config
 from megarl.metrics.plot import plot_mismatch, plot_run, plot_timeline
 from megarl.metrics.timeline import load_spans, overlap_summary
 from megarl.metrics.writer import summarize, write_json_atomic
+from megarl.models.hf_config import read_hf_config
 from megarl.parallel.launcher_env import ProcessPlace
 from megarl.parallel.spawn import RankError, free_port, run_ranks
 from megarl.sync.schedule import SyncSchedule
@@ -132,7 +134,7 @@ def train(cfg: Config, fleet_urls: list[str] | None = None) -> dict[str, Any]:
     The fleet is guarded by a secret: a fleet started here sets `MEGARL_FLEET_SECRET_FILE` (`start_fleet`) before
     the trainer ranks are spawned, and they inherit it. With `fleet_urls` the caller sets `MEGARL_FLEET_SECRET_FILE`
     to that fleet's secret file (`FleetHandle.secret_file`) before calling, or the fleet refuses the trainer."""
-    from megarl.rollout.fleet import start_fleet
+    from megarl.rollout.run_fleet import start_fleet
 
     run_dir = Path(cfg.run.dir)
     if fleet_urls is None:

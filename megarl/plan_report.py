@@ -25,17 +25,17 @@ once per layout, without weights, to record what its loaders read: see the rollo
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from dataclasses import dataclass
-from functools import cache
 from typing import Any
 
-from megarl.config.load import ConfigError, num_experts, read_hf_config
-from megarl.config.schema import Config, TrainerConfig
-from megarl.models.hf_layout import HFLayout, RankCoords
-from megarl.models.qwen_provider import head_dim, padded_vocab_size
+from megarl.checks import DTYPE_BYTES, GB, push_budget, push_memory
+from megarl.config.load import ConfigError
+from megarl.config.schema import Config
+from megarl.models.hf_config import num_experts, read_hf_config
+from megarl.models.qwen_provider import padded_vocab_size
+from megarl.models.shapes import active_params, megatron_local_shapes, pipeline_stage_of, total_params
 from megarl.sync.baselines import bytes_per_vllm_rank, hf_tensors
 from megarl.sync.loader_reads import RankReads
 from megarl.sync.plan import vllm_rank_slices
@@ -45,142 +45,7 @@ from megarl.sync.receiver_memory import (
     LAYERS_ASSEMBLED_PER_STAGE,
     MODES,
     ReceiverMemory,
-    bucket_bytes_of,
-    max_utilization,
-    push_budget_bytes,
-    receiver_memory,
 )
-from megarl.sync.slices import HFSlice
-
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
-GB = 10**9  # decimal gigabytes, as model cards and network bandwidths count
-
-
-def hf_tensor_shapes(hf: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every tensor of the HF checkpoint (no lm_head when the embeddings are tied)."""
-    return {s.name: s.full_shape for s in vllm_rank_slices(hf, 1, 0)}
-
-
-def total_params(hf: dict[str, Any]) -> int:
-    return sum(s.numel for s in vllm_rank_slices(hf, 1, 0))
-
-
-def active_params(hf: dict[str, Any]) -> int:
-    """Parameters one token runs through: all but the (experts - top_k) experts it is not routed to."""
-    experts = num_experts(hf)
-    if not experts:
-        return total_params(hf)
-    expert_params = sum(s.numel for s in vllm_rank_slices(hf, 1, 0) if ".mlp.experts." in s.name)
-    return total_params(hf) - expert_params * (experts - hf["num_experts_per_tok"]) // experts
-
-
-def megatron_local_shapes(hf: dict[str, Any], tp: int, pp: int, ep: int, pp_rank: int) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of the megatron-core parameters of one rank at pipeline stage `pp_rank` (every rank of a
-    stage holds the same shapes; local layer spec names, stage-local layer indices)."""
-    h, d = hf["hidden_size"], head_dim(hf)
-    heads = hf["num_attention_heads"]
-    groups = hf.get("num_key_value_heads", heads)
-    qwen2 = hf.get("model_type", "").startswith("qwen2")
-    experts = num_experts(hf)
-    vocab_rows = padded_vocab_size(hf, tp) // tp
-    shapes: dict[str, tuple[int, ...]] = {}
-    if pp_rank == 0:
-        shapes["embedding.word_embeddings.weight"] = (vocab_rows, h)
-    qkv_rows = (heads + 2 * groups) * d // tp  # [q; k; v] rows of this rank's query groups
-    for i in range(hf["num_hidden_layers"] // pp):
-        p = f"decoder.layers.{i}"
-        shapes[f"{p}.input_layernorm.weight"] = (h,)
-        shapes[f"{p}.self_attention.linear_qkv.weight"] = (qkv_rows, h)
-        if qwen2:
-            shapes[f"{p}.self_attention.linear_qkv.bias"] = (qkv_rows,)
-        else:
-            shapes[f"{p}.self_attention.q_layernorm.weight"] = (d,)
-            shapes[f"{p}.self_attention.k_layernorm.weight"] = (d,)
-        shapes[f"{p}.self_attention.linear_proj.weight"] = (h, heads * d // tp)
-        shapes[f"{p}.pre_mlp_layernorm.weight"] = (h,)
-        if experts:
-            shapes[f"{p}.mlp.router.weight"] = (experts, h)
-            inter = hf["moe_intermediate_size"] // tp  # expert tensor parallel = tp
-            for j in range(experts // ep):
-                shapes[f"{p}.mlp.experts.local_experts.{j}.linear_fc1.weight"] = (2 * inter, h)  # [gate; up]
-                shapes[f"{p}.mlp.experts.local_experts.{j}.linear_fc2.weight"] = (h, inter)
-        else:
-            inter = hf["intermediate_size"] // tp
-            shapes[f"{p}.mlp.linear_fc1.weight"] = (2 * inter, h)
-            shapes[f"{p}.mlp.linear_fc2.weight"] = (h, inter)
-    if pp_rank == pp - 1:
-        shapes["decoder.final_layernorm.weight"] = (h,)
-        if not hf.get("tie_word_embeddings", False) or pp > 1:  # tied at pp 1: the embedding is the output layer
-            shapes["output_layer.weight"] = (vocab_rows, h)  # tied at pp > 1: the last stage holds a copy
-    return shapes
-
-
-def pipeline_stage_of(rank: int, t: TrainerConfig) -> int:
-    """Megatron's rank order is tp-cp-ep-dp-pp: the pipeline stage is the outermost coordinate."""
-    return rank // (t.world_size // t.pp)
-
-
-def trainer_holdings(hf: dict[str, Any], t: TrainerConfig) -> dict[int, list[HFSlice]]:
-    """Trainer rank -> the HF blocks its megatron shards hold (what `PartitionedWeightSync` plans from), from the
-    shapes alone: tensor rank = rank mod tp, expert tensor parallel = tp, expert rank = (rank // tp) mod ep within
-    the stage (megatron's tp-ep-dp-pp order for experts)."""
-    layers = hf["num_hidden_layers"] // t.pp
-    out: dict[int, list[HFSlice]] = {}
-    for rank in range(t.world_size):
-        stage = pipeline_stage_of(rank, t)
-        tp_rank, ep_rank = rank % t.tp, (rank // t.tp) % t.ep
-        layout = HFLayout(hf, RankCoords(tp_rank, t.tp, tp_rank, t.tp, ep_rank, t.ep),
-                          {i: stage * layers + i for i in range(layers)})
-        shapes = megatron_local_shapes(hf, t.tp, t.pp, t.ep, stage)
-        out[rank] = [block for name, shape in shapes.items() for _, block in layout.blocks(name, shape)]
-    return out
-
-
-def push_memory(hf: dict[str, Any], cfg: Config, dtype: str = "bf16", needs: RankReads | None = None
-                ) -> list[ReceiverMemory]:
-    """By vLLM TP rank: its memory during a push (`megarl.sync.receiver_memory`), fed by the config's trainer
-    ranks; `needs` as for `make_plan` (the table when None). Every replica's rank k is the same."""
-    t, bucket = cfg.trainer, bucket_bytes_of(cfg.sync.bucket_mb)
-    if needs is None:  # `megarl check --gpu` then `megarl plan` ask twice: the table's answer is kept
-        return list(_table_push_memory(json.dumps(hf, sort_keys=True), t.world_size, t.tp, t.pp, t.ep,
-                                       cfg.rollout.tp, DTYPE_BYTES[dtype], bucket))
-    holdings = trainer_holdings(hf, t)
-    return [receiver_memory(needs[k], holdings, DTYPE_BYTES[dtype], bucket, t.pp) for k in sorted(needs)]
-
-
-@cache
-def _table_push_memory(hf_json: str, world: int, tp: int, pp: int, ep: int, rollout_tp: int, itemsize: int,
-                       bucket: int) -> tuple[ReceiverMemory, ...]:
-    hf = json.loads(hf_json)
-    holdings = trainer_holdings(hf, TrainerConfig(world_size=world, tp=tp, pp=pp, ep=ep))
-    return tuple(receiver_memory(vllm_rank_slices(hf, rollout_tp, k), holdings, itemsize, bucket, pp)
-                 for k in range(rollout_tp))
-
-
-def push_budget(cfg: Config) -> int:
-    """Device bytes a push may use on each vLLM rank, beside vLLM's share of its GPU."""
-    return push_budget_bytes(cfg.rollout.gpu_memory_gb, cfg.rollout.gpu_memory_utilization)
-
-
-def push_memory_problem(cfg: Config, hf: dict[str, Any], dtype: str = "bf16") -> str | None:
-    """Why the configured `sync.receive` cannot fit a push beside vLLM on the worst vLLM rank (GPU fleets), naming
-    the fields and the fixes; None when it fits. `dtype`: the served dtype (bf16 on GPU fleets)."""
-    r, mode = cfg.rollout, cfg.sync.receive
-    memory = push_memory(hf, cfg, dtype)
-    worst = max(memory, key=lambda m: m.device_extra(mode))
-    need, budget = worst.device_extra(mode), push_budget(cfg)
-    if need <= budget:
-        return None
-    fixes = [f"lower rollout.gpu_memory_utilization (at most {max_utilization(need, r.gpu_memory_gb):.2f} fits)",
-             f"raise rollout.tp (each rank serves {_gb(worst.served)} now)",
-             f"lower sync.bucket_mb ({_gb(worst.in_flight)} of buckets in flight from {worst.senders} senders)"]
-    other = next(m for m in MODES if m != mode)
-    if worst.device_extra(other) <= budget:
-        fixes.append(f"use sync.receive={other} ({_gb(worst.device_extra(other))})")
-    return (f"sync.receive={mode}: a weight push needs up to {_gb(need)} of GPU memory on a vLLM rank beside its "
-            f"{_gb(worst.served)} of {dtype} weights, but rollout.gpu_memory_gb={r.gpu_memory_gb:g} x (1 - "
-            f"rollout.gpu_memory_utilization={r.gpu_memory_utilization:g}) less {_gb(CUDA_RESERVE_BYTES)} for CUDA "
-            f"leaves {_gb(max(budget, 0))} beside vLLM's share: " + ", or ".join(fixes))
 
 
 @dataclass(frozen=True)

@@ -38,8 +38,8 @@ def run_rank(cfg: Config, place: ProcessPlace, sync_port: int, fleet_urls: Calla
     quiet_cpu_warnings()
     import torch
 
-    from megarl.config.load import read_hf_config
     from megarl.loop import run_loop
+    from megarl.models.hf_config import read_hf_config
     from megarl.parallel.cpu_threads import apply_trainer_cpu_threads
     from megarl.parallel.groups import TrainerLayout, destroy_trainer_groups, dp_rank_and_size, init_trainer_groups
     from megarl.rollout.client import RolloutClient

@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from megarl.config.load import ConfigError, check_against_model, load_config, validate
+from megarl.checks import check_against_model
+from megarl.config.load import ConfigError, load_config, validate
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_MOE = {"num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 32,

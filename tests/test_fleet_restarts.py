@@ -21,9 +21,9 @@ import requests
 
 from megarl.config.load import load_config
 from megarl.config.schema import Config
-from megarl.rollout.fleet import start_fleet
 from megarl.rollout.fleet_auth import SECRET_ENV, bearer_header, read_secret
 from megarl.rollout.rendezvous import register_replica, registrations
+from megarl.rollout.run_fleet import start_fleet
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -1,11 +1,12 @@
-"""Import layering: neither the config schema nor any algorithm module sits on an import circle (the schema
-validates names against the torch-free `megarl.algorithms.catalog`, the registry imports the schema). Every import
-counts, including those inside functions (a lazy import is still an edge of the dependency graph), read with `ast`
-from the source, so the test needs no import of the package itself."""
+"""Import layering: no module of `megarl/` sits on an import circle, and every import follows the layers written in
+the package docstring (`megarl/__init__.py`: a module imports from its own layer or below). Every import counts,
+including those inside functions and under `TYPE_CHECKING` (a lazy import is still an edge of the dependency graph),
+read with `ast` from the source, so the test needs no import of the package itself."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "megarl"
@@ -88,3 +89,61 @@ def test_config_and_algorithm_layers_import_only_downward():
         c for c in _circles(graph) if any(m.startswith(("megarl.algorithms.", "megarl.config.schema")) for m in c)
     ]
     assert layered == [], f"import circles through the config/algorithm layers: {layered}"
+
+
+def _written_layers() -> dict[str, int]:
+    """Module prefix -> layer index (0 = bottom), read from the table in the package docstring."""
+    doc = ast.get_docstring(ast.parse((PACKAGE / "__init__.py").read_text()))
+    assert doc, "megarl/__init__.py has no docstring: the layers are written there"
+    layers: dict[str, int] = {}
+    index = -1
+    for line in doc.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")] if line.startswith("|") else []
+        if len(cells) < 2 or cells[0] == "layer" or (cells[0] and set(cells[0]) <= {"-"}):
+            continue
+        if cells[0]:  # a named layer starts; a row with an empty first cell continues the one above
+            index += 1
+        for prefix in re.findall(r"megarl(?:\.\w+)*", cells[1]):
+            layers[prefix] = index
+    return layers
+
+
+def _layer_of(module: str, layers: dict[str, int]) -> int | None:
+    parts = module.split(".")
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in layers:
+            return layers[".".join(parts[:n])]
+    return None
+
+
+def _upward_imports(graph: dict[str, set[str]], layers: dict[str, int]) -> list[str]:
+    return sorted(f"{a} -> {b}" for a, deps in graph.items() for b in deps
+                  if (la := _layer_of(a, layers)) is not None and (lb := _layer_of(b, layers)) is not None and lb > la)
+
+
+def test_megarl_has_no_import_circle():
+    circles = _circles(_import_graph())
+    assert circles == [], "import circles in megarl/ (move the shared part into a lower module):\n" + "\n".join(
+        "  " + " <-> ".join(sorted(c)) for c in circles)
+
+
+def test_every_module_has_a_written_layer():
+    layers = _written_layers()
+    assert len(set(layers.values())) == 5, layers
+    missing = sorted(m for m in _import_graph() if _layer_of(m, layers) is None and m != "megarl")
+    assert missing == [], f"modules with no layer in megarl/__init__.py's table (add their package there): {missing}"
+
+
+def test_imports_follow_the_written_layers():
+    upward = _upward_imports(_import_graph(), _written_layers())
+    assert upward == [], ("imports that point to a higher layer than their module's (megarl/__init__.py says which "
+                          "layer may import which; move the shared part down):\n  " + "\n  ".join(upward))
+
+
+def test_layer_checker_sees_an_upward_import_and_the_specific_prefix_wins():
+    """The checker itself: the most specific prefix names the layer, and an edge to a higher layer is reported."""
+    layers = {"a.config": 0, "a.rewards.registry": 0, "a.rewards": 1, "a.checks": 2}
+    graph = {"a.config.load": {"a.checks", "a.rewards.registry"}, "a.rewards.scoring": {"a.config.load"},
+             "a.checks": {"a.rewards.scoring"}, "a.rewards.registry": set()}
+    assert _layer_of("a.rewards.registry", layers) == 0 and _layer_of("a.rewards.scoring", layers) == 1
+    assert _upward_imports(graph, layers) == ["a.config.load -> a.checks"]

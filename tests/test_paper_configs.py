@@ -5,7 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from megarl.config.load import check_against_model, load_config, read_hf_config
+from megarl.checks import check_against_model
+from megarl.config.load import load_config
+from megarl.models.hf_config import read_hf_config
 
 CONFIGS = sorted(Path("configs").glob("*.yaml"))
 

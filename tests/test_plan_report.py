@@ -19,18 +19,13 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from megarl.config.load import ConfigError, check_against_model, read_hf_config
+from megarl.checks import check_against_model
+from megarl.config.load import ConfigError
 from megarl.config.schema import Config
+from megarl.models.hf_config import read_hf_config
+from megarl.models.shapes import active_params, hf_tensor_shapes, megatron_local_shapes, pipeline_stage_of, total_params
 from megarl.models.tiny import make_tiny_checkpoint
-from megarl.plan_report import (
-    active_params,
-    hf_tensor_shapes,
-    make_plan,
-    megatron_local_shapes,
-    pipeline_stage_of,
-    run,
-    total_params,
-)
+from megarl.plan_report import make_plan, run
 from tests.dist_utils import free_port, run_distributed
 from tests.test_weight_sync import _hand_bytes_per_rank
 

@@ -9,9 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from megarl.config.load import ConfigError, check_against_model, load_config, read_hf_config
+from megarl.checks import check_against_model, push_memory, push_memory_problem
+from megarl.config.load import ConfigError, load_config
 from megarl.config.schema import TrainerConfig
-from megarl.plan_report import push_memory, push_memory_problem, run, trainer_holdings
+from megarl.models.hf_config import read_hf_config
+from megarl.models.shapes import trainer_holdings
+from megarl.plan_report import run
 from megarl.rollout.fleet import FleetSpec, fleet_spec, server_command, server_env
 from megarl.sync.plan import plan_transfers, vllm_rank_slices
 from megarl.sync.receiver_memory import (

@@ -13,8 +13,10 @@ import pytest
 import torch
 from vllm.utils.serial_utils import numpy2base64
 
-from megarl.config.load import ConfigError, check_against_model, read_hf_config
+from megarl.checks import check_against_model
+from megarl.config.load import ConfigError
 from megarl.config.schema import Config, ModelConfig, RolloutConfig, TrainerConfig
+from megarl.models.hf_config import read_hf_config
 from megarl.models.tiny import make_tiny_checkpoint
 from megarl.rewards.scoring import scored_batch
 from megarl.rollout.client import RolloutClient, RolloutServerError, Sample, decode_routed_experts

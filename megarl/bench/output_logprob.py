@@ -143,7 +143,7 @@ def unfused(hidden, weight, targets, group, cfg: OutputBenchConfig):
 
 
 def megatron(hidden, weight, targets, group, cfg: OutputBenchConfig):
-    from megarl.bench.logprob import megatron_logprobs_entropy
+    from megarl.bench.logprob_methods import megatron_logprobs_entropy
 
     return megatron_logprobs_entropy(_logits(hidden, weight, group), targets, group, cfg.chunk_tokens)
 

@@ -84,7 +84,7 @@ def measure(cfg_path: str | None, overrides: list[str], steps: int, offsets: lis
     from contextlib import nullcontext
 
     from megarl.launch import prepare
-    from megarl.rollout.fleet import start_fleet
+    from megarl.rollout.run_fleet import start_fleet
 
     base = prepare(cfg_path, overrides, create_run_dir=False)
     common = [*overrides, f"run.steps={steps}", "sync.push_initial=true", "run.overwrite=true",

@@ -59,7 +59,7 @@ def measure(cfg_path: str | None, overrides: list[str], steps: int, intervals: l
             fleet_urls: list[str] | None, delta: bool = False) -> list[dict[str, Any]]:
     """Warm-up, then one run per interval (`delta`: with sync.delta=true); one row per run."""
     from megarl.launch import prepare
-    from megarl.rollout.fleet import start_fleet
+    from megarl.rollout.run_fleet import start_fleet
 
     base = prepare(cfg_path, overrides, create_run_dir=False)
     common = [*overrides, f"run.steps={steps}", "sync.push_initial=true", "run.overwrite=true",

@@ -72,7 +72,7 @@ def synthetic_hf(size_bytes: int, itemsize: int, hidden: int = 1024, vocab: int 
     hf = {"model_type": "qwen3", "hidden_size": hidden, "num_attention_heads": heads,
           "num_key_value_heads": max(1, heads // 2), "head_dim": 64, "intermediate_size": 3 * hidden,
           "vocab_size": vocab, "tie_word_embeddings": False, "num_hidden_layers": 1}
-    from megarl.plan_report import total_params
+    from megarl.models.shapes import total_params
 
     one = total_params(hf)
     per_layer = total_params({**hf, "num_hidden_layers": 2}) - one

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from megarl.config.load import num_experts
+from megarl.models.hf_config import num_experts
 from megarl.models.qwen_provider import head_dim
 from megarl.sync.slices import HFSlice
 

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from megarl.config.load import num_experts, read_hf_config  # noqa: F401 - read_hf_config re-exported
+from megarl.models.hf_config import num_experts, read_hf_config  # noqa: F401 - read_hf_config re-exported
 
 
 def rope_theta(hf: dict[str, Any]) -> float:

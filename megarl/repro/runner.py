@@ -158,7 +158,7 @@ def run_study(plan: Plan, out_dir: Path, fleet_urls: list[str] | None = None, fr
     after each, and return the results: provenance, the plan, and per run its kept per-step metrics."""
     from megarl.bench.pipeline import run_job
     from megarl.launch import prepare
-    from megarl.rollout.fleet import start_fleet
+    from megarl.rollout.run_fleet import start_fleet
 
     study = plan.study
     out_dir.mkdir(parents=True, exist_ok=True)

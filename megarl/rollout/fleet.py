@@ -12,8 +12,9 @@ from the file in `MEGARL_FLEET_SECRET_FILE`. `FleetSpec.secret_file=None` makes 
 temporary directory (mode 0700, file 0600) that `FleetHandle.stop()` deletes; name a file on a shared
 filesystem instead when the trainer runs on other nodes.
 
-`start_fleet(..., run_dir=...)` (`megarl train`'s own fleet) also registers every replica in `<run_dir>/fleet/` and
-restarts one whose server exits, up to `rollout.restarts` times (`megarl.rollout.restarts`).
+This module starts and stops processes only; `megarl.rollout.run_fleet.start_fleet` builds a run's fleet on it (the
+registry of `megarl.rollout.rendezvous` and the restarts of `megarl.rollout.restarts`, which import this module, never
+the reverse).
 """
 
 from __future__ import annotations
@@ -28,11 +29,9 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import requests
 
@@ -42,7 +41,12 @@ from megarl.sync.vllm_plugin import BACKEND_NAME
 
 if TYPE_CHECKING:
     from megarl.config.schema import Config
-    from megarl.rollout.restarts import ReplicaWatcher
+
+
+class Watcher(Protocol):
+    """What a fleet stops before its servers: `megarl.rollout.restarts.ReplicaWatcher`."""
+
+    def stop(self) -> None: ...
 
 
 class FleetError(RuntimeError):
@@ -90,7 +94,7 @@ class FleetHandle:
     own_secret_dir: Path | None = None  # the temporary directory launch() made for the secret, removed by stop()
     # restarts dead replicas (`start_fleet(..., run_dir=...)`): it replaces a replica's entry in urls and procs by its
     # new server's (logs keep their paths: a restart appends), and stop() stops it before the servers
-    watcher: ReplicaWatcher | None = None
+    watcher: Watcher | None = None
 
     @property
     def base_url(self) -> str:
@@ -321,39 +325,3 @@ def fleet_spec(cfg: Config, **where: Any) -> FleetSpec:
                      startup_timeout_s=r.startup_timeout_s, dtype=r.dtype,
                      return_routed_experts=r.return_routed_experts, expert_parallel=r.expert_parallel)
     return replace(spec, **where)
-
-
-@contextmanager
-def start_fleet(cfg: Config, log_dir: Path, run_dir: Path | None = None) -> Iterator[FleetHandle]:
-    """The fleet of a run config (`megarl.config.schema.Config`), stopped on exit. Inside the block
-    `MEGARL_FLEET_SECRET_FILE` names the fleet's secret file, so processes started there (the trainer ranks)
-    and `RolloutClient`s made there send it; the previous value is restored on exit.
-
-    With `run_dir` (`megarl train`: the run's directory) the fleet is this run's: earlier registrations there are
-    cleared, every replica is registered in `<run_dir>/fleet/` once healthy and guarded, and a replica whose server
-    exits is restarted up to `rollout.restarts` times and registered again (`megarl.rollout.restarts`); the
-    registrations are removed when the fleet stops."""
-    spec = fleet_spec(cfg, log_dir=Path(log_dir))
-    if run_dir is not None:
-        from megarl.rollout.rendezvous import clear_fleet
-
-        clear_fleet(run_dir)  # an earlier run's registrations in the same run directory are not this fleet's
-    fleet = launch(spec)
-    if run_dir is not None:
-        from megarl.rollout.restarts import ReplicaWatcher
-
-        try:
-            ReplicaWatcher(fleet, spec, Path(run_dir), cfg.rollout.restarts).start()
-        except BaseException:
-            fleet.stop()
-            raise
-    previous = os.environ.get(SECRET_ENV)
-    os.environ[SECRET_ENV] = str(fleet.secret_file)
-    try:
-        yield fleet
-    finally:
-        if previous is None:
-            os.environ.pop(SECRET_ENV, None)
-        else:
-            os.environ[SECRET_ENV] = previous
-        fleet.stop()

