@@ -12,6 +12,9 @@ compares a step's installed torch / megatron-core / vLLM / Transformer Engine wi
                  Engine (CONTAINER_PROVIDES), so they are overridden out of the resolution and the lock holds the
                  rest (megatron-core, transformers, megarl's own dependencies)
     gpu-fleet    the vLLM fleet on GPUs, Python 3.12: the vllm wheel with vLLM's own torch pin
+    gpu-single   both roles in one venv on one GPU machine (what `make env` installs where nvidia-smi exists, and
+                 what a job whose steps share one environment runs): gpu-fleet + gpu-trainer on vLLM's torch,
+                 without Transformer Engine
 
 Standard library only: the preflight imports it on every node.
 """
@@ -44,28 +47,33 @@ COMPILE_COMMAND = "make locks"
 
 @dataclass(frozen=True)
 class Stack:
-    name: str  # the lock's file name (locks/<name>.txt) and the pyproject extra it resolves
+    name: str  # the lock's file name: locks/<name>.txt
+    extras: tuple[str, ...]  # the pyproject extras it resolves (with megarl's own dependencies)
     python: str
     role: str  # "both", "trainer" or "fleet"
     drop: tuple[str, ...] = ()  # packages overridden out of the resolution (provided otherwise, or removed)
     provides: dict[str, str] = field(default_factory=dict)  # versions a container provides instead of the lock
     cpu_wheels: bool = False  # torch's +cpu build: from pip's find-links, else PyTorch's CPU index
 
-    @property
-    def extra(self) -> str:
-        return self.name
-
 
 STACKS = {
-    "cpu": Stack("cpu", "3.11", "both", drop=("torchvision", "torchaudio", "torchcodec"), cpu_wheels=True),
-    "gpu-trainer": Stack("gpu-trainer", "3.12", "trainer", drop=tuple(CONTAINER_PROVIDES),
+    "cpu": Stack("cpu", ("cpu",), "3.11", "both", drop=("torchvision", "torchaudio", "torchcodec"), cpu_wheels=True),
+    "gpu-trainer": Stack("gpu-trainer", ("gpu-trainer",), "3.12", "trainer", drop=tuple(CONTAINER_PROVIDES),
                          provides=dict(CONTAINER_PROVIDES)),
-    "gpu-fleet": Stack("gpu-fleet", "3.12", "fleet"),
+    "gpu-fleet": Stack("gpu-fleet", ("gpu-fleet",), "3.12", "fleet"),
+    "gpu-single": Stack("gpu-single", ("gpu-fleet", "gpu-trainer"), "3.12", "both"),
 }
+STACK_ENV = "MEGARL_STACK"  # names the stack a step runs, where the default below is not it (gpu-single)
 
 
-def stack_for(role: str, gpu: bool) -> Stack:
-    """The stack a cluster step should run: `rank` (a trainer rank) or `serve` (a replica), on a GPU node or not."""
+def stack_for(role: str, gpu: bool, env: dict[str, str] | None = None) -> Stack:
+    """The stack a cluster step runs: `$MEGARL_STACK` if set, else by role (`rank`: a trainer rank, `serve`: a
+    replica) on a GPU node, else the CPU stack."""
+    chosen = (os.environ if env is None else env).get(STACK_ENV)
+    if chosen:
+        if chosen not in STACKS:
+            raise ValueError(f"{STACK_ENV}={chosen}: the stacks are {', '.join(STACKS)}")
+        return STACKS[chosen]
     if not gpu:
         return STACKS["cpu"]
     return STACKS["gpu-trainer" if role == "rank" else "gpu-fleet"]
@@ -92,14 +100,13 @@ def read_pins(text: str) -> dict[str, str]:
 
 
 def version_matches(installed: str, pinned: str) -> bool:
-    """PEP 440's `==` as the locks use it: a pin without a local label (`2.13.0`) accepts any local build of that
-    release (`2.13.0+cu130`); `2.9.*` accepts every 2.9 release (and their local builds)."""
+    """A lock pins the exact build it installs: `2.13.0` (PyPI's torch) is not `2.13.0+cpu` (a CPU build that
+    would serve nothing on a GPU). `2.9.*` (what a container provides, known by release only) accepts every 2.9
+    release and its local builds (`2.9.0+70f53666`)."""
     if pinned.endswith(".*"):
         public = installed.split("+", 1)[0]
         return public == pinned[:-2] or public.startswith(pinned[:-1])
-    if "+" in pinned:
-        return installed == pinned
-    return installed.split("+", 1)[0] == pinned
+    return installed == pinned
 
 
 def uv_binary() -> str:
@@ -134,8 +141,9 @@ def _pip_find_links() -> list[str]:
 def compile_command(stack: Stack, out: Path, overrides: Path | None) -> list[str]:
     """The `uv pip compile` that writes `out` (an existing `out` is read as preferences: its pins are kept unless
     pyproject.toml no longer allows them)."""
-    cmd = [uv_binary(), "pip", "compile", str(REPO / "pyproject.toml"), "--extra", stack.extra,
-           "--python-version", stack.python, "--python-platform", PLATFORM, "--no-build", "--no-python-downloads",
+    cmd = [uv_binary(), "pip", "compile", str(REPO / "pyproject.toml"),
+           *(arg for extra in stack.extras for arg in ("--extra", extra)), "--python-version", stack.python,
+           "--python-platform", PLATFORM, "--no-build", "--no-python-downloads",
            "--custom-compile-command", COMPILE_COMMAND, "--quiet", "--output-file", str(out)]
     if overrides is not None:
         cmd += ["--override", str(overrides)]
