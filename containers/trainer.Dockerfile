@@ -6,7 +6,7 @@
 #   docker build -f containers/trainer.Dockerfile -t megarl-trainer .       (from the repository root)
 #
 # The last step checks the result against the stack (`megarl preflight versions`): a torch or TE build string that
-# differs from megarl/stacks.py's CONTAINER_PROVIDES (read from the release notes, not from the image) fails the
+# differs from megarl/stacks.py's CONTAINER_PROVIDES (from public sources, not read from the image) fails the
 # build here, naming both versions.
 ARG TRAINER_IMAGE=nvcr.io/nvidia/pytorch:25.11-py3
 FROM ${TRAINER_IMAGE}

@@ -34,10 +34,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 LOCKS_ENV = "MEGARL_LOCKS_DIR"
 # The trainer's image: the NGC PyTorch release megatron-core 0.16.1's own CI names as its development image
-# (Megatron-LM core_v0.16.1, docker/.ngc_version.dev). Its release notes: CUDA 13.0.2, Python 3.12, NCCL 2.28.8.
+# (Megatron-LM core_v0.16.1, docker/.ngc_version.dev); published listings of it: CUDA 13.0.2, Python 3.12, NCCL 2.28.8.
 TRAINER_IMAGE = "nvcr.io/nvidia/pytorch:25.11-py3"
 # What TRAINER_IMAGE provides (not installed from the lock; checked by the preflight). torch: the image's build
-# string; Transformer Engine 2.9 per the release notes, inside megatron-core 0.16.1's declared range
+# string; Transformer Engine 2.9 as its listings give it, inside megatron-core 0.16.1's declared range
 # (transformer-engine>=2.9.0a0,<2.12.0 in its `dev` extra). Neither was read from the image here (docs/gpu.md).
 CONTAINER_PROVIDES = {"torch": "2.10.0a0+b558c986e8.nv25.11", "transformer-engine": "2.9.*"}
 PLATFORM = "x86_64-manylinux_2_31"  # glibc >= 2.31: vllm 0.32.0 needs llguidance 1.7, whose wheels are 2_31
@@ -50,18 +50,17 @@ class Stack:
     name: str  # the lock's file name: locks/<name>.txt
     extras: tuple[str, ...]  # the pyproject extras it resolves (with megarl's own dependencies)
     python: str
-    role: str  # "both", "trainer" or "fleet"
     drop: tuple[str, ...] = ()  # packages overridden out of the resolution (provided otherwise, or removed)
     provides: dict[str, str] = field(default_factory=dict)  # versions a container provides instead of the lock
     cpu_wheels: bool = False  # torch's +cpu build: from pip's find-links, else PyTorch's CPU index
 
 
 STACKS = {
-    "cpu": Stack("cpu", ("cpu",), "3.11", "both", drop=("torchvision", "torchaudio", "torchcodec"), cpu_wheels=True),
-    "gpu-trainer": Stack("gpu-trainer", ("gpu-trainer",), "3.12", "trainer", drop=tuple(CONTAINER_PROVIDES),
+    "cpu": Stack("cpu", ("cpu",), "3.11", drop=("torchvision", "torchaudio", "torchcodec"), cpu_wheels=True),
+    "gpu-trainer": Stack("gpu-trainer", ("gpu-trainer",), "3.12", drop=tuple(CONTAINER_PROVIDES),
                          provides=dict(CONTAINER_PROVIDES)),
-    "gpu-fleet": Stack("gpu-fleet", ("gpu-fleet",), "3.12", "fleet"),
-    "gpu-single": Stack("gpu-single", ("gpu-fleet", "gpu-trainer"), "3.12", "both"),
+    "gpu-fleet": Stack("gpu-fleet", ("gpu-fleet",), "3.12"),
+    "gpu-single": Stack("gpu-single", ("gpu-fleet", "gpu-trainer"), "3.12"),
 }
 STACK_ENV = "MEGARL_STACK"  # names the stack a step runs, where the default below is not it (gpu-single)
 
