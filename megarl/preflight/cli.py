@@ -32,14 +32,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             c.add_argument("--wait-s", type=float, default=WAIT_S,
                            help=f"how long to wait for the other steps' hellos, then for their reports (default "
                            f"{WAIT_S:g})")
-
-
     v = subparsers.add_parser("versions", help="this environment's torch, megatron-core, vLLM and Transformer Engine "
                               "against a stack's lock (locks/; exit 1 on a mismatch)",
                               description="this environment's torch, megatron-core, vLLM and Transformer Engine "
                               "against a stack's lock (locks/<stack>.txt, docs/gpu.md); exit 1 on a mismatch")
     v.add_argument("--stack", choices=list(STACKS), required=True,
-                   help="cpu (both roles on a CPU machine), gpu-trainer (inside its container) or gpu-fleet")
+                   help="cpu (both roles on a CPU machine), gpu-trainer (inside its container), gpu-fleet, or "
+                   "gpu-single (both roles in one venv on one GPU machine)")
 
 
 def run_versions(stack: str) -> int:
