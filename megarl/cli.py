@@ -42,7 +42,8 @@ _DELEGATED = {
     "bench": ("megarl.bench", "benchmarks: `megarl bench logprob|padding|pipeline|sync|longtail|savings|delta`"),
     "compare": ("megarl.metrics.compare", "compare finished runs' sync traffic, time and rewards"),
     "preflight": ("megarl.preflight.cli", "check a cluster job's placement, network, model files and GPUs: "
-                                          "`megarl preflight rank|serve|report` (docs/cluster.md)"),
+                                          "`megarl preflight rank|serve|report` (docs/cluster.md); an environment's "
+                                          "versions against its stack's lock: `megarl preflight versions`"),
     "repro": ("megarl.repro", "re-run a source paper's central claim: `megarl repro rec-f1|rec-red|oapl-lag|"
                               "offpolicy-grpo|list`"),
 }

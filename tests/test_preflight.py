@@ -187,6 +187,12 @@ def test_a_good_layout_passes(prepared: dict[str, str], tmp_path: Path, tiny_moe
     assert [done.reports[f"rank{k}"]["gpu"] for k in range(4)] == [0, 1, 0, 1]  # visible[local rank]
     assert replica1["gpu_check"] == {"driver": False, "usable": None, "reason": "no NVIDIA driver on node3",
                                      "devices": [], "problems": []}
+    import torch  # the reference for the version read from metadata
+
+    for report in (rank0, replica1):  # no driver: both roles are checked against the CPU stack's lock
+        assert report["versions"]["stack"] == "cpu" and report["versions"]["problems"] == []
+        assert report["versions"]["packages"]["torch"] == {"installed": torch.__version__, "pinned": "2.13.0+cpu",
+                                                           "source": "cpu.txt"}
     with safe_open(tiny_moe_dir / "model.safetensors", framework="pt") as f:  # safetensors' own reader
         nbytes = sum(f.get_tensor(name).nbytes for name in f.keys())
     assert {r["model"]["weight_bytes"] for r in done.reports.values()} == {nbytes}
@@ -211,13 +217,18 @@ def test_shared_gpus_are_named(prepared: dict[str, str], tmp_path: Path) -> None
                                   "(replica 1): give each step")
 
 
-def test_a_missing_rank_0_and_a_truncated_checkpoint_are_named(prepared: dict[str, str], tmp_path: Path,
-                                                                 tiny_moe_dir: Path) -> None:
+def test_a_missing_rank_0_a_truncated_checkpoint_and_another_megatron_are_named(
+        prepared: dict[str, str], tmp_path: Path, tiny_moe_dir: Path) -> None:
     hf_dir = shutil.copytree(tiny_moe_dir, tmp_path / "model")
     weights = hf_dir / "model.safetensors"
     size = weights.stat().st_size
     os.truncate(weights, size - 100)  # an interrupted copy
-    done = _run_layout(prepared, tmp_path, GOOD[1:], hf_dir=hf_dir, wait_s=6)  # rank 0 never comes
+    locks = tmp_path / "locks"  # the CPU stack's lock with another megatron-core than the one installed
+    locks.mkdir()
+    (locks / "cpu.txt").write_text((REPO / "locks" / "cpu.txt").read_text().replace("megatron-core==0.16.1\n",
+                                                                                     "megatron-core==0.19.2\n"))
+    done = _run_layout(prepared, tmp_path, GOOD[1:], hf_dir=hf_dir, wait_s=6,  # rank 0 never comes
+                       env={"MEGARL_LOCKS_DIR": str(locks)})
     assert done.code == 1, done.out
     problems, port = done.problems(), done.port
     assert problems[0].startswith("megarl-rank (trainer rank 0) never reported: it did not start")
@@ -229,7 +240,11 @@ def test_a_missing_rank_0_and_a_truncated_checkpoint_are_named(prepared: dict[st
     ranks = "node1 megarl-rank (rank 1), node2 megarl-rank (ranks 2-3)"
     assert any(p.startswith(f"{ranks}: {refused.format('rendezvous store', port)}") for p in problems), problems
     assert any(p.startswith(f"{everyone}: {refused.format('weight-sync store', port + 1)}") for p in problems)
-    assert len(problems) == 4, problems  # no more: with rank 0 missing, node1's GPU count is not judged
+    from megatron.core.package_info import __version__ as megatron_version
+
+    assert f"{everyone}: megatron-core {megatron_version} is installed but the cpu stack pins 0.19.2 (cpu.txt): " \
+        "install the role's environment from its lock (docs/gpu.md)" in problems
+    assert len(problems) == 5, problems  # no more: with rank 0 missing, node1's GPU count is not judged
     assert done.out.splitlines()[-1] == f"preflight FAILED: {len(problems)} problem(s)"
 
 
@@ -326,3 +341,58 @@ def test_the_gpu_probe_on_a_gpu_node() -> None:
         assert [d["name"] for d in result["devices"]] == [name.strip() for name in smi if name.strip()]
     wrong = check_gpus("here", len(result["devices"]) + 1, use=[0])
     assert wrong["problems"][0].startswith(f"torch sees {len(result['devices'])} GPU(s) but CUDA_VISIBLE_DEVICES=")
+
+
+# --- versions against the role's lock ------------------------------------------------------------------------------
+
+
+def test_versions_against_the_lock(tmp_path: Path) -> None:
+    """This venv is the CPU stack as locked (torch read back against torch.__version__); a lock pinning another
+    torch build is named with both versions."""
+    import torch
+
+    from megarl.preflight.versions import check_versions
+
+    assert check_versions("cpu")["problems"] == []
+    (tmp_path / "cpu.txt").write_text((REPO / "locks" / "cpu.txt").read_text().replace("torch==2.13.0+cpu\n",
+                                                                                        "torch==2.13.0\n"))
+    assert check_versions("cpu", tmp_path)["problems"] == [
+        f"torch {torch.__version__} is installed but the cpu stack pins 2.13.0 (cpu.txt): install the role's "
+        "environment from its lock (docs/gpu.md)"]
+    assert check_versions("gpu-fleet", tmp_path / "nowhere")["problems"][0].startswith(
+        f"the gpu-fleet stack's lock {tmp_path / 'nowhere' / 'gpu-fleet.txt'} cannot be read (No such file or "
+        "directory): install megarl from a checkout (pip install -e) or set MEGARL_LOCKS_DIR")
+
+
+def test_the_trainers_container_versions() -> None:
+    """On GPUs the trainer's torch and Transformer Engine are the container's: its exact torch build, TE by release
+    and only where present; vLLM beside the trainer is not judged."""
+    from megarl.preflight.versions import check_versions
+    from megarl.stacks import stack_for
+
+    assert (stack_for("rank", True, {}).name, stack_for("serve", True, {}).name, stack_for("rank", False, {}).name) \
+        == ("gpu-trainer", "gpu-fleet", "cpu")
+    assert stack_for("rank", True, {"MEGARL_STACK": "gpu-single"}).name == "gpu-single"  # both roles in one venv
+    with pytest.raises(ValueError, match="MEGARL_STACK=gpu: the stacks are cpu, gpu-trainer, gpu-fleet, gpu-single"):
+        stack_for("serve", True, {"MEGARL_STACK": "gpu"})
+    image = {"torch": "2.10.0a0+b558c986e8.nv25.11", "megatron-core": "0.16.1", "transformer-engine": None,
+             "vllm": "0.33.0"}
+
+    def problems(**changed: str | None) -> list[str]:
+        return check_versions("gpu-trainer", installed=lambda name: (image | changed).get(name))["problems"]
+
+    assert problems() == [] and problems(**{"transformer-engine": "2.9.0+70f53666"}) == []
+    assert problems(**{"transformer-engine": "2.10.0"}) == [
+        "transformer-engine 2.10.0 is installed but the gpu-trainer stack pins 2.9.* (its container): run the "
+        "trainer in its container and install the rest from its lock (docs/gpu.md)"]
+    assert [p.split(" is ")[0] for p in problems(torch="2.13.0", **{"megatron-core": "0.19.2"})] == [
+        "torch 2.13.0", "megatron-core 0.19.2"]
+    assert problems(torch=None)[0].startswith("torch is not installed but the gpu-trainer stack pins 2.10.0a0")
+
+
+def test_preflight_versions_command() -> None:
+    ok = _megarl("preflight", "versions", "--stack", "cpu")
+    assert ok.returncode == 0 and ok.stdout.splitlines()[-1].startswith("versions OK: cpu stack"), ok.stdout
+    wrong = _megarl("preflight", "versions", "--stack", "gpu-fleet")  # this venv is not the GPU fleet's
+    assert wrong.returncode == 1 and "PROBLEM: vllm is not installed but the gpu-fleet stack pins 0.32.0" in \
+        wrong.stdout, wrong.stdout

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from megarl.config.load import ConfigError, load_config
+from megarl.stacks import STACKS
 
 WAIT_S = 60.0
 
@@ -31,9 +32,32 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             c.add_argument("--wait-s", type=float, default=WAIT_S,
                            help=f"how long to wait for the other steps' hellos, then for their reports (default "
                            f"{WAIT_S:g})")
+    v = subparsers.add_parser("versions", help="this environment's torch, megatron-core, vLLM and Transformer Engine "
+                              "against a stack's lock (locks/; exit 1 on a mismatch)",
+                              description="this environment's torch, megatron-core, vLLM and Transformer Engine "
+                              "against a stack's lock (locks/<stack>.txt, docs/gpu.md); exit 1 on a mismatch")
+    v.add_argument("--stack", choices=list(STACKS), required=True,
+                   help="cpu (both roles on a CPU machine), gpu-trainer (inside its container), gpu-fleet, or "
+                   "gpu-single (both roles in one venv on one GPU machine)")
+
+
+def run_versions(stack: str) -> int:
+    """One line per checked package, then every problem; exit 0 or 1."""
+    from megarl.preflight.versions import check_versions
+
+    result = check_versions(stack)
+    for name, found in result["packages"].items():
+        pinned = f"{found['pinned']} ({found['source']})" if found["pinned"] else "not pinned"
+        print(f"{name}: {found['installed'] or 'not installed'}, {stack} stack: {pinned}")
+    for problem in result["problems"]:
+        print(f"PROBLEM: {problem}")
+    print(f"versions {'FAILED' if result['problems'] else 'OK'}: {stack} stack, {result['lock']}")
+    return 1 if result["problems"] else 0
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.command == "versions":
+        return run_versions(args.stack)
     try:
         cfg = load_config(args.config, args.overrides)
         if args.command == "report":

@@ -15,6 +15,8 @@ report_<key>.json: the hello and
     model: {dir, files, weight_bytes, problems}
     gpu_check: {driver, usable (null: no driver, or no GPU), reason, devices: [{index, name, memory_bytes,
                 allocated}], problems}
+    versions: {stack, lock, packages: {name: {installed, pinned, source}}, problems} (megarl.preflight.versions:
+              torch, megatron-core, vLLM, Transformer Engine against the role's lock)
     findings: one line per problem it found itself, each saying what to fix
 """
 

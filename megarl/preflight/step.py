@@ -22,7 +22,9 @@ from megarl.preflight.gpu import check_gpus
 from megarl.preflight.identity import visible_devices, who
 from megarl.preflight.model_files import check_model
 from megarl.preflight.net import Listeners, probe
+from megarl.preflight.versions import check_versions
 from megarl.roles import SYNC_PORT_ENV, node_address
+from megarl.stacks import stack_for
 
 RENDEZVOUS, SYNC, HTTP = "rendezvous store", "weight-sync store", "HTTP server"
 _LISTEN_FIX = {RENDEZVOUS: "set MEGARL_MASTER_PORT to a free port (or MEGARL_MASTER_ADDR to this node's address)",
@@ -49,13 +51,13 @@ def _probe_listed(what: str, host: str, port: int, to: str, owner: dict[str, Any
 
 
 def _findings(listeners: Listeners, probes: list[dict[str, Any]], model: dict[str, Any],
-              gpus: dict[str, Any]) -> list[str]:
+              gpus: dict[str, Any], versions: dict[str, Any]) -> list[str]:
     found = [f"cannot listen on {e['host']}:{e['port']} for the {e['what']}: {e['error']}: {_LISTEN_FIX[e['what']]}"
              for e in listeners.endpoints if not e["ok"]]
     found += [f"cannot reach the {p['what']} of {describe(p['to'])} at {p['target']}: {p['error']}: check that it "
               "runs and that this node reaches that address (firewall; MEGARL_MASTER_ADDR / MEGARL_BIND_ADDR on the "
               "job's network)" for p in probes if p["ok"] is False]
-    return found + model["problems"] + gpus["problems"]
+    return found + model["problems"] + gpus["problems"] + versions["problems"]
 
 
 def run_step(cfg: Config, me: dict[str, Any], listeners: Listeners, plan: Plan, findings: list[str],
@@ -80,11 +82,16 @@ def run_step(cfg: Config, me: dict[str, Any], listeners: Listeners, plan: Plan, 
         except Exception as err:  # torch itself broken on a GPU node: a finding, and the report still gets written
             gpus = {"driver": True, "usable": False, "reason": None, "devices": [],
                     "problems": [f"the GPU check failed: {type(err).__name__}: {err}"]}
+        try:  # the role's lock, on a GPU node or a CPU node, or the one $MEGARL_STACK names
+            versions = check_versions(stack_for(me["role"], gpus["driver"]))
+        except ValueError as err:
+            versions = {"stack": None, "lock": None, "packages": {}, "problems": [str(err)]}
         others = [k for k in files.expected_keys(cfg) if k != key]
         hellos = files.wait_for(directory, "hello", others, wait_s) | {key: hello}
         probes = plan(hellos)
         report = hello | {"unseen": [k for k in others if k not in hellos], "probes": probes, "model": model,
-                          "gpu_check": gpus, "findings": findings + _findings(listeners, probes, model, gpus),
+                          "gpu_check": gpus, "versions": versions,
+                          "findings": findings + _findings(listeners, probes, model, gpus, versions),
                           "wait_s": wait_s, "time": time.time()}
         try:
             files.write(directory, "report", key, report)

