@@ -7,7 +7,8 @@ import from the source and fails on either). The most specific prefix names a mo
 | layer       | modules                                                              | what lives there                         |
 |-------------|----------------------------------------------------------------------|------------------------------------------|
 | definitions | megarl.config, megarl.algorithms, megarl.rewards,                    | typed config, losses, reward functions,  |
-|             | megarl.data, megarl.batch, megarl.metrics                            | data formats, batches, metric writers    |
+|             | megarl.data, megarl.batch, megarl.metrics,                           | data formats, batches, metric writers,   |
+|             | megarl.stacks                                                        | each role's pinned packages              |
 | components  | megarl.parallel, megarl.models, megarl.sync, megarl.rollout,         | model facts and builders, the weight     |
 |             | megarl.rewards.scoring, megarl.trainer, megarl.checkpoint            | sync, the fleet, scoring, the trainer    |
 | checks      | megarl.checks                                                        | does a config fit its model and machines |
