@@ -173,3 +173,39 @@ def test_a_delta_crosses_real_processes_exactly(fraction):
     sender, receiver = run_distributed(_wire_roundtrip, 2, free_port(), fraction, init_dist=False)
     assert receiver["equal"]
     assert receiver["received"] == sender["sent"] == receiver["expect"] > 0
+
+
+_INT_OF = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+ONE_SHAPE = (16, 24)  # 384 elements: bitmap bytes 48, so one changed element goes as int32 positions
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("position", [0, 7, 8, 63, 64, 200, 383])  # first, a bitmap byte's last/first, last
+def test_exactly_one_changed_element_is_counted_sent_and_applied(dtype, position):
+    """A block where exactly one element moved by one unit in the last place: the sender counts one change (not
+    zero), the wire entry carries it in the size the rule gives for one element, and the receiver's base ends
+    with the new bits; every encoding that can carry it (positions, bitmap) round-trips it too."""
+    base = torch.randn(ONE_SHAPE, generator=torch.Generator().manual_seed(position)).to(dtype)
+    new = base.clone()
+    new.view(_INT_OF[dtype.itemsize]).view(-1)[position] += 1  # the next representable value: one bit pattern
+    assert int((new.view(_INT_OF[dtype.itemsize]) != base.view(_INT_OF[dtype.itemsize])).sum()) == 1
+    block = HFSlice.whole("w", ONE_SHAPE)
+    sender = SenderBase()
+    sender.store(block, base)
+    count = sender.count(block, new)
+    assert count.changed == 1 and count.base_sum == fingerprint(base)
+    full = layout_buckets([Transfer(0, 1, block)], {"w": dtype}, bucket_bytes=1 << 20)
+    (entry,) = delta_layout(full, {1}, {("w", block.box): count}, bucket_bytes=1 << 20)
+    n = math.prod(ONE_SHAPE)
+    assert entry.encoding == "indices" and entry.changed == 1 and entry.base_sum == fingerprint(base)
+    assert entry.nbytes == _wire_size(n, 1, dtype.itemsize) == 8 + (dtype.itemsize + 7) // 8 * 8
+    target = base.clone()
+    apply(target, encode(new, sender.base_of(block), entry.encoding, entry.nbytes), entry.encoding, entry.changed)
+    assert _same_bits(target, new)
+    # each sparse encoding on its own, sized by hand: 8 bytes of one int32 position or 48 of bitmap, then the value
+    for encoding, head in (("indices", 8), ("bitmap", n // 8)):
+        size = head + (dtype.itemsize + 7) // 8 * 8
+        wire = encode(new, base, encoding, size)
+        target = base.clone()
+        apply(target, wire, encoding, 1)
+        assert _same_bits(target, new)
