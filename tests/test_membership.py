@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import socket
 
-from megarl.launch import free_port
 from megarl.rollout.membership import Roster
 from megarl.rollout.rendezvous import register_replica, unregister_replica
+from tests.dist_utils import free_port
 
 SECRET = "this-jobs-secret"
 URLS = [f"http://127.0.0.1:{free_port()}" for _ in range(3)]  # nothing listens there: a probe is refused at once

@@ -11,8 +11,8 @@ import threading
 
 import torch
 
-from megarl.launch import free_port
 from megarl.sync.transport import ReplicaGroupsTransport, TorchGroupTransport, replica_group_prefix
+from tests.dist_utils import free_port
 
 TIMEOUT_S = 30.0
 
