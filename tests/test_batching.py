@@ -132,3 +132,47 @@ def test_select_microbatch_cuts_columns():
     mb = select_microbatch(t, [1], 3)
     assert mb["tokens"].tolist() == [[8, 9, 11]] and mb["mask"].tolist() == [[0, 1, 0]]
     assert mb["advantages"].tolist() == [-0.5] and mb["lengths"].tolist() == [3]
+
+
+# sequence parallelism (MoE at TP > 1): every row length rounded up to a multiple of TP, worked out by hand
+ODD = [5, 3, 7, 2, 9, 4]
+ODD_PLAN = [[[0, 1], [4]], [[2, 3], [5]]]  # DP 2: microbatch 0 = rows 0, 1 | 2, 3; microbatch 1 = row 4 | row 5
+
+
+@pytest.mark.parametrize("tp, padded, packed", [
+    (1, [7, 9], [9, 9]),  # longest of [5, 3 | 7, 2] = 7, of [9 | 4] = 9; packed sums 8 | 9 and 9 | 4
+    (2, [8, 10], [10, 10]),
+    (4, [8, 12], [12, 12]),
+])
+def test_microbatch_widths_divide_by_tp_under_sequence_parallelism(tp, padded, packed):
+    from megarl.trainer.batching import microbatch_widths, plan_padding
+
+    assert microbatch_widths(ODD, ODD_PLAN, packed=False, multiple=tp) == padded
+    assert microbatch_widths(ODD, ODD_PLAN, packed=True, multiple=tp) == packed
+    computed = plan_padding(ODD, ODD_PLAN, padded, packed=False)["train/tokens_computed"]
+    assert computed == 2 * (2 * padded[0] + padded[1])  # each rank: 2 rows of width 0, 1 row of width 1
+
+
+@pytest.mark.parametrize("tp, s", [(1, 5), (2, 6), (4, 8)])
+def test_pack_batch_pads_the_batch_to_a_multiple_of_tp(tp, s):
+    t = pack_batch(_batch(), pad_id=0, multiple=tp)  # rows of 5 and 3 tokens
+    pad = [0] * (s - 5)
+    assert t["tokens"].tolist() == [[5, 6, 7, 10, 2] + pad, [8, 9, 11, 0, 0] + pad]
+    assert t["targets"].tolist() == [[6, 7, 10, 2, 0] + pad, [9, 11, 0, 0, 0] + pad]
+    assert t["mask"].tolist() == [[0, 0, 1, 1, 0] + pad, [0, 1, 0, 0, 0] + pad]
+    assert t["lengths"].tolist() == [5, 3]
+
+
+@pytest.mark.parametrize("experts, tp, multiple", [(8, 2, 2), (8, 4, 4), (8, 1, 1), (0, 2, 1)])
+def test_the_width_multiple_is_tp_exactly_when_megatron_runs_sequence_parallel(experts, tp, multiple):
+    from megarl.models.qwen_provider import transformer_config_from_hf
+    from megarl.trainer.step import sequence_multiple
+
+    hf = dict(model_type="qwen3_moe" if experts else "qwen3", vocab_size=32, hidden_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=4, head_dim=32, intermediate_size=256,
+              max_position_embeddings=128, rms_norm_eps=1e-6, tie_word_embeddings=False)
+    if experts:
+        hf.update(num_experts=experts, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True)
+    config = transformer_config_from_hf(hf, tp, 1, 1)
+    assert config.sequence_parallel == (multiple > 1)
+    assert sequence_multiple(config) == multiple

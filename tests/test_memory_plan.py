@@ -100,3 +100,34 @@ def test_check_refuses_a_layout_that_cannot_fit(dense):
     assert problem is not None and "trainer.max_tokens_per_microbatch" in problem and "65,536 tokens" in problem
     rank = trainer_memory(hf, cfg)[0]
     assert rank.weights == rank.grads == 4 * rank.params and rank.optimizer == 8 * rank.params
+
+
+# a Qwen3-style dense config of 8 layers (splits over 2 and 4 stages); the plan needs no weights
+DENSE8 = dict(model_type="qwen3", vocab_size=1024, hidden_size=256, num_hidden_layers=8, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=64, intermediate_size=512, tie_word_embeddings=False)
+
+
+def _one_f_one_b_peak(pp: int, stage: int, microbatches: int) -> int:
+    """Hand count of megatron's non-interleaved 1F1B on pipeline stage `stage`: `pp - stage - 1` warm-up forwards,
+    then one forward and one backward at a time, then the cool-down backwards; the most microbatches forwarded and
+    not yet backwarded at any moment (whose activations the stage holds)."""
+    warmup = min(pp - stage - 1, microbatches)
+    ops = [1] * warmup + [1, -1] * (microbatches - warmup) + [-1] * warmup
+    held = peak = 0
+    for op in ops:
+        held += op
+        peak = max(peak, held)
+    return peak
+
+
+@pytest.mark.parametrize("pp, expect", [(2, [2, 1]), (4, [4, 3, 2, 1])])
+def test_microbatches_in_flight_per_stage_follow_1f1b(tmp_path, pp, expect):
+    assert [_one_f_one_b_peak(pp, s, microbatches=16) for s in range(pp)] == expect
+    cfg = Config(model=ModelConfig(hf_dir=str(tmp_path)), trainer=TrainerConfig(world_size=pp, pp=pp,
+                                                                                max_tokens_per_microbatch=1024),
+                 rollout=RolloutConfig(max_new_tokens=256), data=DataConfig(max_prompt_tokens=256))
+    rows = trainer_memory(DENSE8, cfg)
+    assert [m.stage for m in rows] == list(range(pp))
+    assert [m.in_flight for m in rows] == expect
+    one = activation_bytes(DENSE8, 1024, 512, 8 // pp, 1, flash=True)  # one microbatch in one stage's layers
+    assert [m.activations for m in rows] == [n * one for n in expect]

@@ -48,6 +48,25 @@ def test_a_dead_replica_is_named_and_nothing_hangs():
         worker.close()
 
 
+def test_a_lost_replicas_chunks_go_back_on_the_queue():
+    """Three replicas, nothing listening at any of them: each loses the chunk it took, and each such chunk goes
+    back on the queue (the run stops when the last one is lost). A chunk dropped instead would leave its batch
+    incomplete forever: the worker says so at once (tests/test_rollout_queue.py's lost replica, with a live one
+    left, would otherwise wait for it to its timeout)."""
+    urls = [f"http://127.0.0.1:{free_port()}" for _ in range(3)]
+    worker = _worker(urls, SyncSchedule(1, 0), end=1, chunk_prompts=1)
+    try:
+        with pytest.raises(RolloutWorkerError, match="no rollout replica is left"):
+            worker.take(0)
+        assert worker.lost().keys() == {0, 1, 2}
+        assert worker.chunks_taken == [0, 0, 0]
+        queue = worker._queue  # batch 0 (2 prompts, one chunk each): both untaken again, nothing generated
+        assert sorted(i for _, prompts in queue.open[0].todo for i in prompts) == [0, 1]
+        assert queue.open[0].missing == 2
+    finally:
+        worker.close()
+
+
 def test_a_failing_reward_function_is_named(moe_fleet):
     worker = _worker(moe_fleet.urls, SyncSchedule(1, 0), end=1, reward="tests.reward_fns:scripted",
                      decode=lambda ids: "boom")

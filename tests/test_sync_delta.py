@@ -16,10 +16,21 @@ import math
 import pytest
 import torch
 
-from megarl.sync.delta import BlockCount, SenderBase, apply, delta_layout, encode, encoded_nbytes, fingerprint
+from megarl.sync.delta import (
+    BlockCount,
+    DeltaRefused,
+    SenderBase,
+    apply,
+    delta_layout,
+    delta_target,
+    encode,
+    encoded_nbytes,
+    fingerprint,
+    takes_delta,
+)
 from megarl.sync.plan import Transfer
 from megarl.sync.slices import HFSlice
-from megarl.sync.wire import layout_buckets
+from megarl.sync.wire import WireEntry, layout_buckets
 from tests.dist_utils import run_distributed
 
 
@@ -173,3 +184,109 @@ def test_a_delta_crosses_real_processes_exactly(fraction):
     sender, receiver = run_distributed(_wire_roundtrip, 2, free_port(), fraction, init_dist=False)
     assert receiver["equal"]
     assert receiver["received"] == sender["sent"] == receiver["expect"] > 0
+
+
+_INT_OF = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+ONE_SHAPE = (16, 24)  # 384 elements: bitmap bytes 48, so one changed element goes as int32 positions
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("position", [0, 7, 8, 63, 64, 200, 383])  # first, a bitmap byte's last/first, last
+def test_exactly_one_changed_element_is_counted_sent_and_applied(dtype, position):
+    """A block where exactly one element moved by one unit in the last place: the sender counts one change (not
+    zero), the wire entry carries it in the size the rule gives for one element, and the receiver's base ends
+    with the new bits; every encoding that can carry it (positions, bitmap) round-trips it too."""
+    base = torch.randn(ONE_SHAPE, generator=torch.Generator().manual_seed(position)).to(dtype)
+    new = base.clone()
+    new.view(_INT_OF[dtype.itemsize]).view(-1)[position] += 1  # the next representable value: one bit pattern
+    assert int((new.view(_INT_OF[dtype.itemsize]) != base.view(_INT_OF[dtype.itemsize])).sum()) == 1
+    block = HFSlice.whole("w", ONE_SHAPE)
+    sender = SenderBase()
+    sender.store(block, base)
+    count = sender.count(block, new)
+    assert count.changed == 1 and count.base_sum == fingerprint(base)
+    full = layout_buckets([Transfer(0, 1, block)], {"w": dtype}, bucket_bytes=1 << 20)
+    (entry,) = delta_layout(full, {1}, {("w", block.box): count}, bucket_bytes=1 << 20)
+    n = math.prod(ONE_SHAPE)
+    assert entry.encoding == "indices" and entry.changed == 1 and entry.base_sum == fingerprint(base)
+    assert entry.nbytes == _wire_size(n, 1, dtype.itemsize) == 8 + (dtype.itemsize + 7) // 8 * 8
+    target = base.clone()
+    apply(target, encode(new, sender.base_of(block), entry.encoding, entry.nbytes), entry.encoding, entry.changed)
+    assert _same_bits(target, new)
+    # each sparse encoding on its own, sized by hand: 8 bytes of one int32 position or 48 of bitmap, then the value
+    for encoding, head in (("indices", 8), ("bitmap", n // 8)):
+        size = head + (dtype.itemsize + 7) // 8 * 8
+        wire = encode(new, base, encoding, size)
+        target = base.clone()
+        apply(target, wire, encoding, 1)
+        assert _same_bits(target, new)
+
+
+@pytest.mark.parametrize("reports, expect", [
+    ([{"rank": 0, "version": 3}, {"rank": 1, "version": 3}], True),  # every worker holds the senders' base
+    ([{"rank": 0, "version": None}, {"rank": 1, "version": None}], False),  # restarted: its workers hold no base
+    ([{"rank": 0, "version": 3}, {"rank": 1, "version": None}], False),  # one worker without a base
+    ([{"rank": 0, "version": None}], False),
+    ([{"rank": 0, "version": 2}, {"rank": 1, "version": 2}], False),  # an older version
+    ([{"rank": 0}], False),  # a worker that does not say
+    ([], False),  # no worker answered
+])
+def test_only_a_replica_holding_the_senders_base_takes_a_delta(reports, expect):
+    assert takes_delta(reports, 3) is expect
+    assert takes_delta(reports, None) is False  # the senders hold no base: every replica gets a full push
+
+
+def _receiver_base() -> tuple[dict, HFSlice, torch.Tensor]:
+    """A receiver's base: a whole [8, 12] slice "w", its bits, and the column block [:, 4:8] of it."""
+    whole = HFSlice.whole("w", (8, 12))
+    bits = torch.randn(8, 12, generator=torch.Generator().manual_seed(5))
+    block = HFSlice("w", (8, 12), ((0, 8), (4, 8)))
+    return {"w": (whole, bits)}, block, bits
+
+
+def _delta_entry(block: HFSlice, base_bits: torch.Tensor, new: torch.Tensor) -> tuple[WireEntry, torch.Tensor]:
+    changed = int((new != base_bits).sum())
+    encoding, nbytes = encoded_nbytes(block.numel, changed, 4)
+    entry = WireEntry(0, 1, 0, 0, nbytes, block, "float32", encoding, changed, fingerprint(base_bits))
+    return entry, encode(new, base_bits, encoding, nbytes)
+
+
+def test_the_receiver_writes_a_delta_into_its_base_of_that_version():
+    base, block, bits = _receiver_base()
+    old = bits[:, 4:8].clone()
+    new = old.clone()
+    new[3, 2] += 1.0
+    entry, wire = _delta_entry(block, old, new)
+    view = delta_target(base, 4, entry, delta_base=4)
+    apply(view, wire, entry.encoding, entry.changed)
+    assert _same_bits(bits[:, 4:8], new) and _same_bits(base["w"][1][:, 4:8], new)
+
+
+@pytest.mark.parametrize("held_version, has_base", [(3, True), (None, False), (5, True)])
+def test_the_receiver_refuses_a_delta_against_another_version(held_version, has_base):
+    """A worker holding version 3 (or none) gets a delta computed against version 4 of a block whose bits did not
+    change between 3 and 4, so the block's fingerprint matches: only the version check can refuse it."""
+    base, block, bits = _receiver_base()
+    new = bits[:, 4:8].clone()
+    new[0, 0] += 1.0
+    entry, _ = _delta_entry(block, bits[:, 4:8].clone(), new)
+    with pytest.raises(DeltaRefused, match="a delta against version 4, but this worker holds "
+                       + ("no base" if not has_base else f"version {held_version}")):
+        delta_target(base if has_base else None, held_version, entry, delta_base=4)
+    if has_base:  # a base dict whose version is unknown is no base either
+        with pytest.raises(DeltaRefused, match="holds no base"):
+            delta_target(base, None, entry, delta_base=4)
+
+
+def test_the_receiver_refuses_a_delta_for_other_bits_or_a_block_it_lacks():
+    base, block, bits = _receiver_base()
+    new = bits[:, 4:8].clone()
+    new[1, 1] += 1.0
+    stale = bits[:, 4:8].clone()
+    stale[2, 2] -= 1.0  # the sender's base differs from the receiver's in one element
+    entry, _ = _delta_entry(block, stale, new)
+    with pytest.raises(DeltaRefused, match="is not the one the delta was computed against"):
+        delta_target(base, 4, entry, delta_base=4)
+    other, _ = _delta_entry(HFSlice.whole("v", (8, 4)), bits[:, 4:8].clone(), new)
+    with pytest.raises(DeltaRefused, match="which this worker's base lacks"):
+        delta_target(base, 4, other, delta_base=4)

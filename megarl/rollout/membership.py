@@ -41,25 +41,28 @@ class Roster:
             i: now[i][1] if i in now and now[i][0] == url else None for i, url in enumerate(urls)}
         self._offered: dict[int, str] = {}  # replica -> the incarnation `restarted` last returned a client of
 
-    def restarted(self, replicas: Iterable[int]) -> dict[int, RolloutClient]:
-        """Among `replicas`, those registered as a new incarnation that answers with this job's secret:
-        replica -> a client of it."""
+    def new_incarnations(self, replicas: Iterable[int]) -> dict[int, tuple[str, str]]:
+        """Among `replicas`, those registered now (this job's secret) as an incarnation the trainer does not hold:
+        replica -> (url, incarnation). A replica registered as the incarnation the trainer holds, or not
+        registered at all, is not among them."""
         if not self.secret:
             return {}
         now = registrations(self.run_dir, self.secret)
+        return {rep: now[rep] for rep in replicas if rep in now and now[rep][1] != self.known.get(rep)}
+
+    def restarted(self, replicas: Iterable[int]) -> dict[int, RolloutClient]:
+        """Among `replicas`, those registered as a new incarnation (`new_incarnations`) that answers with this
+        job's secret: replica -> a client of it."""
         back = {}
-        for rep in replicas:
-            if rep not in now or now[rep][1] == self.known.get(rep):
-                continue
-            client = RolloutClient(now[rep][0])
+        for rep, (url, incarnation) in self.new_incarnations(replicas).items():
+            client = RolloutClient(url)
             try:
                 client.weight_version()
             except RolloutServerError as err:  # registered but not serving (yet): asked again at the next push
-                logger.info("rollout replica %d registered again at %s but does not answer yet: %s", rep,
-                            now[rep][0], err)
+                logger.info("rollout replica %d registered again at %s but does not answer yet: %s", rep, url, err)
                 continue
             back[rep] = client
-            self._offered[rep] = now[rep][1]
+            self._offered[rep] = incarnation
         return back
 
     def admitted(self, replicas: Iterable[int]) -> None:

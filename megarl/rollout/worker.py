@@ -115,6 +115,7 @@ class RolloutWorker:
         self.chunks_taken = [0] * len(clients)  # per replica: chunks it generated (the bench reports them)
         self._static = static_split
         self._lost: dict[int, str] = {}  # replicas that stopped answering -> why
+        self._generating: set[Chunk] = set()  # chunks a replica's loop took and has not yet stored or given back
         self._min_replicas = min_replicas
         self._chunks_in_flight = chunks_in_flight
         self._incarnation = [0] * len(clients)  # per replica: bumped by `admit`, so the old loops of a slot end
@@ -252,13 +253,31 @@ class RolloutWorker:
         self._cv.notify_all()
 
     def _wait(self, ready: Callable[[], bool]) -> None:
-        """Wait on the condition (held) until `ready()`; a failed thread's error is raised here."""
+        """Wait on the condition (held) until `ready()`; a failed thread's error is raised here, and so is a prompt
+        that nobody will ever generate (`_unaccounted`), instead of waiting for it forever."""
         while True:
+            if unaccounted := self._unaccounted():
+                raise RolloutWorkerError(
+                    f"prompts {unaccounted} (batch -> prompt indices) were taken by a replica and neither generated "
+                    "nor put back on the queue: their batches could never complete")
             if self._error is not None:
                 raise RolloutWorkerError(f"rollout failed: {self._error}") from self._error
             if ready():
                 return
             self._cv.wait(timeout=1.0)
+
+    def _unaccounted(self) -> dict[int, list[int]]:
+        """(Condition held.) Per open batch, the prompts whose group is not in, that are not queued and that no
+        replica's loop is generating (none, unless a lost replica's chunk was dropped instead of given back)."""
+        held: dict[int, set[int]] = {}
+        for chunk in self._generating:
+            held.setdefault(chunk.batch, set()).update(chunk.prompts)
+        out = {}
+        for j, batch in self._queue.open.items():
+            queued = {i for _, prompts in batch.todo for i in prompts} | held.get(j, set())
+            if missing := [i for i, group in enumerate(batch.groups) if group is None and i not in queued]:
+                out[j] = missing
+        return out
 
     def _may_open(self, j: int) -> bool:
         """Whether batch `j` may be generated now: inside the fleet's window (and, sequentially, demanded)."""
@@ -294,6 +313,7 @@ class RolloutWorker:
                         self._cv.wait()
                     if chunk is None:  # closing, or this replica is lost
                         return
+                    self._generating.add(chunk)
                     prompts = [self._queue.open[chunk.batch].prompts[i] for i in chunk.prompts]
                     base = self._seed(chunk.batch)
                 j = chunk.batch
@@ -309,6 +329,7 @@ class RolloutWorker:
                         ) from err
                 with self._cv:
                     self.chunks_taken[replica] += 1
+                    self._generating.discard(chunk)
                     batch = self._queue.done(chunk, out)
                     if batch is not None:
                         self._scoring += 1
@@ -323,6 +344,7 @@ class RolloutWorker:
         end the same way (their chunks go back too). With no replica left, the run stops with the cause."""
         url, cause = client.url, f"{type(err).__name__}: {err}"
         with self._cv:
+            self._generating.discard(chunk)
             if chunk.batch in self._queue.open:  # (another loop cannot have completed it: nobody else held it)
                 self._queue.give_back(chunk)
             first = replica not in self._lost and client is self.clients[replica]  # not an older incarnation's loop

@@ -21,7 +21,9 @@ holds, bit for bit, what a full push of the new version would have delivered.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -142,6 +144,39 @@ def apply(base: torch.Tensor, raw: torch.Tensor, encoding: str, changed: int) ->
         staged = base.contiguous().view(-1)
         staged[where] = values
         base.copy_(staged.view(base.shape))
+
+
+class DeltaRefused(ValueError):
+    """A delta push a vLLM worker cannot apply: its base is not the version, or the bits, the delta was computed
+    against (the update is refused before the model is touched)."""
+
+
+def takes_delta(reports: Iterable[dict[str, Any]], version: int | None) -> bool:
+    """Whether a replica whose workers answered `megarl_delta_base` with `reports` gets a delta against the
+    senders' base `version`: only if every worker holds exactly that version. A worker with no base (version None:
+    the replica is new, was restarted, or failed a push), or with another version, a replica with no reports, or no
+    senders' base (`version` None) means a full push."""
+    return version is not None and {r.get("version") for r in reports} == {version}
+
+
+def delta_target(base: dict[str, tuple[HFSlice, torch.Tensor]] | None, base_version: int | None,
+                 entry: WireEntry, delta_base: int | None) -> torch.Tensor:
+    """The receiver's side (`megarl.sync.vllm_receiver`): the view of its base (`base`: name -> the slice it holds
+    and its wire-dtype bits, at `base_version`) that `entry`, a delta computed against version `delta_base`, is
+    written into, once the base is checked to be that version and the block the bits the delta was computed
+    against (`DeltaRefused` if not)."""
+    if base is None or base_version is None or base_version != delta_base:
+        raise DeltaRefused(f"a delta against version {delta_base}, but this worker holds "
+                           f"{'no base' if base is None or base_version is None else f'version {base_version}'}: "
+                           "the trainer sends a full push to a worker that does not report the senders' base version")
+    held = base.get(entry.block.name)
+    if held is None or not held[0].contains(entry.block):
+        raise DeltaRefused(f"a delta for {entry.block.name} {entry.block.box}, which this worker's base lacks")
+    view = held[1][entry.block.index_within(held[0])]
+    if fingerprint(view) != entry.base_sum:
+        raise DeltaRefused(f"the base of {entry.block.name} {entry.block.box} is not the one the delta was "
+                           f"computed against (fingerprint {fingerprint(view)}, the sender's {entry.base_sum})")
+    return view
 
 
 def block_key(block: HFSlice) -> BlockKey:

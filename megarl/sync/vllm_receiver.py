@@ -65,7 +65,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from megarl.sync.delta import apply, fingerprint
+from megarl.sync.delta import apply, delta_target
 from megarl.sync.peak_memory import PeakMemory
 from megarl.sync.received_block import ReadLog, sha256_of, wrap
 from megarl.sync.slices import HFSlice
@@ -74,11 +74,6 @@ from megarl.sync.transport import TorchGroupTransport, Transport
 from megarl.sync.wire import WireEntry
 
 logger = logging.getLogger(__name__)
-
-
-class DeltaRefused(ValueError):
-    """A delta push this worker cannot apply: its base is not the version, or the bits, the delta was computed
-    against (the update is refused before the model is touched)."""
 
 
 @dataclass
@@ -270,17 +265,7 @@ class PartitionedWeightTransferEngine(WeightTransferEngine[PartitionedInitInfo, 
         shape, dtype = entry.block.shape, getattr(torch, entry.dtype)
         if entry.encoding == "dense":  # the new values themselves (a delta would not have been smaller)
             return raw[:entry.block.numel * dtype.itemsize].view(dtype).reshape(shape)
-        if self.base is None or self.base_version != delta_base:
-            raise DeltaRefused(f"a delta against version {delta_base}, but this worker holds "
-                               f"{'no base' if self.base is None else f'version {self.base_version}'}: the trainer "
-                               "sends a full push to a worker that does not report the senders' base version")
-        held = self.base.get(entry.block.name)
-        if held is None or not held[0].contains(entry.block):
-            raise DeltaRefused(f"a delta for {entry.block.name} {entry.block.box}, which this worker's base lacks")
-        view = held[1][entry.block.index_within(held[0])]
-        if fingerprint(view) != entry.base_sum:
-            raise DeltaRefused(f"the base of {entry.block.name} {entry.block.box} is not the one the delta was "
-                               f"computed against (fingerprint {fingerprint(view)}, the sender's {entry.base_sum})")
+        view = delta_target(self.base, self.base_version, entry, delta_base)  # DeltaRefused if not its base
         apply(view, raw, entry.encoding, entry.changed)
         return view
 

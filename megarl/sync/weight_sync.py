@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.rollout.client import RolloutClient
-from megarl.sync.delta import BlockCount, SenderBase, block_key, delta_layout, encode
+from megarl.sync.delta import BlockCount, SenderBase, block_key, delta_layout, encode, takes_delta
 from megarl.sync.lifecycle import FleetLifecycle
 from megarl.sync.needs import NeedsSource, RolloutNeeds, table_needs
 from megarl.sync.plan import plan_transfers
@@ -410,12 +410,12 @@ class PartitionedWeightSync:
         if self.rank == 0 and self.base.version is not None:
             for rep, client in self.fleet.clients.items():
                 try:
-                    held = {w.get("version") for w in client.collective_rpc("megarl_delta_base")}
+                    reports = client.collective_rpc("megarl_delta_base")
                 except Exception as err:  # noqa: BLE001 - a full push is always correct
                     logger.warning("replica %d did not say which version its delta base holds (%s): full push",
                                    rep, err)
                     continue
-                if held == {self.base.version}:
+                if takes_delta(reports, self.base.version):
                     box[0] |= {self.worker_rank(rep, r) for r in range(self.tp)}
         dist.broadcast_object_list(box, src=0)
         return box[0]

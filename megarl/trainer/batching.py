@@ -9,6 +9,11 @@ its real length, concatenated into ONE row (no padding inside), with a block-dia
 sequence attends only to itself. The losses still see one row per response: the model's per-token
 log-probs are gathered back into the `[b, S]` layout (`unpack_index`), so GSPO/OAPL sequence quantities
 are per whole response, whatever the packing.
+
+Sequence parallelism (megatron's, on for MoE at TP > 1: `megarl.models.qwen_provider`) scatters each microbatch
+along the sequence over the TP ranks and asserts that its length divides by TP: with it, every row length the model
+sees (the padded batch, each microbatch's width, packed or padded) is rounded up to a multiple of TP (`multiple`);
+the columns added are padding (mask 0), so no loss term changes.
 """
 
 from __future__ import annotations
@@ -18,10 +23,16 @@ import torch
 from megarl.batch import RolloutBatch
 
 
-def pack_batch(batch: RolloutBatch, pad_id: int) -> dict[str, torch.Tensor]:
-    """Tensors of the whole global batch: tokens/targets/mask/old_logprobs `[N, S]`, advantages `[N]`."""
+def round_up(n: int, multiple: int) -> int:
+    """The smallest multiple of `multiple` that is at least `n`."""
+    return -(-n // multiple) * multiple
+
+
+def pack_batch(batch: RolloutBatch, pad_id: int, multiple: int = 1) -> dict[str, torch.Tensor]:
+    """Tensors of the whole global batch: tokens/targets/mask/old_logprobs `[N, S]`, advantages `[N]`; S is the
+    longest sequence rounded up to a multiple of `multiple` (sequence parallelism: TP; else 1)."""
     seqs = [p + r for p, r in zip(batch.prompt_ids, batch.response_ids, strict=True)]
-    n, s = len(seqs), max(len(q) for q in seqs)
+    n, s = len(seqs), round_up(max(len(q) for q in seqs), multiple)
     tokens = torch.full((n, s), pad_id, dtype=torch.long)
     targets = torch.full((n, s), pad_id, dtype=torch.long)
     mask = torch.zeros(n, s)
@@ -128,11 +139,13 @@ def microbatch_plan(lengths: list[int], dp_size: int, micro_batch_size: int, max
     return plan
 
 
-def microbatch_widths(lengths: list[int], plan: list[list[list[int]]], packed: bool) -> list[int]:
+def microbatch_widths(lengths: list[int], plan: list[list[list[int]]], packed: bool,
+                      multiple: int = 1) -> list[int]:
     """Per microbatch index k, the row length every rank uses for microbatch k: its longest sequence over the
-    ranks, or, packed, its longest packed row (sum of lengths) over the ranks."""
-    return [max(sum(lengths[i] for i in mb) if packed else max(lengths[i] for i in mb) for mb in mbs)
-            for mbs in zip(*plan, strict=True)]
+    ranks, or, packed, its longest packed row (sum of lengths) over the ranks; rounded up to a multiple of
+    `multiple` (sequence parallelism: TP; else 1)."""
+    return [round_up(max(sum(lengths[i] for i in mb) if packed else max(lengths[i] for i in mb) for mb in mbs),
+                     multiple) for mbs in zip(*plan, strict=True)]
 
 
 def plan_padding(lengths: list[int], plan: list[list[list[int]]], widths: list[int],

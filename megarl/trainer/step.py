@@ -27,11 +27,19 @@ from megarl.trainer.batching import (
 from megarl.trainer.routing_replay import index_bytes
 
 
+def sequence_multiple(model_config) -> int:
+    """What every row length the model sees must divide by: TP under sequence parallelism (megatron scatters each
+    microbatch along the sequence over the TP ranks and asserts the length divides), else 1. `model_config`: the
+    megatron model's `TransformerConfig`."""
+    return model_config.tensor_model_parallel_size if model_config.sequence_parallel else 1
+
+
 def train_on_batch(
     policy, batch: RolloutBatch, algorithm: Algorithm, cfg: Config, pad_id: int, dp_rank: int, dp_size: int,
     lag: int,
 ) -> dict[str, float]:
-    tensors = pack_batch(batch, pad_id)
+    multiple = sequence_multiple(policy.model.config)
+    tensors = pack_batch(batch, pad_id, multiple)
     # per-sequence 0/1 weights (off-policy GRPO drops zero-variance groups; all ones for the others)
     tensors["seq_mask"] = algorithm.sequence_mask(batch.rewards, cfg.algorithm).expand_as(batch.rewards).reshape(-1)
     num_tokens = float(tensors["mask"].sum())  # response tokens of the GLOBAL batch
@@ -40,8 +48,8 @@ def train_on_batch(
     # this rank's microbatches (global rows): by count, or by token budget from the length-sorted batch
     plan = microbatch_plan(lengths, dp_size, t.micro_batch_size, t.max_tokens_per_microbatch, t.pack_sequences)
     if t.pack_sequences or t.max_tokens_per_microbatch is not None:
-        widths = microbatch_widths(lengths, plan, t.pack_sequences)
-    else:  # today's count-based microbatches: every row padded to the global batch's longest
+        widths = microbatch_widths(lengths, plan, t.pack_sequences, multiple)
+    else:  # today's count-based microbatches: every row padded to the global batch's longest (rounded up)
         widths = [padded] * len(plan[dp_rank])
     rows = [i for mb in plan[dp_rank] for i in mb]
     share = {k: v[torch.tensor(rows, dtype=torch.long)] for k, v in tensors.items()}
