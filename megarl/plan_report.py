@@ -102,7 +102,7 @@ def make_plan(hf: dict[str, Any], cfg: Config, dtype: str = "bf16", needs: RankR
     layers_per_stage = hf["num_hidden_layers"] // t.pp
     stages = []
     for s in range(t.pp):
-        shapes = megatron_local_shapes(hf, t.tp, t.pp, t.ep, s)
+        shapes = megatron_local_shapes(hf, t.tp, t.pp, t.ep, s, t.expert_tp)
         stages.append(StageSize(
             stage=s, layers=range(s * layers_per_stage, (s + 1) * layers_per_stage),
             ranks=list(range(s * per_stage, (s + 1) * per_stage)),
