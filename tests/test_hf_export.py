@@ -277,3 +277,19 @@ def test_transformer_engine_names_map_to_the_local_spec():
     assert to_local_spec(te, local) == {"decoder.layers.0.input_layernorm.weight": 1,
                                         "decoder.layers.0.pre_mlp_layernorm.weight": 2,
                                         "decoder.layers.0.self_attention.linear_qkv.weight": 3}
+
+
+def test_grouped_gemm_expert_names_map_to_the_local_spec():
+    """A checkpoint trained with TE's grouped GEMM (`TEGroupedMLP`: `linear_fc1.weight{j}`, one `_extra_state`) loads
+    into the local spec's `SequentialMLP` that CPU export builds: expert j's tensors keep their values."""
+    p = "decoder.layers.1.mlp.experts."
+    local = {f"{p}local_experts.{j}.linear_fc{fc}.weight" for j in range(2) for fc in (1, 2)} | {
+        "decoder.layers.1.mlp.router.weight"}
+    grouped = {f"{p}linear_fc1.weight0": "fc1-e0", f"{p}linear_fc1.weight1": "fc1-e1",
+               f"{p}linear_fc2.weight0": "fc2-e0", f"{p}linear_fc2.weight1": "fc2-e1",
+               f"{p}linear_fc1._extra_state": None, f"{p}linear_fc2._extra_state": None,
+               "decoder.layers.1.mlp.router.weight": "router"}
+    assert to_local_spec(grouped, local) == {
+        f"{p}local_experts.0.linear_fc1.weight": "fc1-e0", f"{p}local_experts.1.linear_fc1.weight": "fc1-e1",
+        f"{p}local_experts.0.linear_fc2.weight": "fc2-e0", f"{p}local_experts.1.linear_fc2.weight": "fc2-e1",
+        "decoder.layers.1.mlp.router.weight": "router"}
