@@ -169,6 +169,10 @@ def test_plan_command_on_the_30b_recipe(capsys):
     assert re.search(r"nccl +61\.06 GB per rank +1\.221 s", out)
     assert re.search(r"nccl_m2n +60\.46 GB per rank", out)  # 61,064,245,248 - 805,306,368 * 3 / 4 bytes
     assert re.search(r"megarl +15\.29 GB per rank +0\.306 s", out)
+    # 16 ranks per stage: 8 expert ranks x 2 expert-TP ranks leave expert data parallel 1
+    assert "experts: ep 8 x expert-tp 2 x expert-dp 1 per stage, 16 experts per rank" in out
+    assert run(_args(recipe, f"model.hf_dir={MODELS / 'qwen3-30b-a3b'}", "trainer.expert_tp=1")) == 0
+    assert "experts: ep 8 x expert-tp 1 x expert-dp 2 per stage, 16 experts per rank" in capsys.readouterr().out
     # trainer.tp=2 with a MoE model is a GPU-only layout: the CPU check refuses it, plan checks it as for the GPU
     from megarl.config.load import load_config
 
