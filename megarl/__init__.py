@@ -4,17 +4,16 @@ Layers, bottom to top. A module imports from its own layer or from layers below 
 and no import, at module level or inside a function, closes a circle (`tests/test_import_layers.py` reads every
 import from the source and fails on either). The most specific prefix names a module's layer.
 
-| layer       | modules                                                              | what lives there                         |
-|-------------|----------------------------------------------------------------------|------------------------------------------|
-| definitions | megarl.config, megarl.algorithms, megarl.rewards,                    | typed config, losses, reward functions,  |
-|             | megarl.data, megarl.batch, megarl.metrics,                           | data formats, batches, metric writers,   |
-|             | megarl.stacks                                                        | each role's pinned packages              |
-| components  | megarl.parallel, megarl.models, megarl.sync, megarl.rollout,         | model facts and builders, the weight     |
-|             | megarl.rewards.scoring, megarl.trainer, megarl.checkpoint            | sync, the fleet, scoring, the trainer    |
-| checks      | megarl.checks                                                        | does a config fit its model and machines |
-| run         | megarl.loop, megarl.rank, megarl.launch, megarl.roles,               | one training run, a cluster job's roles, |
-|             | megarl.preflight                                                     | the checks before a job                  |
-| tools       | megarl.plan_report, megarl.bench, megarl.repro, megarl.cli            | commands, benchmarks, reproductions      |
+| layer       | modules                                                      | what lives there                       |
+|-------------|--------------------------------------------------------------|----------------------------------------|
+| definitions | megarl.config, megarl.algorithms, megarl.rewards,            | typed config, losses, reward functions,|
+|             | megarl.data, megarl.batch, megarl.metrics, megarl.stacks     | data, batches, metrics, pinned stacks  |
+| components  | megarl.parallel, megarl.models, megarl.sync, megarl.rollout, | model facts and builders, the weight   |
+|             | megarl.rewards.scoring, megarl.trainer, megarl.checkpoint    | sync, the fleet, scoring, the trainer  |
+| checks      | megarl.checks                                                | does a config fit its model, machines  |
+| run         | megarl.loop, megarl.rank, megarl.launch, megarl.roles,       | one training run, a cluster job's      |
+|             | megarl.preflight                                             | roles and the checks before it         |
+| tools       | megarl.plan_report, megarl.bench, megarl.repro, megarl.cli   | commands, benchmarks, reproductions    |
 
 Where a new piece goes: a fact of the model's shape goes to `megarl.models` (`hf_config`, `shapes`); a check that a
 layout or its memory fits goes to `megarl.checks`, which `megarl check`, `megarl plan` and `megarl train` call; a

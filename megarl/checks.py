@@ -44,17 +44,17 @@ def push_memory(hf: dict[str, Any], cfg: Config, dtype: str = "bf16", needs: Ran
     ranks; `needs` as for `make_plan` (the table when None). Every replica's rank k is the same."""
     t, bucket = cfg.trainer, bucket_bytes_of(cfg.sync.bucket_mb)
     if needs is None:  # `megarl check --gpu` then `megarl plan` ask twice: the table's answer is kept
-        return list(_table_push_memory(json.dumps(hf, sort_keys=True), t.world_size, t.tp, t.pp, t.ep,
+        return list(_table_push_memory(json.dumps(hf, sort_keys=True), t.world_size, t.tp, t.pp, t.ep, t.expert_tp,
                                        cfg.rollout.tp, DTYPE_BYTES[dtype], bucket))
     holdings = trainer_holdings(hf, t)
     return [receiver_memory(needs[k], holdings, DTYPE_BYTES[dtype], bucket, t.pp) for k in sorted(needs)]
 
 
 @cache
-def _table_push_memory(hf_json: str, world: int, tp: int, pp: int, ep: int, rollout_tp: int, itemsize: int,
-                       bucket: int) -> tuple[ReceiverMemory, ...]:
+def _table_push_memory(hf_json: str, world: int, tp: int, pp: int, ep: int, expert_tp: int, rollout_tp: int,
+                       itemsize: int, bucket: int) -> tuple[ReceiverMemory, ...]:
     hf = json.loads(hf_json)
-    holdings = trainer_holdings(hf, TrainerConfig(world_size=world, tp=tp, pp=pp, ep=ep))
+    holdings = trainer_holdings(hf, TrainerConfig(world_size=world, tp=tp, pp=pp, ep=ep, expert_tp=expert_tp))
     return tuple(receiver_memory(vllm_rank_slices(hf, rollout_tp, k), holdings, itemsize, bucket, pp)
                  for k in range(rollout_tp))
 
@@ -118,6 +118,15 @@ def check_against_model(cfg: Config, hf: dict[str, Any], cuda: bool) -> None:
         problems.append(f"trainer.ep={t.ep} but the model is dense: set trainer.ep=1")
     if experts and experts % t.ep:
         problems.append(f"trainer.ep={t.ep} does not divide num_experts={experts}: use a divisor of {experts}")
+    if experts == 0 and t.expert_tp > 1:
+        problems.append(f"trainer.expert_tp={t.expert_tp} but the model is dense: set trainer.expert_tp=1")
+    if experts == 0 and t.moe_aux_loss_coeff > 0:
+        problems.append(f"trainer.moe_aux_loss_coeff={t.moe_aux_loss_coeff:g} but the model is dense (no router): "
+                        "set trainer.moe_aux_loss_coeff=0")
+    inter = hf.get("moe_intermediate_size", 0)
+    if experts and inter % t.expert_tp:
+        problems.append(f"trainer.expert_tp={t.expert_tp} does not divide moe_intermediate_size={inter} (each expert's "
+                        f"columns are split expert_tp ways): use a divisor of {inter}")
     if experts and t.tp > 1 and not cuda:
         problems.append(
             f"trainer.tp={t.tp} with a MoE model needs sequence parallel, which megatron-core's local (CPU) "

@@ -87,7 +87,7 @@ def checkpoint_identity(cfg: Config) -> dict[str, Any]:
     """What a checkpoint must share with the config that resumes it (recorded in its meta.json)."""
     t = cfg.trainer
     model = hashlib.sha256((Path(cfg.model.hf_dir) / "config.json").read_bytes()).hexdigest()
-    return {"world_size": t.world_size, "tp": t.tp, "pp": t.pp, "ep": t.ep,
+    return {"world_size": t.world_size, "tp": t.tp, "pp": t.pp, "ep": t.ep, "expert_tp": t.expert_tp,
             "distributed_optimizer": t.distributed_optimizer,  # each rank's optimizer file holds its own shard
             "sync_interval": cfg.sync.interval, "sync_offset": cfg.sync.offset, "algorithm": cfg.algorithm.name,
             "model_config_sha256": model,

@@ -102,7 +102,7 @@ def make_plan(hf: dict[str, Any], cfg: Config, dtype: str = "bf16", needs: RankR
     layers_per_stage = hf["num_hidden_layers"] // t.pp
     stages = []
     for s in range(t.pp):
-        shapes = megatron_local_shapes(hf, t.tp, t.pp, t.ep, s)
+        shapes = megatron_local_shapes(hf, t.tp, t.pp, t.ep, s, t.expert_tp)
         stages.append(StageSize(
             stage=s, layers=range(s * layers_per_stage, (s + 1) * layers_per_stage),
             ranks=list(range(s * per_stage, (s + 1) * per_stage)),
@@ -175,8 +175,9 @@ def format_plan(plan: Plan, cfg: Config, hf: dict[str, Any], link_gbps: float = 
     dp = t.world_size // (t.tp * t.pp)
     lines += ["", f"trainer: {t.world_size} ranks = tp {t.tp} x pp {t.pp} x dp {dp}"]
     if experts:
-        lines.append(f"  experts: ep {t.ep} x expert-tp {t.tp} x expert-dp {t.world_size // (t.tp * t.ep * t.pp)} "
-                     f"per stage, {experts // t.ep} experts per rank")
+        edp = t.world_size // (t.expert_tp * t.ep * t.pp)
+        lines.append(f"  experts: ep {t.ep} x expert-tp {t.expert_tp} x expert-dp {edp} per stage, "
+                     f"{experts // t.ep} experts per rank")
     lines.append(f"  vocabulary padded to {padded_vocab_size(hf, t.tp)} rows (a multiple of tp), "
                  f"{padded_vocab_size(hf, t.tp) // t.tp} per rank")
     head = f"  {'stage':>5} {'layers':>7} {'ranks':>9} {'params per rank':>28} {plan.dtype + ' per rank':>14}"

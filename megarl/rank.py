@@ -51,15 +51,15 @@ def run_rank(cfg: Config, place: ProcessPlace, sync_port: int, fleet_urls: Calla
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     t, rank = cfg.trainer, place.rank
     apply_trainer_cpu_threads(t.cpu_threads, t.world_size, cfg.rollout.tp * cfg.rollout.replicas)
-    init_trainer_groups(TrainerLayout(t.tp, t.pp, t.ep), rank, t.world_size, place.master_addr, place.master_port,
-                        timeout_s=t.collective_timeout_s, local_rank=place.local_rank,
+    init_trainer_groups(TrainerLayout(t.tp, t.pp, t.ep, t.expert_tp), rank, t.world_size, place.master_addr,
+                        place.master_port, timeout_s=t.collective_timeout_s, local_rank=place.local_rank,
                         launcher_store=place.launcher_store)
     try:
         hf = read_hf_config(cfg.model.hf_dir)
         policy = MegatronPolicy(cfg.model.hf_dir, hf, cfg.optimizer, logprob_chunk=t.logprob_chunk_tokens,
                                 distributed_optimizer=t.distributed_optimizer, recompute=t.recompute,
                                 routing_replay=t.routing_replay, logprob_vocab_block=t.logprob_vocab_block,
-                                logprob_kernel=t.logprob_kernel)
+                                logprob_kernel=t.logprob_kernel, moe_aux_loss_coeff=t.moe_aux_loss_coeff)
         urls = fleet_urls() if rank == 0 else []
         clients = [RolloutClient(url) for url in urls]
         weight_sync = PartitionedWeightSync(

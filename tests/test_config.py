@@ -1,5 +1,6 @@
 """Bad configurations are rejected before anything starts, with the field named."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -45,14 +46,23 @@ def test_world_size_not_multiple_of_tp_pp():
         validate(_cfg(trainer={"world_size": 3, "tp": 2}))
 
 
-@pytest.mark.parametrize(("trainer", "dp"), [
-    ({"world_size": 2, "ep": 4}, 2),
-    # 4 ranks of one stage, but megatron-core's expert tensor parallel is tp: tp 2 x ep 4 needs 8 ranks
-    ({"world_size": 4, "tp": 2, "ep": 4}, 2),
+@pytest.mark.parametrize(("trainer", "grid"), [
+    ({"world_size": 2, "ep": 4}, "trainer.expert_tp=1 x trainer.ep=4 x trainer.pp=1 = 4"),
+    # 4 ranks of one stage: expert tp 2 x ep 4 needs 8 (megatron-core's expert grid is expert_tp x ep x edp x pp)
+    ({"world_size": 4, "tp": 2, "ep": 4, "expert_tp": 2}, "trainer.expert_tp=2 x trainer.ep=4 x trainer.pp=1 = 8"),
+    ({"world_size": 4, "pp": 2, "ep": 4}, "trainer.expert_tp=1 x trainer.ep=4 x trainer.pp=2 = 8"),
 ])
-def test_expert_parallel_must_divide_data_parallel(trainer, dp):
-    with pytest.raises(ConfigError, match=rf"trainer\.ep=4 does not divide the data-parallel size {dp}"):
+def test_expert_grid_must_divide_the_world(trainer, grid):
+    with pytest.raises(ConfigError, match=re.escape(grid) + " does not divide trainer.world_size"):
         validate(_cfg(trainer=trainer))
+
+
+def test_expert_tp_is_independent_of_tp():
+    """tp 2 with whole experts (expert_tp 1): tp x pp = 2 and expert_tp x ep x pp = 4 both divide 4 ranks; megatron
+    lays attention out as tp 2 x dp 2 and the experts as ep 4 x edp 1."""
+    cfg = validate(_cfg(trainer={"world_size": 4, "tp": 2, "ep": 4}))
+    assert (cfg.trainer.tp, cfg.trainer.expert_tp, cfg.trainer.ep) == (2, 1, 4)
+    assert cfg.trainer.moe_aux_loss_coeff == 0.0  # RL default: no router load-balancing loss
 
 
 def test_override_typing_and_bad_override():
@@ -77,6 +87,12 @@ def test_missing_config_file_named(tmp_path):
         ({**TINY_MOE, "num_local_experts": 6}, {"trainer": {"world_size": 4, "ep": 4}},
          r"trainer\.ep=4 does not divide num_experts=6"),
         (TINY_MOE, {"trainer": {"tp": 2}}, r"trainer\.tp=2 with a MoE model needs sequence parallel"),
+        (TINY_DENSE, {"trainer": {"expert_tp": 2}},
+         r"trainer\.expert_tp=2 but the model is dense: set trainer\.expert_tp=1"),
+        (TINY_DENSE, {"trainer": {"moe_aux_loss_coeff": 0.001}},
+         r"trainer\.moe_aux_loss_coeff=0\.001 but the model is dense .*set trainer\.moe_aux_loss_coeff=0"),
+        ({**TINY_MOE, "moe_intermediate_size": 64}, {"trainer": {"world_size": 3, "expert_tp": 3}},
+         r"trainer\.expert_tp=3 does not divide moe_intermediate_size=64 .*use a divisor of 64"),
         (TINY_MOE, {"trainer": {"world_size": 3, "pp": 3}}, r"trainer\.pp=3 exceeds num_hidden_layers=2"),
         ({**TINY_DENSE, "num_hidden_layers": 3}, {"trainer": {"pp": 2}},
          r"trainer\.pp=2 does not divide num_hidden_layers=3"),
@@ -118,6 +134,8 @@ def test_valid_layouts_pass():
     check_against_model(validate(_cfg(trainer={"ep": 2}, rollout={"tp": 2})), moe, cuda=False)
     check_against_model(validate(_cfg(rollout={"tp": 4})), moe, cuda=True)  # GPU vLLM does not pad this way
     check_against_model(validate(_cfg(rollout={"tp": 4, "expert_parallel": True})), moe, cuda=True)
+    # experts split over 2 expert-TP ranks with attention unsplit (tp 1): megatron's local spec runs it on CPU
+    check_against_model(validate(_cfg(trainer={"expert_tp": 2}, rollout={"tp": 2})), moe, cuda=False)
 
 
 def test_packed_sequences_are_cpu_only_for_now():

@@ -39,6 +39,7 @@ from megarl.models.hf_export import (
     export_checkpoint,
     parse_size,
     plan_shards,
+    read_checkpoint_meta,
     register,
     run,
     to_local_spec,
@@ -86,7 +87,7 @@ def _train_rank(rank, world, hf_dir, layout, run_dir, dtype, port):
     try:
         hf = read_hf_config(hf_dir)
         policy = MegatronPolicy(hf_dir, hf, OptimizerConfig())
-        meta = {"world_size": world, "tp": layout.tp, "pp": layout.pp, "ep": layout.ep,
+        meta = {"world_size": world, "tp": layout.tp, "pp": layout.pp, "ep": layout.ep, "expert_tp": layout.expert_tp,
                 "model_config_sha256": hashlib.sha256((Path(hf_dir) / "config.json").read_bytes()).hexdigest()}
         root = Path(run_dir) / "checkpoints"
 
@@ -155,7 +156,8 @@ def _as_bf16(src: Path, out: Path) -> Path:
     ("dense", TrainerLayout(tp=2), torch.bfloat16, True, False),
     ("dense", TrainerLayout(pp=2), torch.float32, False, True),
     ("dense-tied", TrainerLayout(pp=2), torch.float32, True, False),
-], ids=["moe-ep2", "dense-tp2-bf16", "dense-pp2-cli", "tied-pp2"])
+    ("moe", TrainerLayout(expert_tp=2), torch.float32, False, False),  # each expert's columns over both ranks
+], ids=["moe-ep2", "dense-tp2-bf16", "dense-pp2-cli", "tied-pp2", "moe-etp2"])
 def test_export_round_trip_and_trained_state(tmp_path, kind, layout, dtype, as_loaded, via_cli):
     hf_dir = make_tiny_checkpoint(tmp_path / kind, kind=kind)
     if dtype == torch.bfloat16:
@@ -173,12 +175,14 @@ def test_export_round_trip_and_trained_state(tmp_path, kind, layout, dtype, as_l
         for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
             assert (out0 / name).read_bytes() == (hf_dir / name).read_bytes(), name
         assert not (tmp_path / "out0.tmp").exists()
-    if kind == "moe":  # a model directory that does not fit the rank files (no sha256 in meta.json to catch it early)
+    if kind == "moe" and layout.ep == 2:  # a model directory that does not fit the rank files (no sha256 in meta.json
+        # to catch it early)
         step0 = run_dir / "checkpoints" / "step_00000000"
         meta = json.loads((step0 / "meta.json").read_text())
         (step0 / "meta.json").write_text(json.dumps({k: v for k, v in meta.items() if k != "model_config_sha256"}))
         dense = make_tiny_checkpoint(tmp_path / "dense", kind="dense")
-        with pytest.raises(ExportError, match=r"cannot be built at the checkpoint's layout tp=1 pp=1 ep=2 \(wrong"):
+        with pytest.raises(ExportError, match=r"cannot be built at the checkpoint's layout tp=1 pp=1 ep=2 expert_tp=1 "
+                           r"\(wrong"):
             export_checkpoint(step0, dense, tmp_path / "wrong")
         assert not (tmp_path / "wrong").exists() and not (tmp_path / "wrong.tmp").exists()
 
@@ -214,6 +218,16 @@ def _fake_checkpoint(path: Path, world: int = 2, present: tuple[int, ...] = (0, 
     meta = {"format": "megarl-checkpoint-v1", "world_size": world, "tp": 1, "pp": 1, "ep": 2, "files": files}
     (path / "meta.json").write_text(json.dumps(meta))
     return path
+
+
+def test_checkpoints_before_expert_tp_export_at_their_tp(tmp_path):
+    """meta.json without expert_tp (written before the field): the experts were split as megatron's default, tp."""
+    old = _fake_checkpoint(tmp_path / "old")
+    meta = json.loads((old / "meta.json").read_text())
+    (old / "meta.json").write_text(json.dumps({**meta, "tp": 2, "ep": 1}))
+    assert read_checkpoint_meta(old)["expert_tp"] == 2
+    (old / "meta.json").write_text(json.dumps({**meta, "tp": 2, "ep": 1, "expert_tp": 1}))
+    assert read_checkpoint_meta(old)["expert_tp"] == 1
 
 
 def test_errors_name_the_problem_and_the_fix(tmp_path):
@@ -277,3 +291,19 @@ def test_transformer_engine_names_map_to_the_local_spec():
     assert to_local_spec(te, local) == {"decoder.layers.0.input_layernorm.weight": 1,
                                         "decoder.layers.0.pre_mlp_layernorm.weight": 2,
                                         "decoder.layers.0.self_attention.linear_qkv.weight": 3}
+
+
+def test_grouped_gemm_expert_names_map_to_the_local_spec():
+    """A checkpoint trained with TE's grouped GEMM (`TEGroupedMLP`: `linear_fc1.weight{j}`, one `_extra_state`) loads
+    into the local spec's `SequentialMLP` that CPU export builds: expert j's tensors keep their values."""
+    p = "decoder.layers.1.mlp.experts."
+    local = {f"{p}local_experts.{j}.linear_fc{fc}.weight" for j in range(2) for fc in (1, 2)} | {
+        "decoder.layers.1.mlp.router.weight"}
+    grouped = {f"{p}linear_fc1.weight0": "fc1-e0", f"{p}linear_fc1.weight1": "fc1-e1",
+               f"{p}linear_fc2.weight0": "fc2-e0", f"{p}linear_fc2.weight1": "fc2-e1",
+               f"{p}linear_fc1._extra_state": None, f"{p}linear_fc2._extra_state": None,
+               "decoder.layers.1.mlp.router.weight": "router"}
+    assert to_local_spec(grouped, local) == {
+        f"{p}local_experts.0.linear_fc1.weight": "fc1-e0", f"{p}local_experts.1.linear_fc1.weight": "fc1-e1",
+        f"{p}local_experts.0.linear_fc2.weight": "fc2-e0", f"{p}local_experts.1.linear_fc2.weight": "fc2-e1",
+        "decoder.layers.1.mlp.router.weight": "router"}

@@ -1,8 +1,9 @@
 """megatron-core, loaded from a tiny HF checkpoint under TP / EP, against `transformers` itself:
 log-probs and entropy of the same tokens, parameter gradients of the same loss, and the HF blocks
 each rank exports for the weight sync (their union must rebuild every HF tensor bit-exactly).
-Layouts: world 2 (dense TP=2 / PP=2, MoE EP=2, Qwen2 with q/k/v biases at TP=2, tied embeddings at PP=2) and
-world 4 (dense TP=2 x PP=2, MoE EP=2 x PP=2: expert data parallel 1, dense data parallel 2; tied TP=2 x PP=2).
+Layouts: world 2 (dense TP=2 / PP=2, MoE EP=2, MoE expert TP=2 at TP=1, Qwen2 with q/k/v biases at TP=2, tied
+embeddings at PP=2) and world 4 (dense TP=2 x PP=2, MoE EP=2 x PP=2: expert data parallel 1, dense data parallel
+2; tied TP=2 x PP=2).
 Tied embeddings: transformers has ONE parameter `model.embed_tokens.weight` whose gradient is the embedding's plus
 the output layer's; megatron's two copies (first and last stage) must each hold that gradient and that step.
 
@@ -192,14 +193,17 @@ def _assert_tied_sync_plan(per_rank_blocks, hf: dict, first_stage: set[int]) -> 
     ("dense-vocab31", TrainerLayout(tp=2), 2),  # padded to 32: TP rank 1's shard ends in a padding row
     ("dense", TrainerLayout(pp=2), 2),
     ("moe", TrainerLayout(ep=2), 2),
+    # expert tensor parallel 2 with attention unsplit (tp 1): each expert's columns over both ranks, which are also
+    # 2 data-parallel replicas of the dense part (expert-DP 1): gradients summed over different groups
+    ("moe", TrainerLayout(expert_tp=2), 2),
     ("qwen2", TrainerLayout(tp=2), 2),  # Qwen2 / Qwen2.5: q/k/v biases split with their query groups, no q/k norms
     ("dense", TrainerLayout(tp=2, pp=2), 4),
     ("moe", TrainerLayout(ep=2, pp=2), 4),
     # tied embeddings: embedding on the first stage, its copy as the output layer on the last stage
     ("dense-tied", TrainerLayout(pp=2), 2),
     ("dense-tied", TrainerLayout(tp=2, pp=2), 4),
-], ids=["dense-tp2", "dense-vocab31-tp2", "dense-pp2", "moe-ep2", "qwen2-tp2", "dense-tp2-pp2", "moe-ep2-pp2",
-        "tied-pp2", "tied-tp2-pp2"])
+], ids=["dense-tp2", "dense-vocab31-tp2", "dense-pp2", "moe-ep2", "moe-etp2", "qwen2-tp2", "dense-tp2-pp2",
+        "moe-ep2-pp2", "tied-pp2", "tied-tp2-pp2"])
 def test_megatron_matches_transformers(checkpoints, kind, layout, world):
     hf_dir = checkpoints[kind]
     ref_lp, ref_ent, ref_norm, clip, ref_grads, initial, stepped = _hf_reference(hf_dir, clip_fraction=0.5)

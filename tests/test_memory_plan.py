@@ -131,3 +131,30 @@ def test_microbatches_in_flight_per_stage_follow_1f1b(tmp_path, pp, expect):
     assert [m.in_flight for m in rows] == expect
     one = activation_bytes(DENSE8, 1024, 512, 8 // pp, 1, flash=True)  # one microbatch in one stage's layers
     assert [m.activations for m in rows] == [n * one for n in expect]
+
+
+def test_expert_tensor_parallel_in_the_plan():
+    """Qwen3-30B-A3B at tp 2 x ep 8 on 16 ranks, whole experts (expert_tp 1) against experts split in two
+    (expert_tp 2), worked out by hand from the config: 48 layers of 128 experts (16 local), hidden 2,048, expert
+    columns 768, top-8 routing; expert data parallel 16 / (expert_tp x 8)."""
+    from pathlib import Path
+
+    hf = read_hf_config(Path(__file__).resolve().parents[1] / "configs" / "models" / "qwen3-30b-a3b")
+    h, inter, layers, local, top_k = 2048, 768, 48, 16, 8
+    assert (hf["hidden_size"], hf["moe_intermediate_size"], hf["num_hidden_layers"]) == (h, inter, layers)
+
+    def rank(expert_tp: int):
+        trainer = TrainerConfig(world_size=16, tp=2, ep=8, expert_tp=expert_tp, distributed_optimizer=True,
+                                max_tokens_per_microbatch=4096)
+        return trainer_memory(hf, Config(model=ModelConfig(hf_dir="x"), trainer=trainer))[0]
+
+    whole, split = rank(1), rank(2)
+    expert_params = layers * local * 3 * h * inter  # gate, up, down of the rank's 16 experts, whole
+    assert whole.params - split.params == expert_params // 2
+    dense = whole.params - expert_params  # attention, norms, router, vocabulary shards: the same either way
+    # AdamW (8 B/param) split over data parallel 8 for dense parameters, over expert data parallel 2 or 1 for experts
+    assert whole.optimizer == int(8 * (dense / 8 + expert_params / 2))
+    assert split.optimizer == int(8 * (dense / 8 + expert_params / 2 / 1))
+    # activations: each routed copy's permuted input and output (h each) sit on its expert's expert_tp ranks, shared
+    # by the tp ranks of the tokens: 2h x expert_tp / tp per copy, so expert_tp 2 keeps top_k x h more per token
+    assert split.activations - whole.activations == 4 * 4096 * layers * top_k * h

@@ -92,7 +92,7 @@ def _real_shapes(hf_dir: Path) -> dict[str, tuple[int, ...]]:
 
 
 def _config(hf_dir: Path, **layout) -> Config:
-    trainer = {k: v for k, v in layout.items() if k in ("world_size", "tp", "pp", "ep")}
+    trainer = {k: v for k, v in layout.items() if k in ("world_size", "tp", "pp", "ep", "expert_tp")}
     rollout = {k.removeprefix("rollout_"): v for k, v in layout.items() if k.startswith("rollout_")}
     return Config.model_validate({"model": {"hf_dir": str(hf_dir)}, "trainer": trainer, "rollout": rollout})
 
@@ -117,9 +117,9 @@ def test_totals_and_vllm_ranks_match_real_tensors(tiny, kind):
             assert [4 * n for n in plan.rollout_rank_params] == _hand_bytes_per_rank(hf, tp)
 
 
-# (model, tp, pp, ep): every case runs on 4 trainer ranks
-CASES = [("dense", 2, 2, 1), ("dense31", 2, 1, 1), ("qwen2", 2, 1, 1), ("tied", 2, 1, 1), ("tied", 2, 2, 1),
-         ("moe", 1, 2, 2), ("moe", 1, 1, 4)]
+# (model, tp, pp, ep, expert_tp): every case runs on 4 trainer ranks
+CASES = [("dense", 2, 2, 1, 1), ("dense31", 2, 1, 1, 1), ("qwen2", 2, 1, 1, 1), ("tied", 2, 1, 1, 1),
+         ("tied", 2, 2, 1, 1), ("moe", 1, 2, 2, 1), ("moe", 1, 1, 4, 1), ("moe", 1, 1, 2, 2), ("moe", 1, 2, 1, 2)]
 WORLD = 4
 
 
@@ -129,10 +129,10 @@ def _megatron_shapes(rank, world, hfs, cases, ports):
     from megarl.parallel.groups import TrainerLayout, destroy_trainer_groups, init_trainer_groups
 
     out = []
-    for (kind, tp, pp, ep), port in zip(cases, ports, strict=True):
-        init_trainer_groups(TrainerLayout(tp=tp, pp=pp, ep=ep), rank, world, "127.0.0.1", port)
+    for (kind, tp, pp, ep, etp), port in zip(cases, ports, strict=True):
+        init_trainer_groups(TrainerLayout(tp=tp, pp=pp, ep=ep, expert_tp=etp), rank, world, "127.0.0.1", port)
         try:
-            model = build_gpt_model(hfs[kind], tp, pp, ep)
+            model = build_gpt_model(hfs[kind], tp, pp, ep, expert_tp=etp)
             out.append({n: tuple(p.shape) for n, p in model.named_parameters()})
         finally:
             destroy_trainer_groups()
@@ -143,13 +143,14 @@ def test_trainer_ranks_match_real_megatron_models(tiny):
     hfs = {kind: read_hf_config(d) for kind, d in tiny.items()}
     hfs["dense31"] = {**hfs["dense"], "vocab_size": 31}  # padded to 32 at tp 2: the last shard ends in padding
     results = run_distributed(_megatron_shapes, WORLD, hfs, CASES, [free_port() for _ in CASES], init_dist=False)
-    for i, (kind, tp, pp, ep) in enumerate(CASES):
+    for i, (kind, tp, pp, ep, etp) in enumerate(CASES):
         hf = hfs[kind]
-        cfg = _config(tiny.get(kind, tiny["dense"]), world_size=WORLD, tp=tp, pp=pp, ep=ep)
+        cfg = _config(tiny.get(kind, tiny["dense"]), world_size=WORLD, tp=tp, pp=pp, ep=ep, expert_tp=etp)
         plan = make_plan(hf, cfg, dtype="fp32")
         for rank in range(WORLD):
             real = results[rank][i]
-            assert megatron_local_shapes(hf, tp, pp, ep, pipeline_stage_of(rank, cfg.trainer)) == real, (kind, rank)
+            stage = pipeline_stage_of(rank, cfg.trainer)
+            assert megatron_local_shapes(hf, tp, pp, ep, stage, etp) == real, (kind, rank)
             assert plan.trainer_rank_params[rank] == sum(math.prod(s) for s in real.values())
 
 
@@ -168,6 +169,10 @@ def test_plan_command_on_the_30b_recipe(capsys):
     assert re.search(r"nccl +61\.06 GB per rank +1\.221 s", out)
     assert re.search(r"nccl_m2n +60\.46 GB per rank", out)  # 61,064,245,248 - 805,306,368 * 3 / 4 bytes
     assert re.search(r"megarl +15\.29 GB per rank +0\.306 s", out)
+    # 16 ranks per stage: 8 expert ranks x 2 expert-TP ranks leave expert data parallel 1
+    assert "experts: ep 8 x expert-tp 2 x expert-dp 1 per stage, 16 experts per rank" in out
+    assert run(_args(recipe, f"model.hf_dir={MODELS / 'qwen3-30b-a3b'}", "trainer.expert_tp=1")) == 0
+    assert "experts: ep 8 x expert-tp 1 x expert-dp 2 per stage, 16 experts per rank" in capsys.readouterr().out
     # trainer.tp=2 with a MoE model is a GPU-only layout: the CPU check refuses it, plan checks it as for the GPU
     from megarl.config.load import load_config
 
@@ -201,9 +206,10 @@ def test_plan_from_vllms_own_loaders_equals_the_table(capsys, tmp_path, monkeypa
 def test_plan_refuses_layouts_megatron_refuses(capsys):
     recipe = ROOT / "configs" / "qwen3_30b_a3b_guru.yaml"
     hf_dir = f"model.hf_dir={MODELS / 'qwen3-30b-a3b'}"
-    # 16 ranks = tp 2 x pp 2 x dp 4: experts need tp*ep*pp = 32 ranks
-    assert run(_args(recipe, hf_dir, "trainer.world_size=16")) == 2
-    assert "trainer.ep=8 does not divide the data-parallel size 4" in capsys.readouterr().err
+    # 16 ranks = tp 2 x pp 2 x dp 4: experts split over 2 expert-TP ranks need expert_tp*ep*pp = 32 ranks
+    assert run(_args(recipe, hf_dir, "trainer.world_size=16", "trainer.expert_tp=2")) == 2
+    assert ("trainer.expert_tp=2 x trainer.ep=8 x trainer.pp=2 = 32 does not divide trainer.world_size=16"
+            in capsys.readouterr().err)
     assert run(_args(recipe, hf_dir, "trainer.pp=5", "trainer.world_size=80")) == 2  # 48 layers over 5 stages
     assert "trainer.pp=5 does not divide num_hidden_layers=48" in capsys.readouterr().err
     assert run(_args(recipe, hf_dir, "rollout.tp=3")) == 2  # check_against_model's own rule

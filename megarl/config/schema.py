@@ -41,6 +41,22 @@ class TrainerConfig(_Strict):
     tp: int = Field(1, ge=1, description="Tensor-parallel size of the megatron-core policy.")
     pp: int = Field(1, ge=1, description="Pipeline-parallel size. Data parallel = world_size / (tp * pp).")
     ep: int = Field(1, ge=1, description="Expert-parallel size (MoE models only); must divide the expert count.")
+    expert_tp: int = Field(
+        1, ge=1, description="Expert tensor-parallel size (MoE models only; megatron-core's "
+        "expert_tensor_parallel_size): each expert's MLP columns are split expert_tp ways, independently of "
+        "trainer.tp (which splits attention, dense MLPs and the vocabulary). Experts are laid out over "
+        "expert_tp x ep ranks per pipeline stage, so expert_tp x ep x pp must divide world_size and expert_tp must "
+        "divide moe_intermediate_size. 1 (whole experts on each rank, parallelised by trainer.ep alone) is what "
+        "the anchors' Qwen3-30B-A3B recipes train with (NeMo-RL, slime); megatron's own default is trainer.tp.",
+    )
+    moe_aux_loss_coeff: float = Field(
+        0.0, ge=0.0, description="Coefficient of the MoE router's load-balancing loss (megatron-core's "
+        "moe_aux_loss_coeff; 0 turns it off: moe_router_load_balancing_type='none'). The HF config's "
+        "router_aux_loss_coef (0.001 for Qwen3-MoE, a pre-training setting) is deliberately not used: an aux loss "
+        "adds gradients the RL objective does not have, so the policy drifts in ways the loss does not account for "
+        "(its log-probs diverge from what the algorithm assumes). slime's and NeMo-RL's Qwen3-30B-A3B RL recipes "
+        "set it to 0; a positive value is megatron's 'aux_loss' balancing at that weight, added in backward.",
+    )
     micro_batch_size: int = Field(
         32, ge=1, description="Sequences per microbatch; the global batch is split into microbatches of this size "
         "(unless trainer.max_tokens_per_microbatch is set)."
@@ -593,12 +609,13 @@ class Config(_Strict):
         if self.eval.interval and self.data.task != "arithmetic" and not self.data.eval_files:
             raise ValueError(f"eval.interval={self.eval.interval} with data.task: {self.data.task} needs held-out "
                              "data: set data.eval_files (or eval.interval=0)")
-        dp = t.world_size // (t.tp * t.pp)
-        if dp % t.ep:  # megatron-core: expert tensor parallel = tp, so world_size % (tp * ep * pp) == 0
+        experts = t.expert_tp * t.ep * t.pp  # megatron-core: the expert layers' tp x ep x dp x pp grid
+        if t.world_size % experts:
             raise ValueError(
-                f"trainer.ep={t.ep} does not divide the data-parallel size {dp} (world_size / (tp*pp)): megatron-core "
-                "places the expert-parallel ranks inside data parallel (with expert tensor parallel = tp), so "
-                "world_size must be a multiple of tp*pp*ep; lower trainer.ep or raise trainer.world_size"
+                f"trainer.expert_tp={t.expert_tp} x trainer.ep={t.ep} x trainer.pp={t.pp} = {experts} does not divide "
+                f"trainer.world_size={t.world_size}: megatron-core lays the expert layers out as expert_tp x ep x "
+                "expert-data-parallel ranks per pipeline stage; lower trainer.ep or trainer.expert_tp, or raise "
+                "trainer.world_size"
             )
         if t.routing_replay and not self.rollout.return_routed_experts:
             raise ValueError("trainer.routing_replay=true replays the experts the fleet routed each token to, and "

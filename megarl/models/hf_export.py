@@ -2,7 +2,7 @@
 
     megarl export RUN_DIR/checkpoints/step_00000012 --out exported/ [--model-dir DIR] [--shard-size 5GB]
 
-The checkpoint's trainer layout (`meta.json`: world_size, tp, pp, ep) is started again as world_size CPU
+The checkpoint's trainer layout (`meta.json`: world_size, tp, pp, ep, expert_tp) is started again as world_size CPU
 processes joined by gloo (no GPU needed, whatever machine trained it). Each builds its megatron-core
 model stage, maps the model state of its rank file into it (memory-mapped, no copy), and cuts it into HF
 blocks through the table the importer reads (`megarl.models.hf_layout`), so export is the exact inverse
@@ -71,6 +71,7 @@ def read_checkpoint_meta(checkpoint_dir: Path) -> dict[str, Any]:
     for key in ("world_size", "tp", "pp", "ep"):
         if not isinstance(meta.get(key), int):
             raise ExportError(f"{meta_file}: no trainer layout ({key!r} missing): not written by megarl's trainer")
+    meta.setdefault("expert_tp", meta["tp"])  # written before trainer.expert_tp existed: megatron's default, tp
     return meta
 
 
@@ -204,16 +205,26 @@ _TE_NORMS = {  # Transformer Engine spec (GPU) name -> local spec name of the sa
 }
 
 
+_GROUPED_EXPERT = re.compile(r"(.*\.mlp\.experts\.)linear_fc([12])\.weight(\d+)")
+
+
 def to_local_spec(state: dict[str, Any], local_keys: set[str]) -> dict[str, Any]:
     """A model state dict saved with either layer spec, named as the local spec that CPU export builds:
-    Transformer Engine's fused-norm weights take the local norm names, TE's `_extra_state` (FP8 metadata) is
-    dropped. Names the local model has are kept as they are."""
+    Transformer Engine's fused-norm weights take the local norm names, TE's grouped experts
+    (`mlp.experts.linear_fc1.weight{j}`, `TEGroupedMLP`) the local spec's `mlp.experts.local_experts.{j}.linear_fc1
+    .weight` (the same tensor: one expert's shard), TE's `_extra_state` (FP8 metadata) is dropped. Names the local
+    model has are kept as they are."""
     out = {}
     for key, value in state.items():
         if key in local_keys:
             out[key] = value
             continue
         if key.endswith("._extra_state"):
+            continue
+        grouped = _GROUPED_EXPERT.fullmatch(key)
+        if grouped is not None:
+            prefix, fc, j = grouped.groups()
+            out[f"{prefix}local_experts.{j}.linear_fc{fc}.weight"] = value
             continue
         for te, local in _TE_NORMS.items():
             if key.endswith("." + te) and key.removesuffix(te) + local in local_keys:
@@ -224,7 +235,7 @@ def to_local_spec(state: dict[str, Any], local_keys: set[str]) -> dict[str, Any]
 
 
 def load_rank_model(checkpoint_dir: Path, rank: int, model_dir: Path, hf: dict[str, Any], tp: int, pp: int,
-                    ep: int) -> torch.nn.Module:
+                    ep: int, expert_tp: int = 1) -> torch.nn.Module:
     """This rank's megatron model stage holding the model state of its rank file (parallel groups initialised);
     its parameters are memory-mapped views of the file."""
     from megarl.models.qwen_provider import build_gpt_model
@@ -239,10 +250,10 @@ def load_rank_model(checkpoint_dir: Path, rank: int, model_dir: Path, hf: dict[s
     dtype = next((v.dtype for v in model_state.values() if torch.is_tensor(v) and v.is_floating_point()),
                  torch.float32)
     try:
-        model = build_gpt_model(hf, tp=tp, pp=pp, ep=ep, params_dtype=dtype)
+        model = build_gpt_model(hf, tp=tp, pp=pp, ep=ep, params_dtype=dtype, expert_tp=expert_tp)
     except (ValueError, AssertionError) as err:
         raise ExportError(f"the model of {model_dir}/config.json cannot be built at the checkpoint's layout tp={tp} "
-                          f"pp={pp} ep={ep} (wrong --model-dir?): {err}") from None
+                          f"pp={pp} ep={ep} expert_tp={expert_tp} (wrong --model-dir?): {err}") from None
     try:
         # assign: the parameters become the memory-mapped tensors of the rank file (no copy; pages are read when
         # a block is sent, so ranks that only hold replicas of other ranks' blocks read nothing)
@@ -322,8 +333,8 @@ def _write_rank0(plan, local: dict[HFSlice, torch.Tensor], rank_dtypes: list[str
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
-def _export_rank(rank: int, world: int, layout: tuple[int, int, int], checkpoint_dir: str, model_dir: str, out: str,
-                 shard_size: int, port: int) -> None:
+def _export_rank(rank: int, world: int, layout: tuple[int, int, int, int], checkpoint_dir: str, model_dir: str,
+                 out: str, shard_size: int, port: int) -> None:
     """One trainer rank of the export (spawned): load its shard, then send its blocks to rank 0 / write them."""
     import warnings
 
@@ -337,11 +348,11 @@ def _export_rank(rank: int, world: int, layout: tuple[int, int, int], checkpoint
     from megarl.parallel.groups import TrainerLayout, destroy_trainer_groups, init_trainer_groups
 
     apply_trainer_cpu_threads(0, world, 0)
-    tp, pp, ep = layout
-    init_trainer_groups(TrainerLayout(tp, pp, ep), rank, world, "127.0.0.1", port)
+    tp, pp, ep, expert_tp = layout
+    init_trainer_groups(TrainerLayout(tp, pp, ep, expert_tp), rank, world, "127.0.0.1", port)
     try:
         hf = read_hf_config(model_dir)
-        model = load_rank_model(Path(checkpoint_dir), rank, Path(model_dir), hf, tp, pp, ep)
+        model = load_rank_model(Path(checkpoint_dir), rank, Path(model_dir), hf, tp, pp, ep, expert_tp)
         local = dict(iter_local_hf_slices(model, hf))  # views of the parameters, no copies
         dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
         gathered: list[Any] = [None] * world if rank == 0 else []
@@ -405,8 +416,8 @@ def export_checkpoint(checkpoint_dir: str | Path, model_dir: str | Path | None, 
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        args = (meta["world_size"], (meta["tp"], meta["pp"], meta["ep"]), str(checkpoint_dir), str(model_dir),
-                str(tmp), shard_size, free_port())
+        layout = (meta["tp"], meta["pp"], meta["ep"], meta["expert_tp"])
+        args = (meta["world_size"], layout, str(checkpoint_dir), str(model_dir), str(tmp), shard_size, free_port())
         with _cpu_only():
             try:
                 run_ranks(_export_rank, meta["world_size"], *args, role="export")

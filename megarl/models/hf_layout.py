@@ -8,7 +8,10 @@ exports through it), so import and export are exact inverses by construction:
 Megatron layouts (local layer spec, TP rank r of T, expert-parallel rank e):
 - `linear_qkv` rows are grouped per query group `[q (heads/groups heads); k; v]`, TP splits groups;
 - `linear_fc1` is `[gate; up]`, each TP shard `[gate_r; up_r]`;
-- experts `mlp.experts.local_experts.{j}` hold global expert `e * local_count + j`;
+- experts `mlp.experts.local_experts.{j}.linear_fc{1,2}.weight` (local spec, `SequentialMLP`) or
+  `mlp.experts.linear_fc{1,2}.weight{j}` (Transformer Engine grouped GEMM, `TEGroupedMLP`: one parameter per
+  local expert, same shape) hold global expert `e * local_count + j`, split over expert-TP ranks (`etp_*`, not
+  `tp_*`) as dense MLPs are over TP ranks;
 - layer indices are stage-local; `layer_number` (1-based) is global;
 - embeddings / output layer rows are vocab shards of the padded vocabulary (padding has no HF block);
   with tied embeddings the checkpoint has no `lm_head.weight`: the last stage's `output_layer.weight` (a
@@ -152,14 +155,32 @@ class HFLayout:
             return self._gated_fc1(mlp, self.hf["intermediate_size"], c.tp_rank, c.tp_size)
         if rest == "mlp.linear_fc2.weight":
             return self._fc2(mlp, self.hf["intermediate_size"], c.tp_rank, c.tp_size)
-        e = re.fullmatch(r"mlp\.experts\.local_experts\.(\d+)\.linear_fc([12])\.weight", rest)
+        e = local_expert(rest)
         if e is not None:
-            expert = c.ep_rank * (self.experts // c.ep_size) + int(e.group(1))
+            j, fc = e
+            expert = c.ep_rank * (self.experts // c.ep_size) + j
             prefix, inter = f"{mlp}.experts.{expert}", self.hf["moe_intermediate_size"]
-            if e.group(2) == "1":
+            if fc == 1:
                 return self._gated_fc1(prefix, inter, c.etp_rank, c.etp_size)
             return self._fc2(prefix, inter, c.etp_rank, c.etp_size)
         raise KeyError(f"no HF mapping for megatron parameter {name!r}")
+
+
+_SEQUENTIAL_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.linear_fc([12])\.weight")
+_GROUPED_EXPERT = re.compile(r"mlp\.experts\.linear_fc([12])\.weight(\d+)")
+
+
+def local_expert(rest: str) -> tuple[int, int] | None:
+    """`(local expert j, 1 or 2 for linear_fc1 / linear_fc2)` of a layer-relative parameter name in either spelling
+    (`mlp.experts.local_experts.{j}.linear_fc1.weight` or TE's grouped `mlp.experts.linear_fc1.weight{j}`), None for
+    any other parameter."""
+    m = _SEQUENTIAL_EXPERT.fullmatch(rest)
+    if m is not None:
+        return int(m.group(1)), int(m.group(2))
+    m = _GROUPED_EXPERT.fullmatch(rest)
+    if m is not None:
+        return int(m.group(2)), int(m.group(1))
+    return None
 
 
 def layout_for(model: torch.nn.Module, hf: dict[str, Any]) -> HFLayout:

@@ -6,6 +6,7 @@ spec is megatron's local spec on CPU and the Transformer Engine spec when TE and
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -39,6 +40,15 @@ def use_transformer_engine() -> bool:
     return True
 
 
+def moe_grouped_gemm() -> bool:
+    """Whether the experts run as Transformer Engine's grouped GEMM (`TEGroupedMLP`: all of a rank's local experts in
+    one kernel, parameters `mlp.experts.linear_fc1.weight{j}` / `linear_fc2.weight{j}`): exactly where the TE layer
+    spec is used (a GPU with TE). Elsewhere the experts are megatron's `SequentialMLP` (one GEMM per local expert,
+    `mlp.experts.local_experts.{j}.linear_fc1.weight`): megatron's other grouped path (`GroupedMLP`) needs the
+    `grouped_gemm` package, which the CPU stack does not have. The HF layout reads both spellings."""
+    return use_transformer_engine()
+
+
 def recompute_fields(recompute: str) -> dict[str, Any]:
     """`trainer.recompute` -> megatron's activation-recomputation fields (megatron-core 0.16.1 names).
     "full": every transformer layer is its own recompute unit (only each layer's input is kept; the layer runs
@@ -55,10 +65,13 @@ def recompute_fields(recompute: str) -> dict[str, Any]:
 
 def transformer_config_from_hf(hf: dict[str, Any], tp: int, pp: int, ep: int,
                                params_dtype: torch.dtype = torch.float32, recompute: str = "none",
-                               routing_replay: bool = False):
+                               routing_replay: bool = False, expert_tp: int = 1, moe_aux_loss_coeff: float = 0.0):
     """The megatron `TransformerConfig` equivalent to an HF Qwen config (dropout 0, as RL training uses),
     with the activation recomputation of `recompute_fields(recompute)`; `routing_replay` gives every MoE router
-    megatron's replay hook (`megarl.trainer.routing_replay`)."""
+    megatron's replay hook (`megarl.trainer.routing_replay`). MoE: experts split `expert_tp` ways (megatron's
+    `expert_tensor_parallel_size`, independent of `tp`), router load-balancing loss at `moe_aux_loss_coeff`
+    (`trainer.moe_aux_loss_coeff`; the HF config's `router_aux_loss_coef` is a pre-training setting and is not
+    read), grouped GEMM where `moe_grouped_gemm()`."""
     from megatron.core.transformer import TransformerConfig
 
     qwen2 = hf.get("model_type", "").startswith("qwen2")
@@ -67,7 +80,9 @@ def transformer_config_from_hf(hf: dict[str, Any], tp: int, pp: int, ep: int,
     if experts:
         if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:
             raise ValueError("MoE configs with dense layers (mlp_only_layers / decoder_sparse_step) are not supported")
-        aux = float(hf.get("router_aux_loss_coef", 0.0) or 0.0)
+        if moe_aux_loss_coeff < 0:
+            raise ValueError(f"moe_aux_loss_coeff={moe_aux_loss_coeff}: must be >= 0 (trainer.moe_aux_loss_coeff)")
+        aux = float(moe_aux_loss_coeff)
         moe = dict(
             num_moe_experts=experts,
             moe_router_topk=hf["num_experts_per_tok"],
@@ -78,7 +93,7 @@ def transformer_config_from_hf(hf: dict[str, Any], tp: int, pp: int, ep: int,
             moe_router_load_balancing_type="aux_loss" if aux > 0 else "none",
             moe_aux_loss_coeff=aux,
             moe_token_dispatcher_type="allgather" if not torch.cuda.is_available() else "alltoall",
-            moe_grouped_gemm=False,
+            moe_grouped_gemm=moe_grouped_gemm(),
             moe_router_dtype="fp32",
             moe_enable_routing_replay=routing_replay,
         )
@@ -112,6 +127,7 @@ def transformer_config_from_hf(hf: dict[str, Any], tp: int, pp: int, ep: int,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=expert_tp,
         pipeline_dtype=params_dtype,  # dtype of the activations sent between pipeline stages
         sequence_parallel=bool(experts) and tp > 1,
         **moe,
@@ -124,12 +140,16 @@ def layer_spec(hf: dict[str, Any], config):
 
     experts = num_experts(hf) or None
     if use_transformer_engine():
-        return specs.get_gpt_layer_with_transformer_engine_spec(num_experts=experts, qk_layernorm=config.qk_layernorm)
+        return specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=experts, moe_grouped_gemm=bool(config.moe_grouped_gemm), qk_layernorm=config.qk_layernorm)
+    if config.moe_grouped_gemm:
+        raise ValueError("moe_grouped_gemm needs the Transformer Engine layer spec (a GPU with transformer_engine)")
     return specs.get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, qk_layernorm=config.qk_layernorm)
 
 
 def build_gpt_model(hf: dict[str, Any], tp: int, pp: int, ep: int, params_dtype: torch.dtype = torch.float32,
-                    recompute: str = "none", routing_replay: bool = False):
+                    recompute: str = "none", routing_replay: bool = False, expert_tp: int = 1,
+                    moe_aux_loss_coeff: float = 0.0):
     """This rank's megatron `GPTModel` stage (parallel groups must already be initialised); weights are
     uninitialised until `megarl.models.hf_import.load_hf_weights`. Tied embeddings (`tie_word_embeddings`) are
     megatron's `share_embeddings_and_output_weights`: at PP=1 the output layer uses the embedding weight itself;
@@ -138,7 +158,8 @@ def build_gpt_model(hf: dict[str, Any], tp: int, pp: int, ep: int, params_dtype:
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
-    config = transformer_config_from_hf(hf, tp, pp, ep, params_dtype, recompute, routing_replay)
+    config = transformer_config_from_hf(hf, tp, pp, ep, params_dtype, recompute, routing_replay, expert_tp,
+                                        moe_aux_loss_coeff)
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(hf, config),
@@ -151,6 +172,7 @@ def build_gpt_model(hf: dict[str, Any], tp: int, pp: int, ep: int, params_dtype:
         rotary_base=int(rope_theta(hf)),
     )
     mark_tensor_parallel_weights(model)
+    mark_expert_weights(model)
     if torch.cuda.is_available():
         model.cuda()
     return model
@@ -174,3 +196,26 @@ def mark_tensor_parallel_weights(model: torch.nn.Module) -> None:
         if dim is None or weight is None or getattr(weight, "tensor_model_parallel", False):
             continue
         tp_layers.set_tensor_model_parallel_attributes(weight, True, dim, 1)
+
+
+# an expert weight: the local spec's (SequentialMLP) `local_experts.{j}.linear_fc1.weight`, TE's grouped `weight{j}`
+EXPERT_PARAM = re.compile(r"(?:.*\.)?mlp\.experts\.(?:local_experts\.\d+\.linear_fc[12]\.weight"
+                          r"|linear_fc[12]\.weight\d+)")
+
+
+def mark_expert_weights(model: torch.nn.Module) -> None:
+    """Mark every expert weight as megatron marks them under expert parallel (`allreduce=False`: replicated over
+    the expert-data-parallel group, not the data-parallel one), whatever the layout. megatron-core 0.16.1 marks
+    them only when ep > 1; at ep 1 with `expert_tp != tp` the two groups differ (an expert shard's peers are the
+    ranks of its expert-TP rank, not its attention-DP replicas), and summing its gradient with another shard's
+    would be silently wrong. TE's grouped weights (`linear_fc1.weight{j}`, built TP-agnostic when megatron does the
+    expert communication itself) also get the tensor-parallel marks (fc1 split along dim 0, fc2 along dim 1), so the
+    grad norm counts each rank's experts there (over the expert grid's group), never as a TP peer's duplicate."""
+    for name, param in model.named_parameters():
+        if EXPERT_PARAM.fullmatch(name) is None:
+            continue
+        param.allreduce = False
+        if not getattr(param, "tensor_model_parallel", False):  # TE may have set it False: set, not assert unset
+            param.tensor_model_parallel = True
+            param.partition_dim = 0 if ".linear_fc1." in name else 1
+            param.partition_stride = 1

@@ -32,9 +32,11 @@ def active_params(hf: dict[str, Any]) -> int:
     return total_params(hf) - expert_params * (experts - hf["num_experts_per_tok"]) // experts
 
 
-def megatron_local_shapes(hf: dict[str, Any], tp: int, pp: int, ep: int, pp_rank: int) -> dict[str, tuple[int, ...]]:
+def megatron_local_shapes(hf: dict[str, Any], tp: int, pp: int, ep: int, pp_rank: int,
+                          expert_tp: int = 1) -> dict[str, tuple[int, ...]]:
     """Name -> shape of the megatron-core parameters of one rank at pipeline stage `pp_rank` (every rank of a
-    stage holds the same shapes; local layer spec names, stage-local layer indices)."""
+    stage holds the same shapes; local layer spec names, stage-local layer indices); experts split `expert_tp`
+    ways (TE's grouped experts, `linear_fc1.weight{j}`, have the same shapes)."""
     h, d = hf["hidden_size"], head_dim(hf)
     heads = hf["num_attention_heads"]
     groups = hf.get("num_key_value_heads", heads)
@@ -58,7 +60,7 @@ def megatron_local_shapes(hf: dict[str, Any], tp: int, pp: int, ep: int, pp_rank
         shapes[f"{p}.pre_mlp_layernorm.weight"] = (h,)
         if experts:
             shapes[f"{p}.mlp.router.weight"] = (experts, h)
-            inter = hf["moe_intermediate_size"] // tp  # expert tensor parallel = tp
+            inter = hf["moe_intermediate_size"] // expert_tp
             for j in range(experts // ep):
                 shapes[f"{p}.mlp.experts.local_experts.{j}.linear_fc1.weight"] = (2 * inter, h)  # [gate; up]
                 shapes[f"{p}.mlp.experts.local_experts.{j}.linear_fc2.weight"] = (h, inter)
@@ -80,15 +82,16 @@ def pipeline_stage_of(rank: int, t: TrainerConfig) -> int:
 
 def trainer_holdings(hf: dict[str, Any], t: TrainerConfig) -> dict[int, list[HFSlice]]:
     """Trainer rank -> the HF blocks its megatron shards hold (what `PartitionedWeightSync` plans from), from the
-    shapes alone: tensor rank = rank mod tp, expert tensor parallel = tp, expert rank = (rank // tp) mod ep within
-    the stage (megatron's tp-ep-dp-pp order for experts)."""
+    shapes alone: tensor rank = rank mod tp; the experts' own grid (megatron's tp-ep-dp-pp order, with
+    trainer.expert_tp as its tp): expert-TP rank = rank mod expert_tp, expert rank = (rank // expert_tp) mod ep
+    within the stage."""
     layers = hf["num_hidden_layers"] // t.pp
     out: dict[int, list[HFSlice]] = {}
     for rank in range(t.world_size):
         stage = pipeline_stage_of(rank, t)
-        tp_rank, ep_rank = rank % t.tp, (rank // t.tp) % t.ep
-        layout = HFLayout(hf, RankCoords(tp_rank, t.tp, tp_rank, t.tp, ep_rank, t.ep),
+        tp_rank, etp_rank, ep_rank = rank % t.tp, rank % t.expert_tp, (rank // t.expert_tp) % t.ep
+        layout = HFLayout(hf, RankCoords(tp_rank, t.tp, etp_rank, t.expert_tp, ep_rank, t.ep),
                           {i: stage * layers + i for i in range(layers)})
-        shapes = megatron_local_shapes(hf, t.tp, t.pp, t.ep, stage)
+        shapes = megatron_local_shapes(hf, t.tp, t.pp, t.ep, stage, t.expert_tp)
         out[rank] = [block for name, shape in shapes.items() for _, block in layout.blocks(name, shape)]
     return out

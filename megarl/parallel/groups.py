@@ -15,13 +15,16 @@ from megarl.parallel.stores import tcp_store
 
 @dataclass(frozen=True)
 class TrainerLayout:
-    """How the trainer world is split. Data parallel = world_size / (tp * pp); experts are split over `ep`
-    ranks taken from the data-parallel dimension (expert tensor parallel = tp), so expert data parallel =
-    world_size / (tp * ep * pp)."""
+    """How the trainer world is split. Data parallel = world_size / (tp * pp). The expert layers have their own
+    grid over the same ranks (megatron-core's expert rank generator, order tp-ep-dp-pp): each expert's columns
+    are split `expert_tp` ways, experts over `ep` ranks, so expert data parallel = world_size / (expert_tp * ep *
+    pp); within a pipeline stage, rank r's expert-TP rank is r mod expert_tp and its expert rank
+    (r // expert_tp) mod ep."""
 
-    tp: int = 1  # tensor parallel: attention heads, MLP columns and the vocabulary are split tp ways
+    tp: int = 1  # tensor parallel: attention heads, dense MLP columns and the vocabulary are split tp ways
     pp: int = 1  # pipeline parallel: contiguous blocks of layers per stage
     ep: int = 1  # expert parallel: each rank holds num_experts / ep experts
+    expert_tp: int = 1  # expert tensor parallel: each expert's MLP columns split expert_tp ways (independent of tp)
 
 
 def backend() -> str:
@@ -47,7 +50,7 @@ def init_trainer_groups(layout: TrainerLayout, rank: int, world_size: int, maste
                             timeout=timedelta(seconds=timeout_s))
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
-        expert_model_parallel_size=layout.ep,
+        expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.expert_tp,
     )
     init_rng_tracker()
 

@@ -75,11 +75,16 @@ def microbatch_tokens(cfg: Config) -> tuple[int, int]:
     return max(budget, longest), min(longest, max(budget, longest))  # a longer sequence gets its own microbatch
 
 
-def layer_elements(hf: dict[str, Any], tp: int, sequence_parallel: bool, moe: bool) -> float:
+def layer_elements(hf: dict[str, Any], tp: int, sequence_parallel: bool, moe: bool, expert_tp: int | None = None
+                   ) -> float:
     """fp32 elements autograd keeps per token in one decoder layer on one rank, excluding attention scores:
     norm inputs and outputs, q/k/v (and the q/k norms' inputs/outputs, GQA keys/values expanded to the query heads
     as megatron's core attention does), the attention context, the MLP's fc1 output and activation (MoE: per
-    routed copy, plus the permuted input and output and the router's logits and probabilities)."""
+    routed copy, plus the permuted input and output and the router's logits and probabilities).
+    MoE with balanced routing: a stage's tp x dp ranks share its dp x tokens x top_k routed copies; each copy's
+    permuted input and output (h each) sit on its expert's `expert_tp` ranks, its fc1 output and activation
+    (3 x moe_intermediate_size) are split over them, so per token of a rank's microbatch: top_k x (2h x expert_tp
+    / tp + 3 x inter / tp). `expert_tp` None: equal to tp (megatron's default)."""
     h = hf["hidden_size"]
     heads, kv = hf["num_attention_heads"], hf.get("num_key_value_heads", hf["num_attention_heads"])
     d = hf.get("head_dim") or h // heads
@@ -92,7 +97,8 @@ def layer_elements(hf: dict[str, Any], tp: int, sequence_parallel: bool, moe: bo
         top_k = hf.get("num_experts_per_tok", 1)
         inter = hf.get("moe_intermediate_size") or hf.get("intermediate_size") or 4 * h
         experts = num_experts(hf)
-        mlp = 3 * experts / tp + top_k * (2 * h + 3 * inter / tp)
+        etp = tp if expert_tp is None else expert_tp
+        mlp = 3 * experts / tp + top_k * (2 * h * etp / tp + 3 * inter / tp)
     else:
         mlp = 3 * (hf.get("intermediate_size") or 4 * h) / tp  # 4h when a partial config has none
     return attn + mlp_norm + mlp
@@ -111,12 +117,13 @@ def logits_bytes(hf: dict[str, Any], tokens: int, tp: int, fused: bool, chunk: i
 
 
 def activation_bytes(
-    hf: dict[str, Any], tokens: int, longest: int, layers: int, tp: int, flash: bool, recompute: str = "none"
+    hf: dict[str, Any], tokens: int, longest: int, layers: int, tp: int, flash: bool, recompute: str = "none",
+    expert_tp: int | None = None,
 ) -> int:
     """One microbatch's activations in `layers` decoder layers of one rank: `tokens` tokens in rows of `longest`."""
     moe = num_experts(hf) > 0
     sp = moe and tp > 1
-    per_token = layer_elements(hf, tp, sp, moe)
+    per_token = layer_elements(hf, tp, sp, moe, expert_tp)
     scores = 0.0 if flash or recompute == "selective" else 2 * hf["num_attention_heads"] / tp * longest
     h = hf["hidden_size"] / (tp if sp else 1)
     if recompute == "full":  # each layer's input kept; one layer's activations rebuilt at a time in backward
@@ -130,12 +137,12 @@ def trainer_memory(hf: dict[str, Any], cfg: Config, flash: bool = True, fused: b
 
     t = cfg.trainer
     dp = t.world_size // (t.tp * t.pp)
-    expert_dp = t.world_size // (t.tp * t.ep * t.pp)
+    expert_dp = t.world_size // (t.expert_tp * t.ep * t.pp)
     tokens, longest = microbatch_tokens(cfg)
     layers = hf["num_hidden_layers"] // t.pp
     out = []
     for stage in range(t.pp):
-        shapes = megatron_local_shapes(hf, t.tp, t.pp, t.ep, stage)
+        shapes = megatron_local_shapes(hf, t.tp, t.pp, t.ep, stage, t.expert_tp)
         params = sum(map(math.prod, shapes.values()))
         expert = sum(math.prod(v) for k, v in shapes.items() if ".local_experts." in k)
         if t.distributed_optimizer:
@@ -151,7 +158,8 @@ def trainer_memory(hf: dict[str, Any], cfg: Config, flash: bool = True, fused: b
                 weights=FP32 * params,
                 grads=FP32 * params,
                 optimizer=int(state),
-                activations=in_flight * activation_bytes(hf, tokens, longest, layers, t.tp, flash, t.recompute),
+                activations=in_flight * activation_bytes(hf, tokens, longest, layers, t.tp, flash, t.recompute,
+                                                         t.expert_tp),
                 logits=logits_bytes(hf, tokens, t.tp, fused, t.logprob_chunk_tokens, t.logprob_vocab_block)
                 if last else 0,
                 reserve=RESERVE_BYTES,
@@ -219,7 +227,7 @@ def trainer_memory_problem(hf: dict[str, Any], cfg: Config) -> str | None:
         )
     if not t.distributed_optimizer:
         fixes.append("set trainer.distributed_optimizer=true (AdamW state split over data-parallel ranks)")
-    fixes.append("raise trainer.tp / trainer.pp / trainer.ep (fewer parameters per rank)")
+    fixes.append("raise trainer.tp / trainer.pp / trainer.ep / trainer.expert_tp (fewer parameters per rank)")
     if t.recompute == "none":
         fixes.append("set trainer.recompute=full (activations recomputed in backward)")
     return (

@@ -121,7 +121,7 @@ class MegatronPolicy:
     def __init__(self, hf_dir: str | Path, hf: dict[str, Any], optim: OptimizerConfig, logprob_chunk: int = 4096,
                  distributed_optimizer: bool = False, recompute: str = "none", routing_replay: bool = False,
                  fused_logprobs: bool = True, logprob_vocab_block: int | None = None,
-                 logprob_kernel: str = "eager"):
+                 logprob_kernel: str = "eager", moe_aux_loss_coeff: float = 0.0):
         """`fused_logprobs`: on the last stage, the output projection fused with the log-probs
         (`fused_output_logprobs_entropy`: the same values and gradients without the whole logits) wherever the
         output layer allows it (`_fusable_output_layer`); elsewhere, or when False, the output layer's logits
@@ -130,7 +130,8 @@ class MegatronPolicy:
         `distributed_optimizer`: shard the AdamW state over data-parallel replicas (`ShardedAdamW`);
         `recompute`: activation recomputation, "none" / "full" / "selective" (`qwen_provider.recompute_fields`);
         `routing_replay`: microbatches that carry `routed_experts [b, s, L, k]` are routed to exactly those
-        experts (`megarl.trainer.routing_replay`)."""
+        experts (`megarl.trainer.routing_replay`); `moe_aux_loss_coeff`: the router's load-balancing loss
+        (`trainer.moe_aux_loss_coeff`, 0 = none). Expert tensor parallel is the parallel state's."""
         from megatron.core import parallel_state as ps
 
         self.hf, self.optim_cfg, self.chunk, self.vocab_block = hf, optim, logprob_chunk, logprob_vocab_block
@@ -139,7 +140,9 @@ class MegatronPolicy:
         self.model = build_gpt_model(hf, ps.get_tensor_model_parallel_world_size(),
                                      ps.get_pipeline_model_parallel_world_size(),
                                      ps.get_expert_model_parallel_world_size(), recompute=recompute,
-                                     routing_replay=routing_replay)
+                                     routing_replay=routing_replay,
+                                     expert_tp=ps.get_expert_tensor_parallel_world_size(),
+                                     moe_aux_loss_coeff=moe_aux_loss_coeff)
         self.routers = stage_routers(self.model) if routing_replay else None  # this stage's MoE routers
         _configure_schedule(self.model.config, ps.get_pipeline_model_parallel_world_size())
         load_hf_weights(self.model, hf_dir, hf)
