@@ -109,6 +109,7 @@ def transformer_config_from_hf(hf: dict[str, Any], tp: int, pp: int, ep: int,
         use_cpu_initialization=not torch.cuda.is_available(),
         perform_initialization=False,  # every weight is loaded from the HF checkpoint
         params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,  # megatron's mixed precision: Float16Module, fp32 main parameters
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         expert_model_parallel_size=ep,
