@@ -33,7 +33,9 @@ import torch.distributed as dist
 
 from megarl.sync.schedule import SyncSchedule
 
-FORMAT = "megarl-checkpoint-v2"  # v2: saved batches carry rewards only; advantages are computed when consumed
+# v2: saved batches carry rewards only (advantages are computed when consumed); v3: the rank files' optimizer
+# state is megatron-core's (`megarl.trainer.optimizer.optimizer_state`), no longer megarl's own AdamW / ZeRO-1
+FORMAT = "megarl-checkpoint-v3"
 
 
 class CheckpointError(RuntimeError):
@@ -152,7 +154,8 @@ class Checkpoint:
         return torch.load(self.path / "loop.pt", map_location="cpu", weights_only=False)
 
 
-MODEL_FORMATS = (FORMAT, "megarl-checkpoint-v1")  # v1 differs only in loop.pt: its model shards export alike
+# v1 and v2 differ in loop.pt and the optimizer state: their model shards export alike
+MODEL_FORMATS = (FORMAT, "megarl-checkpoint-v2", "megarl-checkpoint-v1")
 
 
 def open_checkpoint(path: Path, expected: dict[str, Any], formats: tuple[str, ...] = (FORMAT,)) -> Checkpoint:
@@ -174,8 +177,9 @@ def open_checkpoint(path: Path, expected: dict[str, Any], formats: tuple[str, ..
     if meta.get("format") not in formats:
         raise CheckpointError(
             f"{meta_file}: format {meta.get('format')!r}, expected {' or '.join(map(repr, formats))}: the checkpoint "
-            "was written by another megarl version (v1 saved batches with advantages already drawn, so it cannot "
-            "resume here; `megarl export` still reads it); resume it with that version, or start fresh"
+            "was written by another megarl version (v1 saved batches with advantages already drawn, v2 the "
+            "optimizer state of megarl's own AdamW, not megatron-core's, so it cannot resume here; `megarl export` "
+            "still reads it); resume it with that version, or start fresh"
         )
     files: dict[str, int | None] = dict(meta.get("files", {}))
     for rank in range(int(meta.get("world_size", 0))):  # one file per trainer rank, whatever the listing says

@@ -89,6 +89,7 @@ def checkpoint_identity(cfg: Config) -> dict[str, Any]:
     model = hashlib.sha256((Path(cfg.model.hf_dir) / "config.json").read_bytes()).hexdigest()
     return {"world_size": t.world_size, "tp": t.tp, "pp": t.pp, "ep": t.ep, "expert_tp": t.expert_tp,
             "distributed_optimizer": t.distributed_optimizer,  # each rank's optimizer file holds its own shard
+            "precision": t.precision,  # the model's dtype and whether the optimizer holds fp32 main copies
             "sync_interval": cfg.sync.interval, "sync_offset": cfg.sync.offset, "algorithm": cfg.algorithm.name,
             "model_config_sha256": model,
             # prompts, sampling seeds and the algorithm's hyper-parameters decide what each later step computes

@@ -59,7 +59,9 @@ def run_rank(cfg: Config, place: ProcessPlace, sync_port: int, fleet_urls: Calla
         policy = MegatronPolicy(cfg.model.hf_dir, hf, cfg.optimizer, logprob_chunk=t.logprob_chunk_tokens,
                                 distributed_optimizer=t.distributed_optimizer, recompute=t.recompute,
                                 routing_replay=t.routing_replay, logprob_vocab_block=t.logprob_vocab_block,
-                                logprob_kernel=t.logprob_kernel, moe_aux_loss_coeff=t.moe_aux_loss_coeff)
+                                logprob_kernel=t.logprob_kernel, moe_aux_loss_coeff=t.moe_aux_loss_coeff,
+                                precision=t.precision, overlap_grad_reduce=t.overlap_grad_reduce,
+                                grad_bucket_size=t.grad_bucket_size)
         urls = fleet_urls() if rank == 0 else []
         clients = [RolloutClient(url) for url in urls]
         weight_sync = PartitionedWeightSync(

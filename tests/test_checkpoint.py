@@ -77,11 +77,12 @@ def test_damaged_or_mismatched_checkpoints_are_refused(tmp_path):
         open_checkpoint(step_dir(root, 7), {"tp": 2})
     with pytest.raises(CheckpointError, match="no meta.json"):
         open_checkpoint(root / ".step_00000005.tmp", {})
-    meta_file = step_dir(root, 6) / "meta.json"  # an earlier format: its saved batches hold drawn advantages
-    meta_file.write_text(meta_file.read_text().replace("megarl-checkpoint-v2", "megarl-checkpoint-v1"))
-    with pytest.raises(CheckpointError, match=r"format 'megarl-checkpoint-v1', expected 'megarl-checkpoint-v2'.*"
-                                              r"cannot resume here"):
-        open_checkpoint(step_dir(root, 6), {})
+    meta_file = step_dir(root, 6) / "meta.json"  # earlier formats: drawn advantages (v1), megarl's own AdamW (v2)
+    for old in ("megarl-checkpoint-v1", "megarl-checkpoint-v2"):
+        meta_file.write_text(json.dumps({**json.loads(meta_file.read_text()), "format": old}))
+        with pytest.raises(CheckpointError, match=rf"format '{old}', expected 'megarl-checkpoint-v3'.*"
+                                                  r"cannot resume here"):
+            open_checkpoint(step_dir(root, 6), {})
     shard = step_dir(root, 7) / "rank_00001.pt"
     shard.write_bytes(shard.read_bytes()[:-10])  # a truncated shard
     with pytest.raises(CheckpointError, match=r"rank_00001\.pt: \d+ bytes, meta\.json recorded \d+: .*damaged"):

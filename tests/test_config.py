@@ -65,6 +65,19 @@ def test_expert_tp_is_independent_of_tp():
     assert cfg.trainer.moe_aux_loss_coeff == 0.0  # RL default: no router load-balancing loss
 
 
+def test_bf16_trainer_needs_a_bf16_fleet():
+    """A bf16 trainer pushes its bf16 parameters as they are: a fleet serving another dtype is refused, naming the
+    fix; an fp32 trainer may feed any fleet dtype (its pushes are cast)."""
+    for dtype in ("float32", "float16"):
+        with pytest.raises(ConfigError, match=rf"trainer\.precision=bf16 .*rollout\.dtype={dtype} .*set "
+                                              r"rollout\.dtype=bfloat16"):
+            validate(_cfg(trainer={"precision": "bf16"}, rollout={"dtype": dtype}))
+    assert validate(_cfg(trainer={"precision": "bf16"}, rollout={"dtype": "bfloat16"})).trainer.precision == "bf16"
+    assert validate(_cfg(rollout={"dtype": "bfloat16"})).trainer.precision == "fp32"
+    with pytest.raises(ConfigError, match=r"trainer\.precision"):
+        validate(_cfg(trainer={"precision": "fp16"}))
+
+
 def test_override_typing_and_bad_override():
     cfg = load_config(None, ["model.hf_dir=/m", "sync.interval=4", "optimizer.betas=[0.9, 0.95]"])
     assert cfg.sync.interval == 4 and cfg.optimizer.betas == (0.9, 0.95)

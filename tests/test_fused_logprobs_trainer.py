@@ -68,7 +68,7 @@ def _run(policy, hf, fused: bool) -> dict:
 
     initial = [p.detach().clone() for p in policy.model.parameters()]
     metrics = policy.train_step(mbs, loss_fn)
-    grads = {n: p.grad.clone() for n, p in policy.model.named_parameters()}
+    grads = {n: p.main_grad.clone() for n, p in policy.model.named_parameters()}  # megatron DDP's summed gradients
     with torch.no_grad():
         for p, p0 in zip(policy.model.parameters(), initial, strict=True):
             p.copy_(p0)

@@ -3,7 +3,8 @@ log-probs and entropy of the same tokens, parameter gradients of the same loss, 
 each rank exports for the weight sync (their union must rebuild every HF tensor bit-exactly).
 Layouts: world 2 (dense TP=2 / PP=2, MoE EP=2, MoE expert TP=2 at TP=1, Qwen2 with q/k/v biases at TP=2, tied
 embeddings at PP=2) and world 4 (dense TP=2 x PP=2, MoE EP=2 x PP=2: expert data parallel 1, dense data parallel
-2; tied TP=2 x PP=2).
+2, also with megatron's distributed optimizer; tied TP=2 x PP=2), through megatron's DDP and optimizer as the
+trainer runs them.
 Tied embeddings: transformers has ONE parameter `model.embed_tokens.weight` whose gradient is the embedding's plus
 the output layer's; megatron's two copies (first and last stage) must each hold that gradient and that step.
 
@@ -93,7 +94,7 @@ def _hf_reference(hf_dir: Path, clip_fraction: float):
     return lp.detach(), ent.detach(), norm, clip, grads, initial, stepped
 
 
-def _megatron_rank(rank, world, hf_dir, layout, clip, port, zero1=False):
+def _megatron_rank(rank, world, hf_dir, layout, clip, port, options=None):
     from megarl.models.hf_layout import layout_for
     from megarl.models.qwen_provider import read_hf_config
     from megarl.parallel.groups import destroy_trainer_groups, dp_rank_and_size, init_trainer_groups
@@ -102,7 +103,8 @@ def _megatron_rank(rank, world, hf_dir, layout, clip, port, zero1=False):
     init_trainer_groups(layout, rank, world, "127.0.0.1", port)
     try:
         hf = read_hf_config(hf_dir)
-        policy = MegatronPolicy(hf_dir, hf, _optimizer(clip), distributed_optimizer=zero1)
+        options = options or {}  # MegatronPolicy's DDP / optimizer settings
+        policy = MegatronPolicy(hf_dir, hf, _optimizer(clip), **options)
         tokens, targets, mask, weights = _batch(hf["vocab_size"])
         lp, ent = policy.compute_logprobs(tokens, targets, micro=3)  # 2 uneven microbatches
         exported = [(block, t.clone()) for block, t in policy.iter_local_hf_slices()]
@@ -116,8 +118,10 @@ def _megatron_rank(rank, world, hf_dir, layout, clip, port, zero1=False):
             return ((lp_ * m["weights"] + 0.1 * ent_) * m["mask"]).sum() / mask.sum(), {"tokens": m["mask"].sum()}
 
         metrics = policy.train_step(mbs, loss_fn)
+        if options.get("distributed_optimizer"):
+            _gather_reduced_gradients(policy)
         layout_map = layout_for(policy.model, hf)
-        grads = [(block, p.grad[idx].clone()) for n, p in policy.model.named_parameters()
+        grads = [(block, p.main_grad[idx].clone()) for n, p in policy.model.named_parameters()
                  for idx, block in layout_map.blocks(n, tuple(p.shape))]
         stepped = [(block, t.clone()) for block, t in policy.iter_local_hf_slices()]
         # every copy a rank holds (a tied embedding's last-stage copy too), read through the import layout
@@ -126,6 +130,21 @@ def _megatron_rank(rank, world, hf_dir, layout, clip, port, zero1=False):
         return lp, ent, exported, grads, stepped, metrics, policy.version, copies
     finally:
         destroy_trainer_groups()
+
+
+def _gather_reduced_gradients(policy) -> None:
+    """With megatron's distributed optimizer each data-parallel rank's gradient buffer holds the reduced (and
+    clipped) gradient only in its own shard of each bucket (reduce-scatter): all-gather the shards, so that every
+    `param.main_grad` holds the whole gradient, as without the distributed optimizer."""
+    import torch.distributed as dist
+    from megatron.core.distributed.param_and_grad_buffer import shard_buffer
+
+    ddp = policy.ddp_model
+    for buffer in ddp.buffers + ddp.expert_parallel_buffers:
+        group = buffer.data_parallel_group
+        for bucket in buffer.buckets:
+            shard = shard_buffer(bucket.grad_data, group.size())[group.rank()].clone()
+            dist.all_gather_into_tensor(bucket.grad_data, shard, group=group)
 
 
 def _with_vocab(src: Path, out: Path, vocab: int) -> Path:
@@ -188,26 +207,30 @@ def _assert_tied_sync_plan(per_rank_blocks, hf: dict, first_stage: set[int]) -> 
         assert {t.sender for t in plan if t.block.name == "model.embed_tokens.weight"} <= first_stage
 
 
-@pytest.mark.parametrize(("kind", "layout", "world"), [
-    ("dense", TrainerLayout(tp=2), 2),
-    ("dense-vocab31", TrainerLayout(tp=2), 2),  # padded to 32: TP rank 1's shard ends in a padding row
-    ("dense", TrainerLayout(pp=2), 2),
-    ("moe", TrainerLayout(ep=2), 2),
+@pytest.mark.parametrize(("kind", "layout", "world", "options"), [
+    ("dense", TrainerLayout(tp=2), 2, {}),
+    ("dense-vocab31", TrainerLayout(tp=2), 2, {}),  # padded to 32: TP rank 1's shard ends in a padding row
+    ("dense", TrainerLayout(pp=2), 2, {}),
+    ("moe", TrainerLayout(ep=2), 2, {}),
     # expert tensor parallel 2 with attention unsplit (tp 1): each expert's columns over both ranks, which are also
     # 2 data-parallel replicas of the dense part (expert-DP 1): gradients summed over different groups
-    ("moe", TrainerLayout(expert_tp=2), 2),
-    ("qwen2", TrainerLayout(tp=2), 2),  # Qwen2 / Qwen2.5: q/k/v biases split with their query groups, no q/k norms
-    ("dense", TrainerLayout(tp=2, pp=2), 4),
-    ("moe", TrainerLayout(ep=2, pp=2), 4),
+    ("moe", TrainerLayout(expert_tp=2), 2, {}),
+    ("qwen2", TrainerLayout(tp=2), 2, {}),  # Qwen2 / Qwen2.5: q/k/v biases split with their query groups, no q/k norms
+    ("dense", TrainerLayout(tp=2, pp=2), 4, {}),
+    ("moe", TrainerLayout(ep=2, pp=2), 4, {}),
+    # megatron's distributed optimizer: dense gradients reduce-scattered over DP 2, experts (expert DP 1) not split;
+    # and DDP reducing once after backward instead of per bucket during it
+    ("moe", TrainerLayout(ep=2, pp=2), 4, {"distributed_optimizer": True}),
+    ("dense", TrainerLayout(pp=2), 2, {"overlap_grad_reduce": False}),
     # tied embeddings: embedding on the first stage, its copy as the output layer on the last stage
-    ("dense-tied", TrainerLayout(pp=2), 2),
-    ("dense-tied", TrainerLayout(tp=2, pp=2), 4),
+    ("dense-tied", TrainerLayout(pp=2), 2, {}),
+    ("dense-tied", TrainerLayout(tp=2, pp=2), 4, {}),
 ], ids=["dense-tp2", "dense-vocab31-tp2", "dense-pp2", "moe-ep2", "moe-etp2", "qwen2-tp2", "dense-tp2-pp2",
-        "moe-ep2-pp2", "tied-pp2", "tied-tp2-pp2"])
-def test_megatron_matches_transformers(checkpoints, kind, layout, world):
+        "moe-ep2-pp2", "moe-ep2-pp2-distopt", "dense-pp2-no-overlap", "tied-pp2", "tied-tp2-pp2"])
+def test_megatron_matches_transformers(checkpoints, kind, layout, world, options):
     hf_dir = checkpoints[kind]
     ref_lp, ref_ent, ref_norm, clip, ref_grads, initial, stepped = _hf_reference(hf_dir, clip_fraction=0.5)
-    outs = run_distributed(_megatron_rank, world, hf_dir, layout, clip, free_port(), init_dist=False)
+    outs = run_distributed(_megatron_rank, world, hf_dir, layout, clip, free_port(), options, init_dist=False)
     for lp, ent, *_ in outs:  # every rank (every pipeline stage too) returns the full log-probs
         torch.testing.assert_close(lp, ref_lp, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(ent, ref_ent, atol=1e-4, rtol=1e-4)
@@ -220,11 +243,12 @@ def test_megatron_matches_transformers(checkpoints, kind, layout, world):
 
 
 def test_tied_embeddings_with_the_distributed_optimizer(checkpoints):
-    """Tied PP=2 x DP=2 with ZeRO-1 (`distributed_optimizer`): each stage's copy is stepped by whichever DP rank
-    owns it and broadcast; every copy on the 4 ranks lands on transformers' step, the copies bit-identical."""
+    """Tied PP=2 x DP=2 with megatron's distributed optimizer: each stage's copy is stepped in shards by the DP
+    ranks and all-gathered; every copy on the 4 ranks lands on transformers' step, the copies bit-identical."""
     hf_dir = checkpoints["dense-tied"]
     _, _, ref_norm, clip, ref_grads, _, stepped = _hf_reference(hf_dir, clip_fraction=0.5)
-    outs = run_distributed(_megatron_rank, 4, hf_dir, TrainerLayout(pp=2), clip, free_port(), True, init_dist=False)
+    outs = run_distributed(_megatron_rank, 4, hf_dir, TrainerLayout(pp=2), clip, free_port(),
+                           {"distributed_optimizer": True}, init_dist=False)
     _assert_tied_copies_equal(outs)
     _assert_step_matches(outs, ref_norm, ref_grads, stepped)
 

@@ -173,7 +173,7 @@ def _replay_rank(rank, world, clean_dir, perturbed_dir, layout, port, routed_exp
         policy.train_step(mbs, lambda lp, ent, mb: (lp.sum(), {}))  # summed over microbatches and DP: sum(lp)
         out["train"] = rows, _take(calls)
         layout_map = layout_for(policy.model, hf)
-        out["grads"] = [(block, p.grad[idx].clone()) for n, p in policy.model.named_parameters()
+        out["grads"] = [(block, p.main_grad[idx].clone()) for n, p in policy.model.named_parameters()
                         for idx, block in layout_map.blocks(n, tuple(p.shape))]
         # the run's step (`train_on_batch`): responses of different lengths, engine routes one token short
         for packed in (False, True):

@@ -20,6 +20,7 @@ def _rank(rank, world, hf_dir, port):
     from megarl.config.schema import OptimizerConfig
     from megarl.models.qwen_provider import read_hf_config
     from megarl.parallel.groups import destroy_trainer_groups, dp_rank_and_size, init_trainer_groups
+    from megarl.trainer.optimizer import adam_states
     from megarl.trainer.policy import MegatronPolicy
 
     init_trainer_groups(TrainerLayout(ep=2), rank, world, "127.0.0.1", port)
@@ -39,8 +40,8 @@ def _rank(rank, world, hf_dir, port):
 
         def snapshot():
             params = {n: p.detach().clone() for n, p in policy.model.named_parameters()}
-            state = {id(p): {k: v.clone() for k, v in s.items() if torch.is_tensor(v)}
-                     for p, s in policy.optimizer.state.items()}
+            state = {i: {k: v.clone() for k, v in s.items() if torch.is_tensor(v)}
+                     for i, (_, _, s) in enumerate(adam_states(policy.optimizer))}
             return params, state
 
         first = policy.train_step(share, loss_fn(1.0))  # a finite step: optimizer state exists afterwards

@@ -232,7 +232,8 @@ def _grad_errors(policy, hf, reference: dict[str, torch.Tensor]) -> list[tuple]:
     for n, p in policy.model.named_parameters():
         for idx, block in layout.blocks(n, tuple(p.shape)):
             ref = reference[block.name][tuple(slice(a, b) for a, b in block.box)]
-            rows.append((block.name, block.box, float((p.grad[idx] - ref).abs().max()), p.grad[idx].clone()))
+            grad = p.main_grad  # megatron DDP's gradient buffer: summed over microbatches and DP ranks, finalized
+            rows.append((block.name, block.box, float((grad[idx] - ref).abs().max()), grad[idx].clone()))
     return rows
 
 

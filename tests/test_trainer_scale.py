@@ -1,10 +1,12 @@
 """Training-side scale options of `MegatronPolicy`, in one world of 2 gloo processes running several cases:
 
-- `distributed_optimizer` (ZeRO-1): the tiny dense Qwen3 at DP=2 and the tiny MoE at EP=2 (dense DP=2, expert
-  DP=1) take the same optimizer steps as the unsharded AdamW (bitwise: the same element-wise update runs on
-  the owner, which broadcasts the result); each rank holds about half the dense optimizer state, and the
-  shards of the two ranks add up to exactly the unsharded state (counted tensor by tensor); a save/load
-  round trip of `policy.state_dict()` into a fresh policy, then one more step, equals the uninterrupted run.
+- `distributed_optimizer` (megatron-core's distributed optimizer: gradients reduce-scattered, AdamW state sharded
+  element-wise over data parallel, parameters all-gathered): the tiny dense Qwen3 at DP=2 and the tiny MoE at
+  EP=2 (dense DP=2, expert DP=1) take the same optimizer steps as megatron's unsharded optimizer, within 1e-6 in
+  fp32 (the same element-wise AdamW on the same summed gradients; only the global norm, which sets the clip
+  coefficient, is summed over other partial sums); each rank holds about half the dense Adam moments, and the
+  two ranks' moments add up to exactly the unsharded ones (every element once); a save/load round trip of
+  `policy.state_dict()` into a fresh policy, then one more step, equals the uninterrupted run bit for bit.
 - `recompute` full / selective: the same loss and gradients as without, and the recomputation happens:
   megatron's config carries the fields, and a forward hook counts the transformer layer (full) or its core
   attention (selective) running twice per microbatch.
@@ -55,7 +57,7 @@ def _params(policy) -> dict[str, torch.Tensor]:
 
 
 def _grads(policy) -> dict[str, torch.Tensor]:
-    return {n: p.grad.detach().clone() for n, p in policy.model.named_parameters()}
+    return {n: p.main_grad.detach().clone() for n, p in policy.model.named_parameters()}
 
 
 def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -95,7 +97,6 @@ def _optimizer_cases(hf_dir, resume: bool) -> dict:
     _train(plain, 1)
     plain_p2, out["bytes_plain"] = _params(plain), plain.optimizer_state_bytes()
     out["param_bytes"] = sum(p.numel() * p.element_size() for p in plain.model.parameters())
-    out["param_tensors"] = len(list(plain.model.parameters()))
     if resume:
         _train(plain, 2)
         plain_p3 = _params(plain)
@@ -107,12 +108,13 @@ def _optimizer_cases(hf_dir, resume: bool) -> dict:
     if resume:
         saved = _round_trip(zero.state_dict())
         _train(zero, 2)
-        out["diff_step3"] = _max_diff(_params(zero), plain_p3)
+        zero_p3 = _params(zero)
+        out["diff_step3"] = _max_diff(zero_p3, plain_p3)
         del zero
         resumed = MegatronPolicy(hf_dir, hf, OPTIM, distributed_optimizer=True)
         resumed.load_state_dict(saved)
         _train(resumed, 2)
-        out["diff_resumed"] = _max_diff(_params(resumed), plain_p3)
+        out["diff_resumed"] = _max_diff(_params(resumed), zero_p3)
         out["version_resumed"] = resumed.version
         try:  # a shard must not load into an unsharded optimizer
             plain.load_state_dict(saved)
@@ -177,16 +179,16 @@ def _report(runs, kind):
 def test_distributed_optimizer_dense_dp2(scale_runs):
     runs = [r["dense"] for r in scale_runs]
     _report(scale_runs, "dense")
-    for r in runs:  # bitwise: the same AdamW update on the owner, broadcast to the other rank
-        assert r["diff_step2"] == 0.0 and r["diff_step3"] == 0.0, r
-        assert r["diff_resumed"] == 0.0 and r["version_resumed"] == 3, r
+    for r in runs:  # the same element-wise AdamW; the clip coefficient's norm summed in another order
+        assert r["diff_step2"] <= 1e-6 and r["diff_step3"] <= 1e-6, r
+        assert r["diff_resumed"] == 0.0 and r["version_resumed"] == 3, r  # exact resume
         assert "trainer.distributed_optimizer" in r["mismatch_error"]
         assert r["bytes_plain"]["expert"] == r["bytes_zero"]["expert"] == 0
         assert r["bytes_zero"]["dense"] <= 0.55 * r["bytes_plain"]["dense"], r  # about half per rank
-        # AdamW: exp_avg and exp_avg_sq of every parameter, and one fp32 step scalar per parameter tensor
-        assert r["bytes_plain"]["dense"] == 2 * r["param_bytes"] + 4 * r["param_tensors"], r
+        # Adam: exp_avg and exp_avg_sq of every parameter, fp32
+        assert r["bytes_plain"]["dense"] == 2 * r["param_bytes"], r
     assert runs[0]["bytes_plain"] == runs[1]["bytes_plain"]
-    # every state tensor is held by exactly one of the two data-parallel replicas
+    # every element's moments are held by exactly one of the two data-parallel replicas
     assert runs[0]["bytes_zero"]["dense"] + runs[1]["bytes_zero"]["dense"] == runs[0]["bytes_plain"]["dense"]
 
 
@@ -194,9 +196,9 @@ def test_distributed_optimizer_moe_ep2(scale_runs):
     runs = [r["moe"] for r in scale_runs]
     _report(scale_runs, "moe")
     for r in runs:
-        assert r["diff_step2"] == 0.0, r
+        assert r["diff_step2"] <= 1e-6, r
         assert r["bytes_plain"]["expert"] > 0
-        assert sum(r["bytes_plain"].values()) == 2 * r["param_bytes"] + 4 * r["param_tensors"], r
+        assert sum(r["bytes_plain"].values()) == 2 * r["param_bytes"], r
         # experts: expert-data-parallel size 1, nothing to share; dense: split between the 2 replicas
         assert r["bytes_zero"]["expert"] == r["bytes_plain"]["expert"], r
         assert r["bytes_zero"]["dense"] <= 0.55 * r["bytes_plain"]["dense"], r

@@ -119,12 +119,32 @@ class TrainerConfig(_Strict):
         "per whole response. The training step only: the recompute of algorithm.old_logprobs=trainer stays padded. "
         "Local (CPU) layer spec only: Transformer Engine needs THD packed-sequence parameters, not implemented yet.",
     )
+    precision: Literal["fp32", "bf16"] = Field(
+        "fp32", description="The trainer's numerics, through megatron-core's own stack either way (its DDP, "
+        "optimizer and finalize_model_grads; docs/models.md). 'fp32': fp32 parameters, activations and gradients, "
+        "the exact reference (the invariance tests hold at 1e-6). 'bf16': as megatron trains in mixed precision: "
+        "the model built with bf16 parameters inside megatron's Float16Module (bf16 matrix products and activations; "
+        "Transformer Engine's flash/cuDNN attention on GPUs needs them), gradients accumulated and reduced in fp32 "
+        "buffers, AdamW on fp32 main parameters (sharded over data parallel with trainer.distributed_optimizer) "
+        "copied back rounded to bf16. A bf16 trainer pushes its bf16 parameters as they are, so it needs "
+        "rollout.dtype=bfloat16. Checkpoints resume only with the precision that wrote them.",
+    )
     distributed_optimizer: bool = Field(
-        False, description="Shard the AdamW state over data-parallel replicas (ZeRO-1, torch's "
-        "ZeroRedundancyOptimizer): dense parameters over the data-parallel group, expert parameters over the "
-        "expert-data-parallel group, so each rank holds about 1/DP of the state; owners broadcast the parameters "
-        "they update (gradients are still all-reduced). Same updates as off. Checkpoints hold each rank's own "
-        "shard: resume with the same layout and the same setting.",
+        False, description="megatron-core's distributed optimizer: gradients are reduce-scattered instead of "
+        "all-reduced, and each data-parallel rank keeps the AdamW state (and, in bf16, the fp32 main parameters) of "
+        "its 1/DP share of every gradient bucket (dense parameters over the data-parallel group, experts over the "
+        "expert-data-parallel group), updates it and all-gathers the parameters. The same updates as off (to the "
+        "last bits of the global norm's summation order). Checkpoints hold each rank's own shard: resume with the "
+        "same layout and the same setting.",
+    )
+    overlap_grad_reduce: bool = Field(
+        True, description="megatron's DDP starts each gradient bucket's all-reduce (reduce-scatter with the "
+        "distributed optimizer) during the last microbatch's backward, as soon as the bucket's gradients are "
+        "complete, instead of after backward. The same sums either way.",
+    )
+    grad_bucket_size: int | None = Field(
+        None, ge=1, description="Parameters (elements) per gradient bucket of megatron's DDP when "
+        "trainer.overlap_grad_reduce is on (one bucket otherwise); null: megatron's default, max(40M, 1M x DP).",
     )
     max_skipped_steps: int = Field(
         3, ge=1, description="A step whose global gradient norm is not finite (NaN/inf) is skipped on every rank: "
@@ -194,7 +214,8 @@ class RolloutConfig(_Strict):
         "float32", description="The dtype the fleet serves (vLLM --dtype) and so the weight sync's wire dtype: the "
         "trainer casts each block to it before sending (round to nearest even, as vLLM's own load would), and "
         "sync.delta compares bits in it. float32 (default) is what the CPU tests and demo serve; GPU recipes serve "
-        "bfloat16 (a bf16 fleet fed from the trainer's fp32 weights).",
+        "bfloat16 (a bf16 fleet fed from the trainer's fp32 weights, or, with trainer.precision=bf16, the trainer's "
+        "own bf16 parameters sent as they are; a bf16 trainer requires bfloat16 here).",
     )
     startup_timeout_s: float = Field(600.0, gt=0, description="Seconds to wait for an engine to become healthy.")
     expert_parallel: bool = Field(
@@ -617,6 +638,11 @@ class Config(_Strict):
                 "expert-data-parallel ranks per pipeline stage; lower trainer.ep or trainer.expert_tp, or raise "
                 "trainer.world_size"
             )
+        if t.precision == "bf16" and self.rollout.dtype != "bfloat16":
+            raise ValueError(f"trainer.precision=bf16 pushes the trainer's bf16 parameters as they are, and "
+                             f"rollout.dtype={self.rollout.dtype} would serve another dtype: set "
+                             "rollout.dtype=bfloat16 (or trainer.precision=fp32, whose pushes are cast to "
+                             "rollout.dtype)")
         if t.routing_replay and not self.rollout.return_routed_experts:
             raise ValueError("trainer.routing_replay=true replays the experts the fleet routed each token to, and "
                              "the fleet returns none: set rollout.return_routed_experts=true (GPU fleets) or "

@@ -124,6 +124,7 @@ def transformer_config_from_hf(hf: dict[str, Any], tp: int, pp: int, ep: int,
         use_cpu_initialization=not torch.cuda.is_available(),
         perform_initialization=False,  # every weight is loaded from the HF checkpoint
         params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,  # megatron's mixed precision: Float16Module, fp32 main parameters
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         expert_model_parallel_size=ep,
@@ -154,7 +155,8 @@ def build_gpt_model(hf: dict[str, Any], tp: int, pp: int, ep: int, params_dtype:
     uninitialised until `megarl.models.hf_import.load_hf_weights`. Tied embeddings (`tie_word_embeddings`) are
     megatron's `share_embeddings_and_output_weights`: at PP=1 the output layer uses the embedding weight itself;
     at PP>1 the last stage holds a copy (`output_layer.weight`, marked `shared`), loaded from the same HF tensor
-    and kept equal by summing both copies' gradients over megatron's embedding group (`MegatronPolicy`)."""
+    and kept equal by summing both copies' gradients over megatron's embedding group (megatron-core's
+    `finalize_model_grads`, wired by `megarl.trainer.optimizer`)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 

@@ -43,9 +43,11 @@ def _on_cpu(factory: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]
 
 # megatron-core 0.16.1 modules that megarl's training path imports and that create tensors with `device="cuda"`:
 # the pipeline schedules' `total_num_tokens`, the causal masks, the MoE aux-loss tracker, `broadcast_data`'s
-# sizes, a norm helper in `core.utils`, the rerun state machine's validation. (megarl uses neither megatron's
-# optimizer nor its distributed checkpointing, which have more.) A module missing here fails loudly on the CPU
-# ("Torch not compiled with CUDA enabled"), never silently.
+# sizes, a norm helper in `core.utils` (also the local multi-tensor L2 norm the optimizer falls back to without
+# TE/Apex), the rerun state machine's validation; megatron's optimizers: the loss scale `1.0`, the overflow and
+# found-inf flags, the grad-norm accumulators of `clip_grads`, the grad scaler's state. (megarl does not use
+# megatron's distributed checkpointing, which has more.) A module missing here fails loudly on the CPU ("Torch not
+# compiled with CUDA enabled"), never silently.
 _CUDA_FACTORY_MODULES = (
     "megatron.core.pipeline_parallel.schedules",
     "megatron.core.transformer.utils",
@@ -53,18 +55,39 @@ _CUDA_FACTORY_MODULES = (
     "megatron.core.tensor_parallel.data",
     "megatron.core.utils",
     "megatron.core.rerun_state_machine",
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.grad_scaler",
+    "megatron.core.optimizer.distrib_optimizer",
 )
 
 
 def patch_cuda_factories() -> None:
     """Point each module of `_CUDA_FACTORY_MODULES` at `_TorchOnCpu`, and make `Tensor.cuda()` return the tensor
     itself (with tied embeddings at PP>1, `LanguageModule.setup_embeddings_and_output_layer` moves the shared
-    weight to CUDA before all-reducing it)."""
+    weight to CUDA before all-reducing it; the grad scaler's `load_state_dict` moves its scale)."""
     import importlib
 
     for name in _CUDA_FACTORY_MODULES:
         importlib.import_module(name).torch = _TorchOnCpu()
     torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
+
+
+def patch_tensor_type_names() -> None:
+    """megatron-core 0.16.1's optimizers sort parameters by `param.type()` and accept only CUDA type names
+    (`Float16OptimizerWithFloat16Params` and `DistributedOptimizer` put 'torch.cuda.BFloat16Tensor' parameters
+    behind fp32 main copies and step 'torch.cuda.FloatTensor' ones directly, anything else is a TypeError;
+    `clip_grad_by_total_norm_fp32` asserts 'torch.cuda.FloatTensor' gradients). `Tensor.type()` without arguments
+    names a CPU tensor as its CUDA counterpart ('torch.FloatTensor' -> 'torch.cuda.FloatTensor'): the same
+    decisions as on a GPU. Conversions (`t.type(dtype)`) are torch's own."""
+    tensor_type = torch.Tensor.type
+
+    def type_(self: torch.Tensor, dtype: object = None, non_blocking: bool = False, **kwargs: object) -> object:
+        if dtype is None and not kwargs and self.device.type == "cpu":
+            return tensor_type(self).replace("torch.", "torch.cuda.", 1)
+        return tensor_type(self, dtype, non_blocking, **kwargs)
+
+    torch.Tensor.type = type_  # type: ignore[method-assign]
 
 
 def patch_router_without_te() -> None:
@@ -98,8 +121,10 @@ def apply_cpu_compat() -> None:
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
     # Timers and schedules synchronise the device; nothing to wait for on the CPU.
     torch.cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
-    # Hard-coded `device="cuda"` tensor creation (pipeline schedules, causal masks) and `Tensor.cuda()`.
+    # Hard-coded `device="cuda"` tensor creation (pipeline schedules, causal masks, optimizers) and `Tensor.cuda()`.
     patch_cuda_factories()
+    # The optimizers' parameter sorting by CUDA type names.
+    patch_tensor_type_names()
     # Activation recomputation saves and restores a CUDA RNG state.
     patch_recompute_rng_on_cpu()
     _APPLIED = True

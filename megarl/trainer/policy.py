@@ -6,16 +6,18 @@ never gathered). By default the output layer is fused with that computation
 (`megarl.parallel.fused_output_logprobs`): the last stage returns its final hidden states and the log-probs
 come from them and the output weight chunk by chunk, so the `[tokens, V/tp]` logits never exist whole.
 Forward and backward run through megatron's `get_forward_backward_func()` (no pipelining at PP=1, 1F1B at
-PP>1; the last stage's results are broadcast to the other stages).
-Gradients are *summed* over microbatches and data-parallel ranks, because each loss value is already
-a contribution to the global-batch loss; clipping uses the global norm over all TP/PP/EP shards.
+PP>1; the last stage's results are broadcast to the other stages), on the model wrapped as megatron trains it:
+megatron's `DistributedDataParallel` (fp32 gradient buffers, bucketed reduction overlapping backward), its
+optimizer (AdamW on fp32 main parameters, sharded over data parallel with the distributed optimizer) and its
+`finalize_model_grads` (`megarl.trainer.optimizer`); in bf16 (`precision`) the stage is bf16 inside megatron's
+`Float16Module`. Gradients are *summed* over microbatches and data-parallel ranks, because each loss value is
+already a contribution to the global-batch loss; clipping uses megatron's global norm over all TP/PP/EP shards.
 With routing replay, a microbatch's `routed_experts` route each of its tokens to the given experts in every MoE
 layer (`megarl.trainer.routing_replay`).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from functools import partial
@@ -32,37 +34,22 @@ from megarl.models.qwen_provider import build_gpt_model, padded_vocab_size
 from megarl.parallel.fused_output_logprobs import fused_output_logprobs_entropy
 from megarl.parallel.vocab_logprobs import vocab_parallel_logprobs_entropy
 from megarl.sync.slices import HFSlice
-from megarl.trainer.optimizer import ShardedAdamW, adamw_param_groups, check_optimizer_state
+from megarl.trainer.optimizer import (
+    Precision,
+    build_optimizer,
+    check_optimizer_state,
+    load_optimizer_state,
+    optimizer_state,
+    optimizer_step,
+    params_dtype,
+    set_hyperparameters,
+    state_bytes,
+    wire_training,
+    wrap_model,
+)
 from megarl.trainer.routing_replay import check_routes, clear_routes, set_microbatch_routes, stage_routers
 
 LossFn = Callable[[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
-
-
-def _is_expert(param: torch.nn.Parameter) -> bool:
-    """megatron marks expert parameters (not replicated over the data-parallel group) with allreduce=False."""
-    return not getattr(param, "allreduce", True)
-
-
-def _is_tp_duplicate(param: torch.nn.Parameter, tp_rank: int) -> bool:
-    """A parameter replicated on every TP rank (norms, router) counts in the grad norm on TP rank 0 only."""
-    return not getattr(param, "tensor_model_parallel", False) and tp_rank != 0
-
-
-def _is_tied_copy(param: torch.nn.Parameter) -> bool:
-    """The last stage's copy of a tied embedding (PP>1), which megatron marks `shared`
-    (`LanguageModule.setup_embeddings_and_output_layer`): its gradient equals the embedding's after
-    `_sum_tied_embedding_gradients`, so the grad norm counts it on the first stage only."""
-    return getattr(param, "shared", False)
-
-
-def _all_reduce_sum(grads: list[torch.Tensor], group: dist.ProcessGroup) -> None:
-    """In-place SUM of `grads` over `group`, as one flat message."""
-    if not grads or dist.get_world_size(group) == 1:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
-    for g, new in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
-        g.copy_(new)
 
 
 def _check_replay_layout(routing_replay: bool, recompute: str, tp: int) -> None:
@@ -105,76 +92,76 @@ def _output_layer_returns_hidden_states(model) -> Iterator[None]:
 
 
 def _configure_schedule(config, pp: int) -> None:
-    """Adapter to megatron's schedules (tested with megatron-core 0.16.1): every loss value is already a
-    contribution to the global loss, so the schedule must not divide by the microbatch count (the
-    3-tuple loss-function form with `calculate_per_token_loss`); with PP > 1 microbatch shapes may vary
-    between steps, so stages exchange them (`variable_seq_lengths`)."""
+    """Adapter to megatron's schedules and DDP (tested with megatron-core 0.16.1): every loss value is already a
+    contribution to the global loss, so neither the schedule may divide by the microbatch count nor DDP by the
+    data-parallel size (the 3-tuple loss-function form with `calculate_per_token_loss`: gradient buffers are
+    summed; `megarl.trainer.optimizer` drops the token count megatron would then divide by); with PP > 1
+    microbatch shapes may vary between steps, so stages exchange them (`variable_seq_lengths`)."""
     config.calculate_per_token_loss = True
     config.variable_seq_lengths = pp > 1
 
 
 class MegatronPolicy:
-    """This rank's `GPTModel` stage, loaded from an HF checkpoint, with AdamW. Every rank of the trainer
-    world calls each method together; the ranks of one model replica (its TP and PP peers) pass the same
-    data-parallel share of the batch, and results come back on every rank, pipeline stages included."""
+    """This rank's `GPTModel` stage, loaded from an HF checkpoint, with megatron's DDP and AdamW. Every rank of
+    the trainer world calls each method together; the ranks of one model replica (its TP and PP peers) pass the
+    same data-parallel share of the batch, and results come back on every rank, pipeline stages included.
+    `model` is the bare `GPTModel` stage (its parameter names are the checkpoint's and the weight sync's);
+    `ddp_model` wraps it for training."""
 
     def __init__(self, hf_dir: str | Path, hf: dict[str, Any], optim: OptimizerConfig, logprob_chunk: int = 4096,
                  distributed_optimizer: bool = False, recompute: str = "none", routing_replay: bool = False,
                  fused_logprobs: bool = True, logprob_vocab_block: int | None = None,
-                 logprob_kernel: str = "eager", moe_aux_loss_coeff: float = 0.0):
+                 logprob_kernel: str = "eager", moe_aux_loss_coeff: float = 0.0, precision: Precision = "fp32",
+                 overlap_grad_reduce: bool = True, grad_bucket_size: int | None = None):
         """`fused_logprobs`: on the last stage, the output projection fused with the log-probs
         (`fused_output_logprobs_entropy`: the same values and gradients without the whole logits) wherever the
         output layer allows it (`_fusable_output_layer`); elsewhere, or when False, the output layer's logits
         through `vocab_parallel_logprobs_entropy`. `logprob_vocab_block`: the fused path's shard rows per tile
         (None: the whole shard); `logprob_kernel`: its tiles' elementwise work, "eager" or "compiled".
-        `distributed_optimizer`: shard the AdamW state over data-parallel replicas (`ShardedAdamW`);
+        `distributed_optimizer`: megatron's distributed optimizer (gradients reduce-scattered, AdamW state and fp32
+        main parameters sharded over data-parallel replicas, updated parameters all-gathered);
+        `precision`: "fp32" (the exact reference) or "bf16" (bf16 parameters and compute, fp32 main parameters and
+        gradient buffers); `overlap_grad_reduce` / `grad_bucket_size`: megatron's DDP settings
+        (`megarl.trainer.optimizer.wrap_model`);
         `recompute`: activation recomputation, "none" / "full" / "selective" (`qwen_provider.recompute_fields`);
         `routing_replay`: microbatches that carry `routed_experts [b, s, L, k]` are routed to exactly those
         experts (`megarl.trainer.routing_replay`); `moe_aux_loss_coeff`: the router's load-balancing loss
         (`trainer.moe_aux_loss_coeff`, 0 = none). Expert tensor parallel is the parallel state's."""
         from megatron.core import parallel_state as ps
 
+        if precision not in ("fp32", "bf16"):
+            raise ValueError(f"precision={precision!r}: use 'fp32' or 'bf16'")
         self.hf, self.optim_cfg, self.chunk, self.vocab_block = hf, optim, logprob_chunk, logprob_vocab_block
-        self.logprob_kernel = logprob_kernel
+        self.logprob_kernel, self.precision = logprob_kernel, precision
         _check_replay_layout(routing_replay, recompute, ps.get_tensor_model_parallel_world_size())
         self.model = build_gpt_model(hf, ps.get_tensor_model_parallel_world_size(),
                                      ps.get_pipeline_model_parallel_world_size(),
-                                     ps.get_expert_model_parallel_world_size(), recompute=recompute,
-                                     routing_replay=routing_replay,
+                                     ps.get_expert_model_parallel_world_size(), params_dtype=params_dtype(precision),
+                                     recompute=recompute, routing_replay=routing_replay,
                                      expert_tp=ps.get_expert_tensor_parallel_world_size(),
                                      moe_aux_loss_coeff=moe_aux_loss_coeff)
         self.routers = stage_routers(self.model) if routing_replay else None  # this stage's MoE routers
         _configure_schedule(self.model.config, ps.get_pipeline_model_parallel_world_size())
-        load_hf_weights(self.model, hf_dir, hf)
+        load_hf_weights(self.model, hf_dir, hf)  # rounded to bf16 in bf16, as transformers loads in bf16
+        self.ddp_model = wrap_model(self.model, precision, distributed_optimizer, overlap_grad_reduce,
+                                    grad_bucket_size)
+        # bf16: the last stage's logits / hidden states stay bf16 (the log-prob paths compute in fp32 themselves)
+        self.forward_kwargs = {"fp32_output": False} if precision == "bf16" else {}
+        self.distributed_optimizer = distributed_optimizer
+        self.optimizer = build_optimizer(self.ddp_model, optim, precision, distributed_optimizer)
+        wire_training(self.ddp_model, self.optimizer)
         self.device = next(self.model.parameters()).device  # collectives run on it (NCCL takes no CPU tensors)
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.dp_group = ps.get_data_parallel_group()
-        self.expert_dp_group = ps.get_expert_data_parallel_group()
         self.pp_group = ps.get_pipeline_model_parallel_group()
         self.pp_last_rank = ps.get_pipeline_model_parallel_last_rank()  # global rank of this pipeline's last stage
         self.is_last_stage = ps.is_pipeline_last_stage()
         self.fused_logprobs = fused_logprobs and self.is_last_stage and _fusable_output_layer(self.model)
-        # tied embeddings at PP>1: the first stage's embedding and the last stage's output layer are one weight
-        tied_copies = self.model.share_embeddings_and_output_weights and ps.get_pipeline_model_parallel_world_size() > 1
-        self.embedding_group = ps.get_embedding_group() if tied_copies and ps.is_rank_in_embedding_group() else None
-        self.model_parallel_group = ps.get_model_parallel_group()
-        self.expert_model_parallel_group = ps.get_expert_tensor_model_pipeline_parallel_group()
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         tp = ps.get_tensor_model_parallel_world_size()
         shard = padded_vocab_size(hf, tp) // tp
         # real (unpadded) vocabulary columns in this rank's logits shard [tp_rank*shard, (tp_rank+1)*shard)
         self.local_vocab = min(max(hf["vocab_size"] - self.tp_rank * shard, 0), shard)
-        self.distributed_optimizer = distributed_optimizer
-        if distributed_optimizer:  # ZeRO-1: dense state over the DP group, expert state over the expert-DP group
-            self.optimizer = ShardedAdamW(
-                list(self.model.parameters()), _is_expert, self.dp_group, self.expert_dp_group,
-                lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay,
-            )
-        else:
-            self.optimizer = torch.optim.AdamW(
-                adamw_param_groups(list(self.model.parameters()), optim.weight_decay),
-                lr=optim.lr, betas=optim.betas, eps=optim.eps,
-            )
         self.version = 0  # optimizer steps taken
 
     # ---- forward through megatron's schedule -----------------------------------------------------------------
@@ -196,7 +183,7 @@ class MegatronPolicy:
             causal = causal | (segments[:, None, :, None] != segments[:, None, None, :])
         else:
             positions = torch.arange(s, device=device)[None].expand(b, s)
-        output = model(tokens, positions, causal)  # hidden [s, b, h] on inner stages, logits/hidden on the last
+        output = model(tokens, positions, causal, **self.forward_kwargs)  # hidden [s, b, h] on inner stages
         return output, partial(last_stage_fn, mb)
 
     @staticmethod
@@ -249,6 +236,7 @@ class MegatronPolicy:
         model = self.model
         weight = (model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights
                   else model.output_layer.weight)
+        hidden = hidden.to(weight.dtype)  # bf16 stays bf16 (fp32_output=False): the output layer's own operands
         if not model.output_layer.sequence_parallel:
             return fused_output_logprobs_entropy(hidden, weight, targets, self.tp_group, self.chunk, self.local_vocab,
                                                  vocab_block=self.vocab_block, kernel=self.logprob_kernel)
@@ -270,7 +258,7 @@ class MegatronPolicy:
             with _output_layer_returns_hidden_states(self.model) if self.fused_logprobs else nullcontext():
                 return get_forward_backward_func()(
                     forward_step_func=partial(self._forward_step, last_stage_fn), data_iterator=iter(microbatches),
-                    model=self.model, num_microbatches=len(microbatches), seq_length=s, micro_batch_size=b,
+                    model=self.ddp_model, num_microbatches=len(microbatches), seq_length=s, micro_batch_size=b,
                     forward_only=forward_only,
                 )
         finally:
@@ -302,28 +290,25 @@ class MegatronPolicy:
 
     # ---- training step ---------------------------------------------------------------------------------------
     def train_step(self, microbatches: list[dict[str, torch.Tensor]], loss_fn: LossFn) -> dict[str, float]:
-        """Forward/backward every microbatch, sum gradients over DP, clip, AdamW step; version += 1.
+        """Forward/backward every microbatch (megatron's DDP sums the gradients over microbatches and DP ranks,
+        `finalize_model_grads` completes them), megatron's clip and AdamW step; version += 1.
         `loss_fn(logprobs [b, s], entropy [b, s], microbatch) -> (loss, metrics)` returns the microbatch's
         contribution to the GLOBAL loss. Returns the global loss, the grad norm before clipping and the
         loss function's metrics summed over the global batch (the same dict on every rank)."""
         self.model.train()
-        self.optimizer.zero_grad(set_to_none=False)
+        self.ddp_model.zero_grad_buffer()
+        self.optimizer.zero_grad()
 
         def loss_on_last_stage(mb, output):
             loss, metrics = loss_fn(*self._logprobs(output, mb), mb)
             reported = {"loss": loss.detach(), **{k: v.detach() for k, v in metrics.items()}}
             return loss, torch.tensor(1, dtype=torch.int), reported
 
-        outs = self._run(microbatches, loss_on_last_stage, forward_only=False)
-        self._sum_gradients()
-        grad_norm = self._grad_norm()  # the same value on every rank of the trainer
-        skipped = not math.isfinite(grad_norm)
-        if skipped:  # as megatron-core does: drop the gradients, leave weights and optimizer state as they are
-            self.optimizer.zero_grad(set_to_none=False)
-        else:
-            self._clip_gradients(grad_norm, self.optim_cfg.grad_clip)
-            self._set_lr()
-            self.optimizer.step()
+        outs = self._run(microbatches, loss_on_last_stage, forward_only=False)  # ends in finalize_model_grads
+        self._set_hyperparameters()
+        # the same norm on every rank; not finite: the step is skipped, weights and optimizer state as they were
+        grad_norm, stepped = optimizer_step(self.optimizer)
+        skipped = not stepped
         self.version += 1  # a skipped step still counts: the lag schedule is in steps
         metrics = self._sum_metrics(outs) if self.is_last_stage else {}
         return {**self._metrics_from_last_stage(metrics), "grad_norm": grad_norm, "train/skipped_step": int(skipped)}
@@ -358,78 +343,32 @@ class MegatronPolicy:
         dist.broadcast_object_list(box, src=self.pp_last_rank, group=self.pp_group)
         return box[0]
 
-    def _sum_gradients(self) -> None:
-        """Complete every gradient by SUMS (never means): over TP for the replicated parameters that see only
-        this rank's part of the activations (q/k layernorms act per head; sequence-parallel norms act per
-        token slice), then over data-parallel replicas (expert parameters over the expert-DP group)."""
-        sp = self.model.config.sequence_parallel
-        params = list(self.model.named_parameters())
-        tp_partial = [p.grad for n, p in params if p.grad is not None and (
-            "q_layernorm" in n or "k_layernorm" in n or (sp and getattr(p, "sequence_parallel", False)))]
-        _all_reduce_sum(tp_partial, self.tp_group)
-        _all_reduce_sum([p.grad for _, p in params if not _is_expert(p) and p.grad is not None], self.dp_group)
-        _all_reduce_sum([p.grad for _, p in params if _is_expert(p) and p.grad is not None], self.expert_dp_group)
-        self._sum_tied_embedding_gradients()
-
-    def _sum_tied_embedding_gradients(self) -> None:
-        """Tied embeddings at PP>1 (megatron-core's `_allreduce_word_embedding_grads`): the gradient of the one
-        HF weight `model.embed_tokens.weight` is the embedding's (first stage) plus the output layer's (last
-        stage); both copies get that sum over the embedding group (each TP rank with its vocab shard), so they
-        take the same optimizer step and stay equal."""
-        if self.embedding_group is None:
-            return
-        weight = self.model.shared_embedding_or_output_weight()
-        _all_reduce_sum([weight.grad], self.embedding_group)
-
-    def _grad_norm(self) -> float:
-        """Global L2 norm of the gradients over all model shards (each element counted once, a tied embedding's
-        last-stage copy not at all): NaN or inf when any gradient is, on every rank alike."""
-        dense_sq = torch.zeros((), device=self.device)
-        expert_sq = torch.zeros((), device=self.device)
-        for p in self.model.parameters():
-            if p.grad is None or _is_tp_duplicate(p, self.tp_rank) or _is_tied_copy(p):
-                continue
-            if _is_expert(p):
-                expert_sq += p.grad.float().pow(2).sum()
-            else:
-                dense_sq += p.grad.float().pow(2).sum()
-        dist.all_reduce(dense_sq, group=self.model_parallel_group)
-        dist.all_reduce(expert_sq, group=self.expert_model_parallel_group)
-        return float((dense_sq + expert_sq).sqrt())
-
-    def _clip_gradients(self, norm: float, max_norm: float) -> None:
-        """Scale the gradients down so that their global norm `norm` becomes `max_norm` (if it is above)."""
-        if norm > max_norm:
-            for p in self.model.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(max_norm / (norm + 1e-6))
-
-    def _set_lr(self) -> None:
+    def _set_hyperparameters(self) -> None:
+        """Linear warmup from 0 (step k of `warmup_steps` at k/warmup of the rate, step 1 first), then constant."""
         warm = self.optim_cfg.warmup_steps
         scale = min(1.0, (self.version + 1) / warm) if warm else 1.0
-        for group in self.optimizer.param_groups:
-            group["lr"] = self.optim_cfg.lr * scale
+        set_hyperparameters(self.optimizer, self.optim_cfg.lr * scale, self.optim_cfg.weight_decay)
 
     # ---- checkpoints -----------------------------------------------------------------------------------------
+    def _optimizer_setting(self) -> dict[str, Any]:
+        return {"distributed_optimizer": self.distributed_optimizer, "precision": self.precision}
+
     def state_dict(self) -> dict[str, Any]:
-        """This rank's model shard, optimizer state and version (local shapes: resume needs the same layout).
-        With the distributed optimizer the optimizer state is this rank's shard only (resume needs the same
-        `distributed_optimizer` setting too)."""
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "version": self.version}
+        """This rank's model shard (in the model's dtype), optimizer state (Adam moments and fp32 main
+        parameters of what this rank steps: its data-parallel shard with the distributed optimizer) and version.
+        Local shapes: resume needs the same layout, `distributed_optimizer` and `precision`."""
+        return {"model": self.model.state_dict(),
+                "optimizer": optimizer_state(self.optimizer, self._optimizer_setting()), "version": self.version}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        check_optimizer_state(state["optimizer"], sharded=self.distributed_optimizer)
+        check_optimizer_state(self.optimizer, state["optimizer"], self._optimizer_setting())  # before any change
         self.model.load_state_dict(state["model"], strict=True)
-        self.optimizer.load_state_dict(state["optimizer"])
+        load_optimizer_state(self.optimizer, state["optimizer"], self._optimizer_setting())
         self.version = int(state["version"])
 
     def optimizer_state_bytes(self) -> dict[str, int]:
-        """Bytes of the optimizer state tensors this rank holds, for dense and expert parameters."""
-        held = {"dense": 0, "expert": 0}
-        for param, state in self.optimizer.state.items():
-            held["expert" if _is_expert(param) else "dense"] += sum(
-                t.numel() * t.element_size() for t in state.values() if torch.is_tensor(t))
-        return held
+        """Bytes of the Adam moments this rank holds, for dense and expert parameters."""
+        return state_bytes(self.optimizer)
 
     # ---- weight sync -----------------------------------------------------------------------------------------
     def iter_local_hf_slices(self) -> Iterator[tuple[HFSlice, torch.Tensor]]:
