@@ -68,6 +68,7 @@ def run_rank(cfg: Config, place: ProcessPlace, sync_port: int, fleet_urls: Calla
             bucket_bytes=int(cfg.sync.bucket_mb * 2**20), timeout_s=t.collective_timeout_s, needs=cfg.sync.needs,
             receive=cfg.sync.receive, delta=cfg.sync.delta, wire_dtype=getattr(torch, cfg.rollout.dtype),
             min_replicas=cfg.rollout.min_replicas, rejoin_timeout_s=cfg.sync.rejoin_timeout_s,
+            group_timeout=(cfg.sync.timeout_min_gbps, cfg.sync.timeout_fixed_s),
         )
         start_rollout, roster = None, None
         if rank == 0:

@@ -263,6 +263,20 @@ class SyncConfig(_Strict):
         "in time (it died again mid-join) stays out and is asked again at the next push point; the run goes on. "
         "The initial groups use trainer.collective_timeout_s.",
     )
+    timeout_min_gbps: float = Field(
+        0.5, gt=0, description="NCCL sync groups only: the slowest bandwidth (GB/s, 10^9 bytes) a push's busiest "
+        "link is assumed to keep, for the groups' own operation timeout = sync.timeout_fixed_s + that link's bytes "
+        "in a full push / this (megarl.sync.group_timeout; the busiest link is the largest vLLM worker's shard or a "
+        "trainer rank's share of all replicas' shards). A dead peer's operations end at that timeout, not at "
+        "trainer.collective_timeout_s. 0.5 GB/s is a tenth of a 50 Gb/s link: the Qwen3-30B-A3B recipe (15.29 GB "
+        "per vLLM rank) gets 120 + 30.6 = 150.6 s. gloo (CPU) groups keep trainer.collective_timeout_s: gloo fails "
+        "a dead peer's operations at once.",
+    )
+    timeout_fixed_s: float = Field(
+        120.0, gt=0, description="NCCL sync groups only: the fixed part of the groups' operation timeout (see "
+        "sync.timeout_min_gbps), also its floor: what a push waits beyond moving its bytes (opening the replicas, "
+        "vLLM's reload of a streamed push's layers while later buckets wait).",
+    )
     push_initial: bool = Field(
         False, description="Push the trainer's weights once before the first batch, for a fleet that did not "
         "start from the trainer's checkpoint (a reused fleet, a resumed run). Counted in step 0's sync metrics.",
