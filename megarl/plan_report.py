@@ -44,6 +44,8 @@ from megarl.sync.receiver_memory import (
     CUDA_RESERVE_BYTES,
     LAYERS_ASSEMBLED_PER_STAGE,
     MODES,
+    NCCL_COMM_BYTES,
+    NCCL_PEER_BYTES,
     ReceiverMemory,
 )
 
@@ -226,15 +228,18 @@ def _push_memory_lines(plan: Plan, cfg: Config) -> list[str]:
     lines = ["", f"push memory per vLLM rank beyond its served weights ({plan.dtype}; megarl.sync.receiver_memory): "
                  f"{BUCKETS_IN_FLIGHT_PER_SENDER} buckets of sync.bucket_mb={cfg.sync.bucket_mb:g} MiB in flight "
                  "per sender, the largest module vLLM's reload materialises, streamed: "
-                 f"{LAYERS_ASSEMBLED_PER_STAGE} layers per trainer stage assembling",
+                 f"{LAYERS_ASSEMBLED_PER_STAGE} layers per trainer stage assembling; every mode's device column "
+                 f"includes the sync group's NCCL memory (nccl: {NCCL_COMM_BYTES >> 20} MiB + "
+                 f"{NCCL_PEER_BYTES >> 20} MiB per trainer rank, made at join; assumed, not measured)",
              f"  free beside vLLM: rollout.gpu_memory_gb={r.gpu_memory_gb:g} x (1 - rollout.gpu_memory_utilization="
              f"{r.gpu_memory_utilization:g}) - {_gb(CUDA_RESERVE_BYTES)} CUDA reserve = {_gb(max(budget, 0))} per GPU"]
-    head = (f"  {'tp rank':>7} {'served':>9} {'senders':>7} {'in flight':>9} {'module':>8} {'staged dev':>10} "
+    head = (f"  {'tp rank':>7} {'served':>9} {'senders':>7} {'in flight':>9} {'module':>8} {'nccl':>8} "
+            f"{'staged dev':>10} "
             f"{'host':>9} {'streamed dev':>12} {'host':>6} {'legacy dev':>10}")
     lines += [head, "  " + "-" * (len(head) - 2)]
     for k, m in enumerate(plan.push_memory):
         lines.append(f"  {k:>7} {_gb(m.served):>9} {m.senders:>7} {_gb(m.in_flight):>9} {_gb(m.largest_module):>8} "
-                     f"{_gb(m.device_extra('staged')):>10} {_gb(m.host_extra('staged')):>9} "
+                     f"{_gb(m.group):>8} {_gb(m.device_extra('staged')):>10} {_gb(m.host_extra('staged')):>9} "
                      f"{_gb(m.device_extra('streamed')):>12} {_gb(m.host_extra('streamed')):>6} "
                      f"{_gb(m.legacy_device):>10}")
     worst = {md: max(m.device_extra(md) for m in plan.push_memory) for md in MODES}
