@@ -9,7 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from megarl.checks import check_against_model, push_memory, push_memory_problem
+from megarl.checks import (
+    check_against_model,
+    push_memory,
+    push_memory_problem,
+    receive_mode,
+    replica_host_bytes,
+    replica_host_mb,
+)
 from megarl.config.load import ConfigError, load_config
 from megarl.config.schema import TrainerConfig
 from megarl.models.hf_config import read_hf_config
@@ -179,8 +186,8 @@ def test_plan_prints_the_push_memory(capsys):
     rows = [line.split() for line in out.splitlines() if re.match(r" +[0-3] +15\.29 GB +32 ", line)]
     assert len(rows) == 4 and all(" ".join(r[1:]) == "15.29 GB 32 2.53 GB 0.30 GB 0.60 GB 3.44 GB 15.29 GB 4.68 GB "
                                   "0 B 15.59 GB" for r in rows)
-    assert ("sync.receive=staged (configured): 3.44 GB of 7.46 GB: fits; streamed: 4.68 GB of 7.46 GB: fits"
-            in out)
+    assert ("sync.receive=staged (chosen by sync.receive=auto): 3.44 GB of 7.46 GB: fits; streamed: 4.68 GB of "
+            "7.46 GB: fits") in out
     assert "legacy (a second copy of the shard on the device): 15.59 GB of 7.46 GB: does NOT fit" in out
 
 
@@ -196,3 +203,30 @@ def test_gpu_memory_utilization_reaches_vllm_on_gpus_only(tmp_path: Path):
     spec = fleet_spec(cfg, gpu=True)
     assert spec.gpu_memory_utilization == 0.8
     assert server_command(spec, 8000)[server_command(spec, 8000).index("--gpu-memory-utilization") + 1] == "0.8"
+
+
+def test_host_memory_and_the_auto_receive_mode_by_hand():
+    cfg, hf = _recipe()
+    memory = push_memory(hf, cfg)
+    staged = 4 * (8 * 10**9 + SERVED)  # 4 vLLM ranks: 8 GB each for vLLM (assumed) + its pinned 15.29 GB shard
+    assert replica_host_bytes(memory, "staged", False) == staged == 93_141_008_384
+    assert replica_host_mb(memory, "staged", False) == 88_827  # ceil(93,141,008,384 / 2**20 = 88,826.96)
+    assert replica_host_bytes(memory, "streamed", False) == 32 * 10**9
+    assert replica_host_mb(memory, "streamed", False) == 30_518  # ceil(30,517.58)
+    assert replica_host_bytes(memory, "staged", True) == staged + 4 * SERVED  # + each worker's delta base
+    # auto: a CPU fleet and a GPU fleet of unknown host memory take staged; 93.15 GB per replica holds staged's
+    # 93.14 GB, 93.1 GB does not (streamed); sync.delta keeps staged; a configured mode is kept
+    assert receive_mode(cfg, hf, cuda=False)[0] == "staged"
+    assert receive_mode(cfg, hf, cuda=True)[0] == "staged"
+    assert receive_mode(_recipe("rollout.replica_host_memory_gb=93.15")[0], hf, cuda=True)[0] == "staged"
+    tight = _recipe("rollout.replica_host_memory_gb=93.1")[0]
+    mode, why = receive_mode(tight, hf, cuda=True)
+    assert mode == "streamed" and "93.14 GB" in why
+    assert receive_mode(_recipe("rollout.replica_host_memory_gb=93.1", "sync.delta=true")[0], hf, True)[0] == "staged"
+    assert receive_mode(_recipe("sync.receive=streamed")[0], hf, cuda=False) == ("streamed", "configured")
+    # `megarl check --gpu`: auto fits there by streaming; staged configured is refused, naming streamed's 32 GB
+    check_against_model(tight, hf, cuda=True)
+    with pytest.raises(ConfigError, match=r"sync\.receive=staged: a replica's 4 vLLM rank\(s\) need 93\.14 GB of host "
+                       r"memory .* but rollout\.replica_host_memory_gb=93\.1: .* use sync\.receive=streamed "
+                       r"\(32\.00 GB\)"):
+        check_against_model(_recipe("rollout.replica_host_memory_gb=93.1", "sync.receive=staged")[0], hf, cuda=True)
