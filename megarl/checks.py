@@ -22,6 +22,7 @@ from megarl.sync.plan import vllm_rank_slices
 from megarl.sync.receiver_memory import (
     CUDA_RESERVE_BYTES,
     MODES,
+    ReceiveMode,
     ReceiverMemory,
     bucket_bytes_of,
     max_utilization,
@@ -32,6 +33,11 @@ from megarl.trainer.memory_plan import trainer_memory_problem
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
 GB = 10**9  # decimal gigabytes, as model cards and network bandwidths count
+MIB = 1 << 20  # SLURM's MB (--mem)
+# Host memory of one vLLM TP worker beside what a push adds, on a GPU fleet: its process (Python, torch, CUDA's host
+# side, vLLM's engine core and API server shared out): assumed, not measured (no GPU was lent); what a replica's
+# SLURM step needs on top of the staged receivers' pinned shards (`replica_host_bytes`)
+VLLM_HOST_BYTES_PER_RANK = 8 * GB
 
 
 def _gb(nbytes: int) -> str:
@@ -64,10 +70,70 @@ def push_budget(cfg: Config) -> int:
     return push_budget_bytes(cfg.rollout.gpu_memory_gb, cfg.rollout.gpu_memory_utilization)
 
 
+def replica_host_bytes(memory: list[ReceiverMemory], mode: ReceiveMode, delta: bool) -> int:
+    """Host memory one replica's step needs on a GPU fleet (its TP ranks' `memory`): per rank the vLLM worker's own
+    (`VLLM_HOST_BYTES_PER_RANK`), the push's host extra (staged: the whole shard, pinned) and, with `sync.delta`, the
+    copy of the shard a worker keeps as the next delta's base."""
+    return sum(VLLM_HOST_BYTES_PER_RANK + m.host_extra(mode) + (m.served if delta else 0) for m in memory)
+
+
+def replica_host_mb(memory: list[ReceiverMemory], mode: ReceiveMode, delta: bool) -> int:
+    """`replica_host_bytes` in SLURM's MB (MiB), rounded up: the least `--mem` a replica's step may have."""
+    return -(-replica_host_bytes(memory, mode, delta) // MIB)
+
+
+def receive_mode(cfg: Config, hf: dict[str, Any], cuda: bool, dtype: str = "bf16") -> tuple[ReceiveMode, str]:
+    """The `sync.receive` a run uses, and why: the configured one, or for `auto` the plan's choice. A CPU fleet:
+    staged (its gloo receivers keep the shard in host memory either way). A GPU fleet: staged (a failed transfer
+    leaves the old weights serving) where its pinned shards fit `rollout.replica_host_memory_gb`, or that is not
+    given, or `sync.delta` needs it; else streamed (no host copy)."""
+    mode = cfg.sync.receive
+    if mode != "auto":
+        return mode, "configured"
+    if not cuda:
+        return "staged", "auto: a CPU fleet receives into host memory in either mode; staged keeps the old weights " \
+                         "serving when a transfer fails"
+    if cfg.sync.delta:
+        return "staged", "auto: sync.delta needs staged"
+    limit = cfg.rollout.replica_host_memory_gb
+    if limit is None:
+        return "staged", "auto: rollout.replica_host_memory_gb not given, so the pinned shards are not checked here " \
+                         "(the SLURM job and the preflight check the step's memory)"
+    need = replica_host_bytes(push_memory(hf, cfg, dtype), "staged", False)
+    if need <= limit * GB:
+        return "staged", f"auto: staged needs {_gb(need)} of host memory per replica, rollout.replica_host_memory_gb=" \
+                         f"{limit:g} allows it"
+    return "streamed", f"auto: staged would need {_gb(need)} of host memory per replica (its pinned shards), more " \
+                       f"than rollout.replica_host_memory_gb={limit:g}"
+
+
+def host_memory_problem(cfg: Config, hf: dict[str, Any], dtype: str = "bf16") -> str | None:
+    """Why a replica's host memory (`rollout.replica_host_memory_gb`, when given) cannot hold what its GPU fleet's
+    pushes keep there; None when it fits or is not given."""
+    limit = cfg.rollout.replica_host_memory_gb
+    if limit is None:
+        return None
+    mode, _ = receive_mode(cfg, hf, True, dtype)
+    memory = push_memory(hf, cfg, dtype)
+    need = replica_host_bytes(memory, mode, cfg.sync.delta)
+    if need <= limit * GB:
+        return None
+    fixes = ["raise rollout.replica_host_memory_gb (fewer replicas per node, or nodes with more memory)"]
+    if mode == "staged" and not cfg.sync.delta:
+        fixes.append(f"use sync.receive=streamed ({_gb(replica_host_bytes(memory, 'streamed', False))})")
+    if cfg.sync.delta:
+        fixes.append("set sync.delta=false (each worker keeps a copy of its shard for it)")
+    return (f"sync.receive={mode}: a replica's {len(memory)} vLLM rank(s) need {_gb(need)} of host memory ("
+            f"{_gb(VLLM_HOST_BYTES_PER_RANK)} each for vLLM" + (", its whole shard pinned for staged receives"
+                                                                 if mode == "staged" else "")
+            + (", a delta base" if cfg.sync.delta else "") + f") but rollout.replica_host_memory_gb={limit:g}: "
+            + ", or ".join(fixes))
+
+
 def push_memory_problem(cfg: Config, hf: dict[str, Any], dtype: str = "bf16") -> str | None:
-    """Why the configured `sync.receive` cannot fit a push beside vLLM on the worst vLLM rank (GPU fleets), naming
-    the fields and the fixes; None when it fits. `dtype`: the served dtype (bf16 on GPU fleets)."""
-    r, mode = cfg.rollout, cfg.sync.receive
+    """Why the `sync.receive` the run uses (`receive_mode`) cannot fit a push beside vLLM on the worst vLLM rank (GPU
+    fleets), naming the fields and the fixes; None when it fits. `dtype`: the served dtype (bf16 on GPU fleets)."""
+    r, (mode, _) = cfg.rollout, receive_mode(cfg, hf, True, dtype)
     memory = push_memory(hf, cfg, dtype)
     worst = max(memory, key=lambda m: m.device_extra(mode))
     need, budget = worst.device_extra(mode), push_budget(cfg)
@@ -182,9 +248,9 @@ def check_against_model(cfg: Config, hf: dict[str, Any], cuda: bool) -> None:
             "trainer.pack_sequences=false"
         )
     if cuda and not problems:  # a layout that is valid otherwise: can each vLLM rank take a push beside vLLM?
-        memory = push_memory_problem(cfg, hf)
-        if memory is not None:
-            problems.append(memory)
+        for problem in (push_memory_problem(cfg, hf), host_memory_problem(cfg, hf)):
+            if problem is not None:
+                problems.append(problem)
         trainer = trainer_memory_problem(hf, cfg)
         if trainer is not None:
             problems.append(trainer)

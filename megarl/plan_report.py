@@ -30,7 +30,16 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from megarl.checks import DTYPE_BYTES, GB, push_budget, push_memory
+from megarl.checks import (
+    DTYPE_BYTES,
+    GB,
+    VLLM_HOST_BYTES_PER_RANK,
+    push_budget,
+    push_memory,
+    receive_mode,
+    replica_host_bytes,
+    replica_host_mb,
+)
 from megarl.config.load import ConfigError
 from megarl.config.schema import Config
 from megarl.models.hf_config import num_experts, read_hf_config
@@ -44,6 +53,8 @@ from megarl.sync.receiver_memory import (
     CUDA_RESERVE_BYTES,
     LAYERS_ASSEMBLED_PER_STAGE,
     MODES,
+    NCCL_COMM_BYTES,
+    NCCL_PEER_BYTES,
     ReceiverMemory,
 )
 
@@ -216,26 +227,30 @@ def format_plan(plan: Plan, cfg: Config, hf: dict[str, Any], link_gbps: float = 
     ]
     from megarl.trainer.memory_plan import format_trainer_memory
 
-    return "\n".join(lines + format_trainer_memory(hf, cfg) + _push_memory_lines(plan, cfg)
+    return "\n".join(lines + format_trainer_memory(hf, cfg) + _push_memory_lines(plan, cfg, hf)
                      + _backend_comparison(hf, plan, link_gbps, t.world_size) + _delta_lines(plan, cfg, link_gbps,
                                                                                            t.world_size))
 
 
-def _push_memory_lines(plan: Plan, cfg: Config) -> list[str]:
+def _push_memory_lines(plan: Plan, cfg: Config, hf: dict[str, Any]) -> list[str]:
     """Each vLLM rank's memory during a push, per receive mode, against what vLLM leaves free on its GPU."""
-    r, mode, budget = cfg.rollout, cfg.sync.receive, push_budget(cfg)
+    r, budget = cfg.rollout, push_budget(cfg)
+    mode, why = receive_mode(cfg, hf, True, plan.dtype)
     lines = ["", f"push memory per vLLM rank beyond its served weights ({plan.dtype}; megarl.sync.receiver_memory): "
                  f"{BUCKETS_IN_FLIGHT_PER_SENDER} buckets of sync.bucket_mb={cfg.sync.bucket_mb:g} MiB in flight "
                  "per sender, the largest module vLLM's reload materialises, streamed: "
-                 f"{LAYERS_ASSEMBLED_PER_STAGE} layers per trainer stage assembling",
+                 f"{LAYERS_ASSEMBLED_PER_STAGE} layers per trainer stage assembling; every mode's device column "
+                 f"includes the sync group's NCCL memory (nccl: {NCCL_COMM_BYTES >> 20} MiB + "
+                 f"{NCCL_PEER_BYTES >> 20} MiB per trainer rank, made at join; assumed, not measured)",
              f"  free beside vLLM: rollout.gpu_memory_gb={r.gpu_memory_gb:g} x (1 - rollout.gpu_memory_utilization="
              f"{r.gpu_memory_utilization:g}) - {_gb(CUDA_RESERVE_BYTES)} CUDA reserve = {_gb(max(budget, 0))} per GPU"]
-    head = (f"  {'tp rank':>7} {'served':>9} {'senders':>7} {'in flight':>9} {'module':>8} {'staged dev':>10} "
+    head = (f"  {'tp rank':>7} {'served':>9} {'senders':>7} {'in flight':>9} {'module':>8} {'nccl':>8} "
+            f"{'staged dev':>10} "
             f"{'host':>9} {'streamed dev':>12} {'host':>6} {'legacy dev':>10}")
     lines += [head, "  " + "-" * (len(head) - 2)]
     for k, m in enumerate(plan.push_memory):
         lines.append(f"  {k:>7} {_gb(m.served):>9} {m.senders:>7} {_gb(m.in_flight):>9} {_gb(m.largest_module):>8} "
-                     f"{_gb(m.device_extra('staged')):>10} {_gb(m.host_extra('staged')):>9} "
+                     f"{_gb(m.group):>8} {_gb(m.device_extra('staged')):>10} {_gb(m.host_extra('staged')):>9} "
                      f"{_gb(m.device_extra('streamed')):>12} {_gb(m.host_extra('streamed')):>6} "
                      f"{_gb(m.legacy_device):>10}")
     worst = {md: max(m.device_extra(md) for m in plan.push_memory) for md in MODES}
@@ -244,9 +259,17 @@ def _push_memory_lines(plan: Plan, cfg: Config) -> list[str]:
     def verdict(nbytes: int) -> str:
         return f"{_gb(nbytes)} of {_gb(max(budget, 0))}: " + ("fits" if nbytes <= budget else "does NOT fit")
 
-    lines += [f"  sync.receive={mode} (configured): {verdict(worst[mode])}; "
-              + "; ".join(f"{md}: {verdict(worst[md])}" for md in MODES if md != mode),
+    lines += [f"  sync.receive={mode} ({'configured' if why == 'configured' else 'chosen by sync.receive=auto'}): "
+              f"{verdict(worst[mode])}; " + "; ".join(f"{md}: {verdict(worst[md])}" for md in MODES if md != mode),
               f"  legacy (a second copy of the shard on the device): {verdict(legacy)}"]
+    per_replica = {md: replica_host_bytes(plan.push_memory, md, cfg.sync.delta) for md in MODES}
+    limit = r.replica_host_memory_gb
+    lines += [f"  host memory per replica ({len(plan.push_memory)} vLLM ranks, {_gb(VLLM_HOST_BYTES_PER_RANK)} each "
+              "for vLLM assumed" + (", + a delta base each" if cfg.sync.delta else "") + "): "
+              + "; ".join(f"{md} {_gb(n)} (SLURM --mem >= {replica_host_mb(plan.push_memory, md, cfg.sync.delta)} "
+                          "MB)" for md, n in per_replica.items())
+              + (f"; rollout.replica_host_memory_gb={limit:g}" if limit is not None else ""),
+              f"  sync.receive used: {mode} ({why})"]
     return lines
 
 

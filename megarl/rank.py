@@ -38,6 +38,7 @@ def run_rank(cfg: Config, place: ProcessPlace, sync_port: int, fleet_urls: Calla
     quiet_cpu_warnings()
     import torch
 
+    from megarl.checks import receive_mode
     from megarl.loop import run_loop
     from megarl.models.hf_config import read_hf_config
     from megarl.parallel.cpu_threads import apply_trainer_cpu_threads
@@ -68,8 +69,10 @@ def run_rank(cfg: Config, place: ProcessPlace, sync_port: int, fleet_urls: Calla
             rank=rank, world_size=t.world_size, hf_config=hf, clients=clients, rollout_tp=cfg.rollout.tp,
             rollout_replicas=cfg.rollout.replicas, store_host=place.master_addr, store_port=sync_port,
             bucket_bytes=int(cfg.sync.bucket_mb * 2**20), timeout_s=t.collective_timeout_s, needs=cfg.sync.needs,
-            receive=cfg.sync.receive, delta=cfg.sync.delta, wire_dtype=getattr(torch, cfg.rollout.dtype),
+            receive=receive_mode(cfg, hf, torch.cuda.is_available())[0],  # sync.receive=auto resolved
+            delta=cfg.sync.delta, wire_dtype=getattr(torch, cfg.rollout.dtype),
             min_replicas=cfg.rollout.min_replicas, rejoin_timeout_s=cfg.sync.rejoin_timeout_s,
+            group_timeout=(cfg.sync.timeout_min_gbps, cfg.sync.timeout_fixed_s),
         )
         start_rollout, roster = None, None
         if rank == 0:

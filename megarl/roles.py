@@ -59,11 +59,35 @@ def prepare_job(cfg: Config) -> dict[str, str]:
 
 
 def topology(cfg: Config, config_file: Path) -> dict[str, str]:
-    """The KEY=VALUE lines `prepare` prints; CONFIG names the resolved config the other steps must read."""
-    return {"RUN_DIR": str(Path(cfg.run.dir).resolve()), "TRAINER_WORLD_SIZE": str(cfg.trainer.world_size),
-            "ROLLOUT_REPLICAS": str(cfg.rollout.replicas), "ROLLOUT_TP": str(cfg.rollout.tp),
-            "ROLLOUT_RESTARTS": str(cfg.rollout.restarts),
-            "CONFIG": str(config_file.resolve())}
+    """The KEY=VALUE lines `prepare` prints; CONFIG names the resolved config the other steps must read;
+    ROLLOUT_HOST_MB the host memory a replica's step needs on GPUs (`gpu_replica_host_mb`; absent where the plan
+    cannot say), which the SLURM job compares with each replica step's --mem."""
+    lines = {"RUN_DIR": str(Path(cfg.run.dir).resolve()), "TRAINER_WORLD_SIZE": str(cfg.trainer.world_size),
+             "ROLLOUT_REPLICAS": str(cfg.rollout.replicas), "ROLLOUT_TP": str(cfg.rollout.tp),
+             "ROLLOUT_RESTARTS": str(cfg.rollout.restarts)}
+    host_mb = gpu_replica_host_mb(cfg)
+    if host_mb is not None:
+        lines["ROLLOUT_HOST_MB"] = str(host_mb)
+    return lines | {"CONFIG": str(config_file.resolve())}
+
+
+SERVED_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}  # rollout.dtype -> megarl.checks' names
+
+
+def gpu_replica_host_mb(cfg: Config) -> int | None:
+    """The least --mem (MB) of one replica's step on a GPU fleet: its vLLM ranks' host memory with the receive mode
+    the run uses there (staged: each rank's shard pinned; megarl.checks.replica_host_mb). None when the model's layout
+    is not in the sync's hand-written table (the preflight then measures the step instead)."""
+    from megarl.checks import push_memory, receive_mode, replica_host_mb
+    from megarl.models.hf_config import read_hf_config
+
+    dtype = SERVED_DTYPE[cfg.rollout.dtype]
+    try:
+        hf = read_hf_config(cfg.model.hf_dir)
+        mode, _ = receive_mode(cfg, hf, True, dtype)
+        return replica_host_mb(push_memory(hf, cfg, dtype), mode, cfg.sync.delta)
+    except (KeyError, ValueError, OSError):
+        return None
 
 
 def prepare_preflight(cfg: Config) -> dict[str, str]:

@@ -104,6 +104,7 @@ topology=$(srun --nodes=1 --ntasks=1 --cpus-per-task=1 --nodelist="${nodes[0]}" 
     exit 2
 }
 config=""
+rollout_host_mb=0  # host memory (MB) a GPU fleet's replica step needs; 0: a megarl whose prepare does not say
 config_restarts=0  # a megarl whose prepare does not print ROLLOUT_RESTARTS has no trainer that takes a replica back
 while IFS='=' read -r key value; do
     case $key in
@@ -113,6 +114,7 @@ while IFS='=' read -r key value; do
         ROLLOUT_REPLICAS) replicas=$value ;;
         ROLLOUT_TP) rollout_tp=$value ;;
         ROLLOUT_RESTARTS) config_restarts=$value ;;
+        ROLLOUT_HOST_MB) rollout_host_mb=$value ;;
     esac
 done <<< "$topology"
 config=${config:-$RUN_DIR/config.yaml}
@@ -137,6 +139,25 @@ fi
 # CPUs and memory of each replica's step (vLLM's API server, engine core and TP workers): the node's share
 cpus_per_replica=${ROLLOUT_CPUS_PER_REPLICA:-$(( cpus_on_node / per_node ))}
 if (( cpus_per_replica < 1 )); then cpus_per_replica=1; fi
+replica_mem_mb() {  # replica_mem_mb HOST: the --mem (MB) of a replica's step on HOST; 0 when memory is not scheduled
+    echo "${ROLLOUT_MEM_PER_REPLICA_MB:-$(( ${node_mem_mb[$1]:-0} / per_node ))}"
+}
+# On GPUs a replica's step holds its vLLM ranks' host memory and, with sync.receive=staged, each rank's whole shard
+# pinned (ROLLOUT_HOST_MB from prepare: megarl.checks.replica_host_mb, as `megarl plan` prints it): a step whose
+# --mem is smaller would be killed at its first push, so the job refuses it before anything starts
+if (( GPUS_PER_NODE > 0 && rollout_host_mb > 0 )); then
+    for (( i = 0; i < replicas; i++ )); do
+        host=${rollout_hosts[i / per_node]}
+        mem=$(replica_mem_mb "$host")
+        if (( mem > 0 && mem < rollout_host_mb )); then
+            say "rollout replica $i on $host would get --mem=${mem}M but needs ${rollout_host_mb}M of host memory" \
+                "(its vLLM ranks and, staged, their pinned shards: \`megarl plan\`): give the job more memory per" \
+                "node, lower ROLLOUT_REPLICAS_PER_NODE, or set sync.receive=streamed (or rollout.replica_host_memory_gb" \
+                "to the step's share, and sync.receive=auto picks streamed)"
+            exit 2
+        fi
+    done
+fi
 if (( world_size > TRAINER_TASKS_PER_NODE * TRAINER_NODES )); then
     say "trainer.world_size=$world_size ranks do not fit $TRAINER_NODES trainer node(s) x" \
         "$TRAINER_TASKS_PER_NODE (TRAINER_TASKS_PER_NODE): add trainer nodes"
@@ -272,7 +293,7 @@ else
 fi
 start_replica() {  # start_replica I [RESTART]: replica I's step on its node; a restart appends to the replica's logs
     local i=$1 restart=${2:-0} host=${rollout_hosts[$1 / per_node]} replica_mem open=() again=()
-    replica_mem=${ROLLOUT_MEM_PER_REPLICA_MB:-$(( ${node_mem_mb[$host]:-0} / per_node ))}
+    replica_mem=$(replica_mem_mb "$host")
     if (( restart > 0 )); then open=(--open-mode=append) again=(--restart); fi
     # shellcheck disable=SC2046
     run_step "$i" "megarl-serve-$i" "$host" --nodes=1 --ntasks=1 --cpus-per-task="$cpus_per_replica" --exact \

@@ -60,6 +60,8 @@ def prepared(earlier_run: Path, tiny_moe_dir: Path) -> dict[str, str]:
 
 def test_prepare_preflight_touches_no_run(prepared: dict[str, str], earlier_run: Path) -> None:
     config = earlier_run / "preflight" / "config.yaml"
+    prepared = dict(prepared)
+    assert int(prepared.pop("ROLLOUT_HOST_MB")) > 2 * 8e9 / 2**20  # 2 vLLM ranks per replica, 8 GB each + shards
     assert prepared == {"RUN_DIR": str(earlier_run), "TRAINER_WORLD_SIZE": "4", "ROLLOUT_REPLICAS": "2",
                         "ROLLOUT_TP": "2", "ROLLOUT_RESTARTS": "2", "CONFIG": str(config)}
     assert (earlier_run / "metrics.jsonl").read_text() == '{"step": 0}\n'
@@ -396,3 +398,30 @@ def test_preflight_versions_command() -> None:
     wrong = _megarl("preflight", "versions", "--stack", "gpu-fleet")  # this venv is not the GPU fleet's
     assert wrong.returncode == 1 and "PROBLEM: vllm is not installed but the gpu-fleet stack pins 0.32.0" in \
         wrong.stdout, wrong.stdout
+
+
+def test_a_replica_steps_host_memory_against_its_pinned_shards(tmp_path: Path) -> None:
+    from megarl.preflight.host_memory import cgroup_limit_bytes, host_memory_finding, mem_total_bytes
+
+    # cgroup v2: the step's own cgroup's memory.max; "max" is no limit
+    (tmp_path / "slurm" / "job_7" / "step_1").mkdir(parents=True)
+    (tmp_path / "slurm" / "job_7" / "step_1" / "memory.max").write_text("96636764160\n")  # 92,160 MB
+    assert cgroup_limit_bytes("0::/slurm/job_7/step_1\n", tmp_path) == 96_636_764_160
+    (tmp_path / "slurm" / "job_7" / "step_1" / "memory.max").write_text("max\n")
+    assert cgroup_limit_bytes("0::/slurm/job_7/step_1\n", tmp_path) is None
+    # cgroup v1: the memory controller's hierarchy; a huge value is no limit; other controllers are skipped
+    (tmp_path / "memory" / "slurm" / "s").mkdir(parents=True)
+    (tmp_path / "memory" / "slurm" / "s" / "memory.limit_in_bytes").write_text("1073741824\n")
+    assert cgroup_limit_bytes("5:cpuset:/x\n4:memory:/slurm/s\n0::/\n", tmp_path) == 2**30
+    (tmp_path / "memory" / "slurm" / "s" / "memory.limit_in_bytes").write_text("9223372036854771712\n")
+    assert cgroup_limit_bytes("4:memory:/slurm/s\n", tmp_path) is None
+    assert cgroup_limit_bytes("4:memory:/not/there\n", tmp_path) is None
+    assert mem_total_bytes("MemTotal:       24576000 kB\nMemFree: 1 kB\n") == 24_576_000 * 1024
+    # the 30B recipe's replica needs 88,827 MB staged (tests/test_receiver_memory_plan.py): 92,160 MB is enough,
+    # 88,826 MB (one short) is not, an unreadable limit says nothing
+    assert host_memory_finding(88_827, 92_160 * 2**20, 3) is None
+    assert host_memory_finding(88_827, 88_827 * 2**20, 3) is None
+    finding = host_memory_finding(88_827, 88_826 * 2**20, 3)
+    assert finding is not None and finding.startswith("rollout replica 3's step may use 88826 MB of host memory but "
+                                                      "needs 88827 MB")
+    assert host_memory_finding(88_827, None, 3) is None

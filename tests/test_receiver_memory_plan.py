@@ -9,7 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from megarl.checks import check_against_model, push_memory, push_memory_problem
+from megarl.checks import (
+    check_against_model,
+    push_memory,
+    push_memory_problem,
+    receive_mode,
+    replica_host_bytes,
+    replica_host_mb,
+)
 from megarl.config.load import ConfigError, load_config
 from megarl.config.schema import TrainerConfig
 from megarl.models.hf_config import read_hf_config
@@ -19,6 +26,8 @@ from megarl.rollout.fleet import FleetSpec, fleet_spec, server_command, server_e
 from megarl.sync.plan import plan_transfers, vllm_rank_slices
 from megarl.sync.receiver_memory import (
     CUDA_RESERVE_BYTES,
+    NCCL_COMM_BYTES,
+    NCCL_PEER_BYTES,
     in_flight_bytes,
     push_budget_bytes,
     receiver_memory,
@@ -58,29 +67,32 @@ FULL_SENDERS = 16
 NORM_ONLY_STAGE0, NORM_ONLY_STAGE1 = BF16 * 24 * WHOLE, BF16 * (24 * WHOLE + H)
 OVERSIZE = 2 * (BF16 * VOCAB_ROWS * H - BUCKET)
 IN_FLIGHT = FULL_SENDERS * 2 * BUCKET + 8 * NORM_ONLY_STAGE0 + 8 * NORM_ONLY_STAGE1 + OVERSIZE
-BUDGET = 8_000_000_000 - 2**30  # 80 GB GPU, vLLM at 0.9, 1 GiB for CUDA context and NCCL buffers
+BUDGET = 8_000_000_000 - 2**29  # 80 GB GPU, vLLM at 0.9, 512 MiB for the CUDA context
+# the sync group's NCCL memory on each vLLM rank (assumed): 64 MiB for the communicator + 16 MiB per trainer rank
+GROUP = 64 * MIB + 32 * 16 * MIB
 
 
 def test_hand_numbers_of_the_30b_recipe():
     assert SERVED == 15_285_252_096  # `megarl plan`'s bytes per vLLM rank (tests/test_plan_report.py)
     assert (EXPERTS_MODULE * BF16, LAYER * BF16) == (301_989_888, 311_960_064)
-    assert IN_FLIGHT == 2_529_132_544 and BUDGET == 6_926_258_176
+    assert IN_FLIGHT == 2_529_132_544 and BUDGET == 7_463_129_088 and GROUP == 603_979_776
     cfg, hf = _recipe()
     memory = push_memory(hf, cfg)
     assert len(memory) == 4
     for m in memory:  # every vLLM rank of the recipe is alike
         assert m.served == SERVED and m.senders == 32 and m.bucket_bytes == BUCKET
         assert m.largest_module == BF16 * EXPERTS_MODULE and m.largest_layer == BF16 * LAYER
-        assert m.in_flight == IN_FLIGHT
-        assert m.device_extra("staged") == IN_FLIGHT + BF16 * EXPERTS_MODULE == 2_831_122_432
+        assert m.in_flight == IN_FLIGHT and m.group == GROUP
+        assert m.device_extra("staged") == GROUP + IN_FLIGHT + BF16 * EXPERTS_MODULE == 3_435_102_208
         assert m.host_extra("staged") == SERVED  # pinned host copy of the shard
-        assert m.device_extra("streamed") == IN_FLIGHT + 2 * 2 * BF16 * LAYER + BF16 * EXPERTS_MODULE
+        assert m.device_extra("streamed") == GROUP + IN_FLIGHT + 2 * 2 * BF16 * LAYER + BF16 * EXPERTS_MODULE
         assert m.host_extra("streamed") == 0
         assert m.legacy_device == SERVED + BF16 * EXPERTS_MODULE
-        # on a CPU fleet everything is host memory
+        # on a CPU fleet everything is host memory, and there is no NCCL group (gloo)
         assert (m.device_extra("streamed", cuda=False), m.host_extra("streamed", cuda=False)) == \
-            (0, m.device_extra("streamed"))
-    assert push_budget_bytes(80, 0.9) == BUDGET and CUDA_RESERVE_BYTES == 2**30
+            (0, m.device_extra("streamed") - GROUP)
+    assert push_budget_bytes(80, 0.9) == BUDGET and CUDA_RESERVE_BYTES == 2**29
+    assert (NCCL_COMM_BYTES, NCCL_PEER_BYTES) == (64 * MIB, 16 * MIB)
     # the issue's statement: a second copy of a 15.3 GB shard cannot fit in the ~7 GB vLLM leaves; both modes can
     assert memory[0].legacy_device > 2 * BUDGET
     assert memory[0].device_extra("staged") < memory[0].device_extra("streamed") < BUDGET
@@ -140,18 +152,21 @@ def test_in_flight_bound_by_hand():
 
 def test_check_refuses_a_push_that_cannot_fit():
     cfg, hf = _recipe()
-    check_against_model(cfg, hf, cuda=True)  # staged: 2.83 GB of 6.93 GB
-    check_against_model(_recipe("sync.receive=streamed")[0], hf, cuda=True)  # 4.08 GB of 6.93 GB
-    # vLLM at 0.99 of an 80 GB GPU leaves 0.8 GB, less than CUDA's own: nothing fits, every field is named
-    with pytest.raises(ConfigError, match=r"sync\.receive=staged: a weight push needs up to 2\.83 GB .* 15\.29 GB of "
+    check_against_model(cfg, hf, cuda=True)  # staged: 3.44 GB of 7.46 GB
+    check_against_model(_recipe("sync.receive=streamed")[0], hf, cuda=True)  # 4.68 GB of 7.46 GB
+    # vLLM at 0.99 of an 80 GB GPU leaves 0.8 GB, 0.26 GB after CUDA's own: nothing fits, every field is named;
+    # the largest that fits staged: 1 - (3,435,102,208 + 536,870,912) / 80e9 = 0.9503
+    with pytest.raises(ConfigError, match=r"sync\.receive=staged: a weight push needs up to 3\.44 GB .* 15\.29 GB of "
                        r"bf16 weights, but rollout\.gpu_memory_gb=80 x \(1 - rollout\.gpu_memory_utilization=0\.99\) "
-                       r"less 1\.07 GB for CUDA leaves 0 B beside vLLM's share: lower rollout\.gpu_memory_utilization "
-                       r"\(at most 0\.95 fits\), or raise rollout\.tp .*, or lower sync\.bucket_mb"):
+                       r"less 0\.54 GB for CUDA leaves 0\.26 GB beside vLLM's share: lower "
+                       r"rollout\.gpu_memory_utilization \(at most 0\.95 fits\), or raise rollout\.tp .*, or lower "
+                       r"sync\.bucket_mb"):
         check_against_model(_recipe("rollout.gpu_memory_utilization=0.99")[0], hf, cuda=True)
-    # at 0.95 (2.93 GB left) staged fits and streamed does not: the refusal names staged as a way out
+    # at 0.95 (3.46 GB left) staged fits and streamed does not: the refusal names staged as a way out; streamed fits
+    # up to 1 - (4,682,942,464 + 536,870,912) / 80e9 = 0.9348
     tight = _recipe("rollout.gpu_memory_utilization=0.95", "sync.receive=streamed")[0]
     problem = push_memory_problem(tight, hf)
-    assert problem is not None and "use sync.receive=staged (2.83 GB)" in problem and "at most 0.93 fits" in problem
+    assert problem is not None and "use sync.receive=staged (3.44 GB)" in problem and "at most 0.93 fits" in problem
     assert push_memory_problem(_recipe("rollout.gpu_memory_utilization=0.95")[0], hf) is None
     # smaller buckets or a wider TP make the same GPU fit: 16 MiB buckets take 32 x 2 x 48 MiB less
     assert push_memory_problem(_recipe("rollout.gpu_memory_utilization=0.95", "sync.receive=streamed",
@@ -166,14 +181,14 @@ def test_plan_prints_the_push_memory(capsys):
     args = argparse.Namespace(config=str(RECIPE), overrides=[HF_DIR], dtype="bf16", link_gbps=50.0, needs="table")
     assert run(args) == 0
     out = capsys.readouterr().out
-    assert ("free beside vLLM: rollout.gpu_memory_gb=80 x (1 - rollout.gpu_memory_utilization=0.9) - 1.07 GB CUDA "
-            "reserve = 6.93 GB per GPU") in out
+    assert ("free beside vLLM: rollout.gpu_memory_gb=80 x (1 - rollout.gpu_memory_utilization=0.9) - 0.54 GB CUDA "
+            "reserve = 7.46 GB per GPU") in out
     rows = [line.split() for line in out.splitlines() if re.match(r" +[0-3] +15\.29 GB +32 ", line)]
-    assert len(rows) == 4 and all(" ".join(r[1:]) == "15.29 GB 32 2.53 GB 0.30 GB 2.83 GB 15.29 GB 4.08 GB 0 B "
-                                  "15.59 GB" for r in rows)
-    assert ("sync.receive=staged (configured): 2.83 GB of 6.93 GB: fits; streamed: 4.08 GB of 6.93 GB: fits"
-            in out)
-    assert "legacy (a second copy of the shard on the device): 15.59 GB of 6.93 GB: does NOT fit" in out
+    assert len(rows) == 4 and all(" ".join(r[1:]) == "15.29 GB 32 2.53 GB 0.30 GB 0.60 GB 3.44 GB 15.29 GB 4.68 GB "
+                                  "0 B 15.59 GB" for r in rows)
+    assert ("sync.receive=staged (chosen by sync.receive=auto): 3.44 GB of 7.46 GB: fits; streamed: 4.68 GB of "
+            "7.46 GB: fits") in out
+    assert "legacy (a second copy of the shard on the device): 15.59 GB of 7.46 GB: does NOT fit" in out
 
 
 def test_gpu_memory_utilization_reaches_vllm_on_gpus_only(tmp_path: Path):
@@ -188,3 +203,30 @@ def test_gpu_memory_utilization_reaches_vllm_on_gpus_only(tmp_path: Path):
     spec = fleet_spec(cfg, gpu=True)
     assert spec.gpu_memory_utilization == 0.8
     assert server_command(spec, 8000)[server_command(spec, 8000).index("--gpu-memory-utilization") + 1] == "0.8"
+
+
+def test_host_memory_and_the_auto_receive_mode_by_hand():
+    cfg, hf = _recipe()
+    memory = push_memory(hf, cfg)
+    staged = 4 * (8 * 10**9 + SERVED)  # 4 vLLM ranks: 8 GB each for vLLM (assumed) + its pinned 15.29 GB shard
+    assert replica_host_bytes(memory, "staged", False) == staged == 93_141_008_384
+    assert replica_host_mb(memory, "staged", False) == 88_827  # ceil(93,141,008,384 / 2**20 = 88,826.96)
+    assert replica_host_bytes(memory, "streamed", False) == 32 * 10**9
+    assert replica_host_mb(memory, "streamed", False) == 30_518  # ceil(30,517.58)
+    assert replica_host_bytes(memory, "staged", True) == staged + 4 * SERVED  # + each worker's delta base
+    # auto: a CPU fleet and a GPU fleet of unknown host memory take staged; 93.15 GB per replica holds staged's
+    # 93.14 GB, 93.1 GB does not (streamed); sync.delta keeps staged; a configured mode is kept
+    assert receive_mode(cfg, hf, cuda=False)[0] == "staged"
+    assert receive_mode(cfg, hf, cuda=True)[0] == "staged"
+    assert receive_mode(_recipe("rollout.replica_host_memory_gb=93.15")[0], hf, cuda=True)[0] == "staged"
+    tight = _recipe("rollout.replica_host_memory_gb=93.1")[0]
+    mode, why = receive_mode(tight, hf, cuda=True)
+    assert mode == "streamed" and "93.14 GB" in why
+    assert receive_mode(_recipe("rollout.replica_host_memory_gb=93.1", "sync.delta=true")[0], hf, True)[0] == "staged"
+    assert receive_mode(_recipe("sync.receive=streamed")[0], hf, cuda=False) == ("streamed", "configured")
+    # `megarl check --gpu`: auto fits there by streaming; staged configured is refused, naming streamed's 32 GB
+    check_against_model(tight, hf, cuda=True)
+    with pytest.raises(ConfigError, match=r"sync\.receive=staged: a replica's 4 vLLM rank\(s\) need 93\.14 GB of host "
+                       r"memory .* but rollout\.replica_host_memory_gb=93\.1: .* use sync\.receive=streamed "
+                       r"\(32\.00 GB\)"):
+        check_against_model(_recipe("rollout.replica_host_memory_gb=93.1", "sync.receive=staged")[0], hf, cuda=True)

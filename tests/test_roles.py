@@ -129,6 +129,10 @@ def prepared(tmp_path_factory: pytest.TempPathFactory) -> Path:
                   f"model.hf_dir={root / 'tiny'}")
     assert out.returncode == 0, out.stderr[-3000:]
     topology = dict(line.split("=", 1) for line in out.stdout.splitlines())
+    # a GPU replica's --mem: its 2 vLLM ranks, 8 GB each (assumed) + each its pinned shard, at most the checkpoint
+    host_mb, weights = int(topology.pop("ROLLOUT_HOST_MB")), sum(p.stat().st_size for p in (root / "tiny").glob(
+        "*.safetensors"))
+    assert 16e9 / 2**20 < host_mb <= (16e9 + 2 * weights) / 2**20 + 1, (host_mb, weights)
     assert topology == {"RUN_DIR": str(root / "run"), "TRAINER_WORLD_SIZE": "2", "ROLLOUT_REPLICAS": "1",
                         "ROLLOUT_TP": "2", "ROLLOUT_RESTARTS": "2", "CONFIG": str(root / "run" / "config.yaml")}
     return root / "run"

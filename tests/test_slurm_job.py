@@ -237,3 +237,18 @@ def test_a_step_that_cannot_start_fails_the_job_naming_it(slurm_cluster: SlurmCl
     assert match and match[1] != match[2], output  # the pending replica, and the one that holds node3's CPUs
     assert elapsed < 60, f"the job took {elapsed:.0f}s to fail\n{output}"
     slurm_cluster.wait_idle()  # nothing left behind: the pending srun gave up, the running steps were stopped
+
+
+def test_a_replica_step_without_room_for_its_pinned_shards_is_refused(slurm_cluster: SlurmCluster,
+                                                                      tmp_path: Path) -> None:
+    # GPU nodes: a replica's step must hold its vLLM rank's host memory, 8 GB (assumed) + its whole shard pinned by a
+    # staged receive (sync.receive=auto, host memory not given: staged); 7,000 MB cannot, and the job says so before
+    # any step starts. The need is prepare's ROLLOUT_HOST_MB: ceil((8e9 + the checkpoint's fp32 bytes) / 2**20).
+    env = {**_job_env(tmp_path, "run.steps=2"), "ROLLOUT_MEM_PER_REPLICA_MB": "7000"}
+    result = _submit(slurm_cluster, tmp_path, env)
+    output = _job_output(tmp_path, result)
+    assert result.returncode != 0, _describe(slurm_cluster, tmp_path, result)
+    need = math.ceil((8 * 10**9 + _model_bytes(tmp_path / "tiny-moe")) / 2**20)
+    assert (f"rollout replica 0 on node3 would get --mem=7000M but needs {need}M of host memory" in output), output
+    assert not (tmp_path / "run" / "logs" / "serve_replica0.log").exists()  # nothing was started
+    slurm_cluster.wait_idle()

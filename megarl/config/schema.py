@@ -202,13 +202,22 @@ class RolloutConfig(_Strict):
     gpu_memory_utilization: float = Field(
         0.9, gt=0, le=1, description="Share of each rollout GPU's memory vLLM may fill with weights, activations and "
         "KV cache (vLLM's --gpu-memory-utilization; 0.9 is vLLM's default). What is left, (1 - this) x "
-        "rollout.gpu_memory_gb less 1 GiB for CUDA's own (megarl.sync.receiver_memory), is what a weight push may use "
-        "beside the served weights: `megarl plan` prints it, `megarl check --gpu` refuses a layout whose push does not "
-        "fit. Passed to GPU fleets only: vLLM's CPU backend would read it as the share of RAM to reserve.",
+        "rollout.gpu_memory_gb less 512 MiB for CUDA's own (megarl.sync.receiver_memory), is what a weight push "
+        "(and the sync group's NCCL memory, made when the replica joins) may use beside the served weights: "
+        "`megarl plan` prints it, `megarl check --gpu` refuses a layout whose push does not fit. Passed to GPU "
+        "fleets only: vLLM's CPU backend would read it as the share of RAM to reserve.",
     )
     gpu_memory_gb: float = Field(
         80.0, gt=0, description="Memory of each rollout GPU in GB (10^9 bytes; 80 for an H100 or A100-80GB), for "
         "the push's memory budget (`megarl plan`, `megarl check --gpu`); vLLM itself measures the real GPU.",
+    )
+    replica_host_memory_gb: float | None = Field(
+        None, gt=0, description="Host memory one replica may use on a GPU fleet, in GB (10^9 bytes): its share of a "
+        "rollout node (the node's memory / replicas per node; what the SLURM job gives its step as --mem). Given, "
+        "sync.receive=auto picks staged only if the replica's pinned shards fit beside vLLM's own host memory (8 GB "
+        "per TP rank assumed; megarl.checks.replica_host_bytes) and `megarl check --gpu` refuses a layout that does "
+        "not fit. None (default): not checked here; the SLURM job refuses a replica step whose --mem is smaller "
+        "than that need and `megarl preflight` compares it with each replica step's memory.",
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="The dtype the fleet serves (vLLM --dtype) and so the weight sync's wire dtype: the "
@@ -267,15 +276,19 @@ class SyncConfig(_Strict):
         "trainer needs no vLLM. table: megarl's hand-written vLLM 0.32 layouts (Qwen2, Qwen3, Qwen3-MoE, no expert "
         "parallel), for a fleet that cannot record (e.g. it serves a hub id, not a local checkpoint directory).",
     )
-    receive: Literal["staged", "streamed"] = Field(
-        "staged", description="How a vLLM rank takes a push. staged (default): every block of the update is "
-        "received (through device buckets on a GPU fleet) into host memory before the model is touched, so a "
-        "transfer that fails leaves the old weights serving; beyond the served weights the device holds a few "
-        "buckets and the layer vLLM's reload is processing, the host this rank's whole shard. streamed: blocks "
-        "are loaded into the model as their buckets arrive; host and device hold a few buckets per sender and the "
-        "layers being assembled, never a shard, but a transfer that fails mid-push leaves the replica paused "
-        "(it serves nothing) until a complete push. `megarl plan` prints each rank's peak for both and `megarl check "
-        "--gpu` judges the configured one.",
+    receive: Literal["auto", "staged", "streamed"] = Field(
+        "auto", description="How a vLLM rank takes a push. staged: every block of the update is received (through "
+        "device buckets on a GPU fleet) into host memory before the model is touched, so a transfer that fails "
+        "leaves the old weights serving; beyond the served weights the device holds a few buckets and the layer "
+        "vLLM's reload is processing, the host this rank's whole shard (pinned on a GPU: 15.3 GB per rank, 122 GB "
+        "per 8-GPU node for Qwen3-30B-A3B at rollout.tp 4). streamed: blocks are loaded into the model as their "
+        "buckets arrive; host and device hold a few buckets per sender and the layers being assembled, never a "
+        "shard, but a transfer that fails mid-push leaves the replica paused (it serves nothing) until a complete "
+        "push. auto (default), chosen from the plan (megarl.checks.receive_mode, printed by `megarl plan`): staged "
+        "on a CPU fleet (as before auto existed) and with sync.delta; on a GPU fleet staged when a replica's host "
+        "memory holds its pinned shards beside vLLM (rollout.replica_host_memory_gb; not given: staged, and the "
+        "SLURM job and the preflight check the step's memory), else streamed. `megarl plan` prints each rank's "
+        "peak for both and `megarl check --gpu` judges the one the run uses.",
     )
     delta: bool = Field(
         False, description="Delta pushes: a replica whose vLLM workers all hold the previous pushed version gets, "
@@ -290,7 +303,7 @@ class SyncConfig(_Strict):
 
     @model_validator(mode="after")
     def _delta_needs_staged(self) -> SyncConfig:
-        if self.delta and self.receive != "staged":
+        if self.delta and self.receive == "streamed":
             raise ValueError("sync.delta=true needs sync.receive=staged: a delta is written into the worker's copy "
                              "of what it last loaded, which a streamed receiver does not keep")
         return self
@@ -299,6 +312,20 @@ class SyncConfig(_Strict):
         "workers to join its new sync group (and that group's timeout afterwards). A replica that does not arrive "
         "in time (it died again mid-join) stays out and is asked again at the next push point; the run goes on. "
         "The initial groups use trainer.collective_timeout_s.",
+    )
+    timeout_min_gbps: float = Field(
+        0.5, gt=0, description="NCCL sync groups only: the slowest bandwidth (GB/s, 10^9 bytes) a push's busiest "
+        "link is assumed to keep, for the groups' own operation timeout = sync.timeout_fixed_s + that link's bytes "
+        "in a full push / this (megarl.sync.group_timeout; the busiest link is the largest vLLM worker's shard or a "
+        "trainer rank's share of all replicas' shards). A dead peer's operations end at that timeout, not at "
+        "trainer.collective_timeout_s. 0.5 GB/s is a tenth of a 50 Gb/s link: the Qwen3-30B-A3B recipe (15.29 GB "
+        "per vLLM rank) gets 120 + 30.6 = 150.6 s. gloo (CPU) groups keep trainer.collective_timeout_s: gloo fails "
+        "a dead peer's operations at once.",
+    )
+    timeout_fixed_s: float = Field(
+        120.0, gt=0, description="NCCL sync groups only: the fixed part of the groups' operation timeout (see "
+        "sync.timeout_min_gbps), also its floor: what a push waits beyond moving its bytes (opening the replicas, "
+        "vLLM's reload of a streamed push's layers while later buckets wait).",
     )
     push_initial: bool = Field(
         False, description="Push the trainer's weights once before the first batch, for a fleet that did not "

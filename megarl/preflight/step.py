@@ -18,12 +18,13 @@ from megarl.config.load import ConfigError
 from megarl.config.schema import Config
 from megarl.preflight import files
 from megarl.preflight.analysis import describe
-from megarl.preflight.gpu import check_gpus
+from megarl.preflight.gpu import DRIVER_FILE, check_gpus
+from megarl.preflight.host_memory import host_memory_finding, step_memory_bytes
 from megarl.preflight.identity import visible_devices, who
 from megarl.preflight.model_files import check_model
 from megarl.preflight.net import Listeners, probe
 from megarl.preflight.versions import check_versions
-from megarl.roles import SYNC_PORT_ENV, node_address
+from megarl.roles import SYNC_PORT_ENV, gpu_replica_host_mb, node_address
 from megarl.stacks import stack_for
 
 RENDEZVOUS, SYNC, HTTP = "rendezvous store", "weight-sync store", "HTTP server"
@@ -167,6 +168,11 @@ def serve_step(cfg: Config, replica: int, wait_s: float, host: str | None = None
         raise ConfigError(f"--replica {replica}: the config has rollout.replicas={cfg.rollout.replicas} "
                           f"(replicas 0..{cfg.rollout.replicas - 1})")
     findings: list[str] = []
+    if DRIVER_FILE.exists():  # a GPU node: the staged receivers' pinned shards must fit the step's memory
+        need_mb = gpu_replica_host_mb(cfg)
+        memory = None if need_mb is None else host_memory_finding(need_mb, step_memory_bytes(), replica)
+        if memory is not None:
+            findings.append(memory)
     listeners = Listeners()
     try:
         address = host or node_address()

@@ -96,18 +96,20 @@ class FleetLifecycle:
         return recorded_by_fleet(client.collective_rpc("megarl_record_loader_reads"), self.tp, client.url)
 
     def join(self, groups: dict[int, str], host: str, port: int, trainers: int, slots: int, timeout_s: float,
-             needs: RolloutNeeds) -> dict[int, ResultThread]:
+             needs: RolloutNeeds, op_timeout_s: float | None = None) -> dict[int, ResultThread]:
         """Ask the workers of each replica in `groups` (replica -> its sync group's store prefix, store at
         `host:port`) to join its group: TP rank r at rank `trainers + r` of it (fleet-wide rank
         `trainers + replica * tp + r` in plans and reports); each worker is handed `needs` (it keeps its own rank's
-        blocks). Returns the threads to join once this rank has joined too."""
+        blocks) and `op_timeout_s`, its NCCL group's operation timeout (`megarl.sync.group_timeout`). Returns the
+        threads to join once this rank has joined too."""
         for rep in groups:  # a dead or unguarded-key server fails here, not in the group's rendezvous
             self.clients[rep].weight_version()
         threads = {}
         for rep, prefix in groups.items():
             info = {"host": host, "port": port, "world_size": trainers + slots * self.tp,
                     "rank_offset": trainers + rep * self.tp, "timeout_s": timeout_s, "needs": needs.to_json(),
-                    "group_prefix": prefix, "group_rank_offset": trainers, "group_world_size": trainers + self.tp}
+                    "group_prefix": prefix, "group_rank_offset": trainers, "group_world_size": trainers + self.tp,
+                    "op_timeout_s": op_timeout_s}
             threads[rep] = ResultThread(lambda c=self.clients[rep], info=info: c.init_weight_transfer(info))
             threads[rep].start()
         return threads

@@ -48,6 +48,10 @@ Assumptions, each a bound rather than a measurement:
    outside both (below). `rollout.gpu_memory_gb` is the nominal size (an "80 GB" H100 has a "total capacity of 79.11
    GiB" = 84.9e9 bytes in torch's words), so the budget errs on the safe side.
 6. Host extra is this rank's alone; a node holding several vLLM ranks holds the sum.
+7. On a GPU fleet (NCCL) the rank's sync group holds one communicator and a connection to every trainer rank, all
+   made when it joins (`megarl.sync.group_setup.connect`): `NCCL_COMM_BYTES + trainer ranks x NCCL_PEER_BYTES`
+   (`nccl_group_bytes`), counted in every mode's device extra. It lives as long as the group, not only during a
+   push, but it is made after vLLM sized its KV cache, so it must fit in the same room beside vLLM's share.
 """
 
 from __future__ import annotations
@@ -64,10 +68,15 @@ ReceiveMode = Literal["staged", "streamed"]
 MODES: tuple[ReceiveMode, ...] = ("staged", "streamed")
 
 # Device memory outside vLLM's budget and outside the push: the CUDA context of a vLLM worker with torch's kernels
-# loaded (commonly 0.5 GiB on an H100; not measured here: no GPU) and the NCCL buffers of the weight-sync group's
-# point-to-point connections, made at the first push, after vLLM sized its KV cache (a few MiB per channel per
-# peer, tens of peers). 1 GiB covers both; it is what `megarl check --gpu` keeps free on top of the push.
-CUDA_RESERVE_BYTES = 1 << 30
+# loaded (commonly 0.5 GiB on an H100; not measured here: no GPU). `megarl check --gpu` keeps it free on top of the
+# push and the sync group's NCCL memory (below).
+CUDA_RESERVE_BYTES = 512 * (1 << 20)
+# The weight-sync group's NCCL memory on a vLLM worker (assumption 7), made when the worker joins, after vLLM sized
+# its KV cache, so it comes out of what vLLM leaves. Assumed figures, not measured (no GPU was lent): a communicator's
+# own device structures, and per connected peer the point-to-point buffers of its channels (NCCL_BUFFSIZE-sized 4 MiB
+# simple-protocol buffers on a couple of channels, and the small low-latency ones), rounded up.
+NCCL_COMM_BYTES = 64 * (1 << 20)
+NCCL_PEER_BYTES = 16 * (1 << 20)
 BUCKETS_IN_FLIGHT_PER_SENDER = 2  # bucket k+1 packed (and posted) while bucket k travels
 LAYERS_ASSEMBLED_PER_STAGE = 2  # streamed: decoder layers per trainer pipeline stage whose blocks wait for the rest
 MIB = 1 << 20
@@ -155,6 +164,11 @@ def in_flight_bytes(pieces: dict[int, list[int]], needs: list[HFSlice], itemsize
     return buckets + min(two_per_sender, each_once)
 
 
+def nccl_group_bytes(trainers: int) -> int:
+    """Device bytes of a vLLM rank's NCCL sync group, connected to `trainers` trainer ranks (assumption 7)."""
+    return NCCL_COMM_BYTES + trainers * NCCL_PEER_BYTES
+
+
 def push_budget_bytes(gpu_memory_gb: float, utilization: float, reserve: int = CUDA_RESERVE_BYTES) -> int:
     """Device bytes a push may use beside vLLM's share of the GPU (assumption 5); negative when none."""
     return round(gpu_memory_gb * 1e9 * (1 - utilization)) - reserve
@@ -176,6 +190,7 @@ class ReceiverMemory:
     largest_module: int  # what vLLM's layerwise reload materialises at once
     largest_layer: int  # the largest decoder layer it serves
     stages: int  # trainer pipeline stages
+    group: int = 0  # the sync group's NCCL memory on a GPU (assumption 7)
 
     @property
     def assembling(self) -> int:
@@ -188,18 +203,19 @@ class ReceiverMemory:
         return self.served + self.largest_module
 
     def device_extra(self, mode: ReceiveMode, cuda: bool = True) -> int:
-        """Peak device bytes beyond the served weights (0 on a CPU fleet: everything is host memory)."""
+        """Peak device bytes beyond the served weights, the sync group's NCCL memory included (0 on a CPU fleet:
+        everything is host memory)."""
         if not cuda:
             return 0
         if mode == "staged":
-            return self.in_flight + self.largest_module
-        return self.in_flight + self.assembling + self.largest_module
+            return self.group + self.in_flight + self.largest_module
+        return self.group + self.in_flight + self.assembling + self.largest_module
 
     def host_extra(self, mode: ReceiveMode, cuda: bool = True) -> int:
         """Peak host bytes beyond the served weights: staged keeps the shard there; on a CPU fleet the device's
         part is host memory too."""
         staged_shard = self.served if mode == "staged" else 0
-        return staged_shard + (0 if cuda else self.device_extra(mode, cuda=True))
+        return staged_shard + (0 if cuda else self.device_extra(mode, cuda=True) - self.group)
 
 
 def receiver_memory(needs: list[HFSlice], holdings: dict[int, list[HFSlice]], itemsize: int, bucket_bytes: int,
@@ -210,7 +226,7 @@ def receiver_memory(needs: list[HFSlice], holdings: dict[int, list[HFSlice]], it
         served=sum(b.numel for b in needs) * itemsize, senders=len(pieces), bucket_bytes=bucket_bytes,
         in_flight=in_flight_bytes(pieces, needs, itemsize, bucket_bytes),
         largest_module=largest_module_bytes(needs, itemsize), largest_layer=largest_layer_bytes(needs, itemsize),
-        stages=stages,
+        stages=stages, group=nccl_group_bytes(len(holdings)),
     )
 
 

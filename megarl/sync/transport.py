@@ -16,6 +16,11 @@ replicas restarting. Plans and wire entries keep naming a worker by its fleet-wi
 
 `TorchGroupTransport` (a vLLM worker: its replica's group) and `ReplicaGroupsTransport` (a trainer rank: every
 replica's), one point-to-point message per bucket with the bucket index as tag, streamed by `megarl.sync.stream`.
+
+On NCCL (`megarl.sync.group_setup`): a group's communicator and every (trainer rank, worker) connection are made
+when the group is joined, not at the first push; a replica that leaves has its group aborted; the groups'
+operations time out after their own `op_timeout_s` (`megarl.sync.group_timeout`, sized from a push's bytes), while
+the join's rendezvous keeps `timeout_s`. On gloo none of that changes anything.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.parallel.stores import tcp_store
+from megarl.sync import group_setup
 from megarl.sync.slices import HFSlice
 from megarl.sync.stream import SendResult, SliceStream, raw_bytes, receive_slices, send_buckets
 from megarl.sync.wire import WireEntry, staged, staged_ahead
@@ -70,19 +76,26 @@ def replica_group_prefix(replica: int, generation: int) -> str:
 
 
 def make_sync_group(host: str, port: int, rank: int, world_size: int, timeout_s: float = 600.0,
-                    prefix: str = SYNC_PREFIX):
+                    prefix: str = SYNC_PREFIX, op_timeout_s: float | None = None, trainers: int | None = None):
     """Join a sync group (rank 0 hosts the store; `prefix`: which group). Returns (store, process group).
-    Built directly on a TCPStore so it is independent of the trainer's own default process group."""
+    Built directly on a TCPStore so it is independent of the trainer's own default process group. `trainers`: how
+    many of its ranks are trainer ranks; given, an NCCL group connects every (trainer, worker) pair now
+    (`group_setup.connect`)."""
     store = tcp_store(host, port, world_size, is_master=rank == 0, timeout_s=timeout_s)
-    return store, process_group(dist.PrefixStore(prefix, store), rank, world_size, timeout_s)
+    group = process_group(dist.PrefixStore(prefix, store), rank, world_size, timeout_s, op_timeout_s)
+    if trainers is not None:
+        group_setup.connect(group, rank, trainers, world_size)
+    return store, group
 
 
-def process_group(store, rank: int, world_size: int, timeout_s: float):
+def process_group(store, rank: int, world_size: int, timeout_s: float, op_timeout_s: float | None = None):
     """A process group over `store` (every member passes the same store, or prefix of it): NCCL when CUDA is
-    present, gloo otherwise; each operation times out after `timeout_s`."""
+    present, gloo otherwise; each operation times out after `timeout_s`, on NCCL after `op_timeout_s` where given
+    (the store's own timeout, which bounds the rendezvous, stays `timeout_s`)."""
     if torch.cuda.is_available():
         options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timedelta(seconds=timeout_s)  # as torch's own new_group sets it (default: 10 min)
+        # as torch's own new_group sets it (default: 10 min)
+        options._timeout = timedelta(seconds=timeout_s if op_timeout_s is None else op_timeout_s)
         with _nccl_errors_raise():
             return dist.ProcessGroupNCCL(store, rank, world_size, options)
     return dist.ProcessGroupGloo(store, rank, world_size, timedelta(seconds=timeout_s))
@@ -109,12 +122,14 @@ def _nccl_errors_raise() -> Iterator[None]:
 class TorchGroupTransport:
     """Point-to-point buckets over one torch.distributed process group (see the module docstring): a vLLM worker's
     end (its replica's group, `prefix`), or every member of a fleet-wide group. `window`: send buckets in flight
-    per trainer rank (memory: `window` buckets)."""
+    per trainer rank (memory: `window` buckets). `op_timeout_s`, `trainers`: as for `make_sync_group`."""
 
     def __init__(self, host: str, port: int, rank: int, world_size: int, timeout_s: float = 600.0,
-                 window: int = 2, prefix: str = SYNC_PREFIX) -> None:
+                 window: int = 2, prefix: str = SYNC_PREFIX, op_timeout_s: float | None = None,
+                 trainers: int | None = None) -> None:
         self.rank, self.window = rank, window
-        self.store, self.group = make_sync_group(host, port, rank, world_size, timeout_s, prefix)
+        self.store, self.group = make_sync_group(host, port, rank, world_size, timeout_s, prefix, op_timeout_s,
+                                                 trainers)
 
     def send(self, entries: list[WireEntry], local: list[tuple[HFSlice, torch.Tensor]],
              pack: Pack = raw_bytes) -> SendResult:
@@ -128,6 +143,9 @@ class TorchGroupTransport:
         return SliceStream(self.group, entries)
 
     def close(self) -> None:
+        """Leave the group: an NCCL group is aborted (`group_setup.abort`), a gloo one dropped."""
+        if self.group is not None:
+            group_setup.abort(self.group)
         self.group, self.store = None, None
 
 
@@ -154,12 +172,13 @@ class ReplicaGroups:
 class ReplicaGroupsTransport:
     """A trainer rank's end of the sync: the store (hosted by trainer rank 0) and one group per replica that joined
     (`join`, a collective with that replica's workers) and has not left (`leave`). `window`: send buckets in flight
-    per trainer rank."""
+    per trainer rank; `op_timeout_s`: the NCCL groups' operation timeout (`megarl.sync.group_timeout`; None:
+    `timeout_s`)."""
 
     def __init__(self, host: str, port: int, rank: int, trainers: int, tp: int, timeout_s: float = 600.0,
-                 window: int = 2) -> None:
+                 window: int = 2, op_timeout_s: float | None = None) -> None:
         self.host, self.rank, self.trainers, self.tp = host, rank, trainers, tp
-        self.timeout_s, self.window = timeout_s, window
+        self.timeout_s, self.window, self.op_timeout_s = timeout_s, window, op_timeout_s
         self.store = tcp_store(host, port, trainers + tp, is_master=rank == 0, timeout_s=timeout_s)
         self.groups = ReplicaGroups(trainers, tp)
         self.group = self.groups  # what the sends talk to (tests wrap it to inject failures)
@@ -171,16 +190,26 @@ class ReplicaGroupsTransport:
 
     def join(self, replica: int, timeout_s: float | None = None) -> None:
         """Build replica `replica`'s group with its workers (blocks until they joined, or `timeout_s`: default the
-        transport's; it is also the new group's timeout)."""
+        transport's; it is also the new group's timeout on gloo, on NCCL `op_timeout_s` is). On NCCL the group's
+        communicator and its connections to every worker are made here (`group_setup.connect`)."""
         prefix = self.next_prefix(replica)
         self.generation[replica] = self.generation.get(replica, 0) + 1
-        self.groups.groups[replica] = process_group(dist.PrefixStore(prefix, self.store), self.rank,
-                                                   self.trainers + self.tp,
-                                                   self.timeout_s if timeout_s is None else timeout_s)
+        world = self.trainers + self.tp
+        group = process_group(dist.PrefixStore(prefix, self.store), self.rank, world,
+                              self.timeout_s if timeout_s is None else timeout_s, self.op_timeout_s)
+        try:
+            group_setup.connect(group, self.rank, self.trainers, world)
+        except BaseException:
+            group_setup.abort(group)
+            raise
+        self.groups.groups[replica] = group
 
     def leave(self, replica: int) -> None:
-        """Drop replica `replica`'s group (its connections close with the last reference)."""
-        self.groups.groups.pop(replica, None)
+        """Replica `replica` leaves: its group is aborted on NCCL (whatever waits on it fails now), dropped on gloo
+        (its connections close with the last reference)."""
+        group = self.groups.groups.pop(replica, None)
+        if group is not None:
+            group_setup.abort(group)
 
     @property
     def replicas(self) -> list[int]:
@@ -198,6 +227,9 @@ class ReplicaGroupsTransport:
         raise TypeError("a trainer rank's transport only sends")
 
     def close(self) -> None:
-        """Drop every group (each closes its connections with its last reference) and the store handle."""
+        """Leave every group (aborted on NCCL, dropped on gloo: each closes its connections with its last reference)
+        and drop the store handle."""
+        for group in self.groups.groups.values():
+            group_setup.abort(group)
         self.groups.groups.clear()
         self.group, self.store = None, None

@@ -66,6 +66,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from megarl.sync.delta import apply, delta_target
+from megarl.sync.group_setup import free_cached_device_memory
 from megarl.sync.peak_memory import PeakMemory
 from megarl.sync.received_block import ReadLog, sha256_of, wrap
 from megarl.sync.slices import HFSlice
@@ -91,6 +92,8 @@ class PartitionedInitInfo(WeightTransferInitInfo):
     group_prefix: str | None = None
     group_rank_offset: int | None = None
     group_world_size: int | None = None
+    # NCCL groups: their operations' timeout (megarl.sync.group_timeout, sized from a push's bytes); None: timeout_s
+    op_timeout_s: float | None = None
 
 
 @dataclass
@@ -152,14 +155,18 @@ class PartitionedWeightTransferEngine(WeightTransferEngine[PartitionedInitInfo, 
         pc = self.parallel_config
         place = pc.data_parallel_index * pc.world_size + pc.rank
         self.rank = init_info.rank_offset + place
-        self.transport = None  # a rejoin replaces the group: the old one's connections close with it
+        if self.transport is not None:  # a rejoin replaces the group: the old one is aborted (NCCL) or dropped
+            self.transport.close()
+        self.transport = None
+        free_cached_device_memory()  # NCCL's buffers, made below, come from what the caching allocator frees
         if init_info.group_prefix is None:
             self.transport = TorchGroupTransport(init_info.host, init_info.port, self.rank, init_info.world_size,
-                                                 init_info.timeout_s)
-        else:
+                                                 init_info.timeout_s, op_timeout_s=init_info.op_timeout_s)
+        else:  # its NCCL communicator and every trainer rank's connection to it are made here (group_setup.connect)
             self.transport = TorchGroupTransport(init_info.host, init_info.port, init_info.group_rank_offset + place,
                                                  init_info.group_world_size, init_info.timeout_s,
-                                                 prefix=init_info.group_prefix)
+                                                 prefix=init_info.group_prefix, op_timeout_s=init_info.op_timeout_s,
+                                                 trainers=init_info.group_rank_offset)
         self.needs, self.needs_error = None, None  # a new sync group brings its own record: nothing is kept
         self._drop_base()  # a new trainer starts with full pushes
         try:  # after joining: a refusal is reported with each update, the group's rendezvous never waits on it

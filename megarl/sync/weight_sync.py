@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from megarl.rollout.client import RolloutClient
 from megarl.sync.delta import BlockCount, SenderBase, block_key, delta_layout, encode, takes_delta
+from megarl.sync.group_timeout import push_link_bytes, sync_group_timeout_s
 from megarl.sync.lifecycle import FleetLifecycle
 from megarl.sync.needs import NeedsSource, RolloutNeeds, table_needs
 from megarl.sync.plan import plan_transfers
@@ -107,13 +108,17 @@ class PartitionedWeightSync:
     the vLLM workers take each push (`sync.receive`: "staged", all or nothing, or "streamed", loaded as it arrives
     in bounded memory), sent with every update; `delta` (`sync.delta`): send a replica that holds the previous
     version only the elements that changed (`megarl.sync.delta`); `wire_dtype` (`rollout.dtype`): the dtype the
-    fleet serves, each block is cast to it before it is sent (None: sent as the trainer holds it)."""
+    fleet serves, each block is cast to it before it is sent (None: sent as the trainer holds it);
+    `group_timeout` (`sync.timeout_min_gbps`, `sync.timeout_fixed_s`): on NCCL the sync groups' operations time out
+    after that many seconds for the busiest link's bytes of a full push (`megarl.sync.group_timeout`; None:
+    `timeout_s`, as gloo groups always do)."""
 
     def __init__(self, rank: int, world_size: int, hf_config: dict[str, Any], clients: list[RolloutClient],
                  rollout_tp: int, rollout_replicas: int, store_host: str, store_port: int, bucket_bytes: int,
                  timeout_s: float = 600.0, digests: bool = False, needs: NeedsSource = "recorded",
                  receive: ReceiveMode = "staged", delta: bool = False, wire_dtype: torch.dtype | None = None,
-                 min_replicas: int | None = None, rejoin_timeout_s: float | None = None) -> None:
+                 min_replicas: int | None = None, rejoin_timeout_s: float | None = None,
+                 group_timeout: tuple[float, float] | None = None) -> None:
         self.rank, self.trainers, self.hf = rank, world_size, hf_config
         self.clients, self.tp, self.replicas = clients, rollout_tp, rollout_replicas
         self.bucket_bytes, self.digests, self.receive = bucket_bytes, digests, receive
@@ -140,13 +145,23 @@ class PartitionedWeightSync:
             raise ValueError(f"{len(clients)} rollout clients for {rollout_replicas} replicas")
         self.needs = self._obtain_needs(needs)
         self._needs_reported = False  # the first push reports what obtaining the needs cost (`needs_s`)
-        self.transport = ReplicaGroupsTransport(store_host, store_port, rank, world_size, rollout_tp, timeout_s)
+        self.op_timeout_s = None if group_timeout is None else sync_group_timeout_s(self._push_link_bytes(),
+                                                                                    *group_timeout)
+        self.transport = ReplicaGroupsTransport(store_host, store_port, rank, world_size, rollout_tp, timeout_s,
+                                                op_timeout_s=self.op_timeout_s)
         groups = {rep: self.transport.next_prefix(rep) for rep in self.live}
         joins = self._join_threads(groups)
         for rep in groups:
             self.transport.join(rep)
         for t in joins.values():
             t.join_or_raise()
+
+    def _push_link_bytes(self) -> int:
+        """The busiest link's bytes in a full push (`megarl.sync.group_timeout.push_link_bytes`), from the vLLM ranks'
+        needs at the wire dtype's size (fp32 when blocks go as held)."""
+        itemsize = (self.wire_dtype or torch.float32).itemsize
+        worker = [sum(b.numel for b in self.needs.reads[k]) * itemsize for k in sorted(self.needs.reads)]
+        return push_link_bytes(worker, self.replicas, self.trainers)
 
     def require_min_replicas(self, version: int) -> None:
         """Every trainer rank (they agree on `live`): raise `WeightSyncError` if fewer than `min_replicas` replicas
@@ -163,7 +178,7 @@ class PartitionedWeightSync:
         if self.fleet is None:
             return {}
         return self.fleet.join(groups, self.store_host, self.store_port, self.trainers, self.replicas,
-                               self.timeout_s if timeout_s is None else timeout_s, self.needs)
+                               self.timeout_s if timeout_s is None else timeout_s, self.needs, self.op_timeout_s)
 
     def _leave(self, lost: dict[int, str]) -> None:
         """Every trainer rank, with the same `lost` (replica -> why): those replicas leave the sync (their groups
