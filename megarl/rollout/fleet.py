@@ -69,7 +69,11 @@ class FleetSpec:
     gpu: bool | None = None  # whether the servers run on GPUs; None: whether this machine has one
     startup_timeout_s: float = 600.0  # how long to wait for every /health
     log_dir: Path = Path(".")  # where vllm_replica<i>.log go
-    max_model_len: int | None = None  # vLLM --max-model-len; None: the model's max_position_embeddings
+    # vLLM --max-model-len (fleet_spec: prompt budget + response budget, `Config.max_model_len`); None: the model's
+    # max_position_embeddings
+    max_model_len: int | None = None
+    # vLLM --enforce-eager (no torch.compile, no CUDA graphs); None: eager on CPU, CUDA graphs on GPUs (`eager`)
+    enforce_eager: bool | None = None
     extra_args: list[str] = field(default_factory=list)  # appended to the server command line
     # return every token's routed experts (MoE, GPU: vLLM's V2 model runner with prefix caching)
     return_routed_experts: bool = False
@@ -196,16 +200,25 @@ def server_env(spec: FleetSpec, secret_file: Path) -> dict[str, str]:
     return env
 
 
+def eager(spec: FleetSpec) -> bool:
+    """Whether `spec`'s servers run eagerly: `spec.enforce_eager`, else on CPU only. On GPUs vLLM captures CUDA
+    graphs (torch.compile's pieces and whole decode steps) at start-up; a weight push keeps them valid, since vLLM's
+    layerwise reload writes into the captured tensors' storage (see `rollout.enforce_eager`)."""
+    return spec.enforce_eager if spec.enforce_eager is not None else not on_gpu(spec)
+
+
 def server_command(spec: FleetSpec, port: int) -> list[str]:
     """The command line of one replica: vLLM's OpenAI-compatible server with the token-in/token-out
-    routes (`--enable-scale-out`), megarl's weight-transfer backend and its worker extension."""
+    routes (`--enable-scale-out`), megarl's weight-transfer backend and its worker extension; eager or with CUDA
+    graphs (`eager`), its context the run's longest sequence (`FleetSpec.max_model_len`)."""
     length = ["--max-model-len", str(spec.max_model_len)] if spec.max_model_len else []
+    graphs = ["--enforce-eager"] if eager(spec) else []
     routes = ["--enable-return-routed-experts", "--enable-prefix-caching"] if spec.return_routed_experts else []
     experts = ["--enable-expert-parallel"] if spec.expert_parallel else []
     return [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(spec.model_dir), "--port", str(port), "--host", spec.host,
-        "--tensor-parallel-size", str(spec.tp), "--dtype", spec.dtype, "--enforce-eager",
+        "--tensor-parallel-size", str(spec.tp), "--dtype", spec.dtype, *graphs,
         "--enable-scale-out", "--seed", "0", *length, *routes, *experts, *_gpu_args(spec),
         "--weight-transfer-config", json.dumps({"backend": BACKEND_NAME}),
         "--worker-extension-cls", "megarl.sync.vllm_receiver.MegarlWorkerExtension",
@@ -318,10 +331,12 @@ def launch(spec: FleetSpec, restart: bool = False) -> FleetHandle:
 
 def fleet_spec(cfg: Config, **where: Any) -> FleetSpec:
     """The `FleetSpec` of a run config's `rollout` section (every replica, unless `where` says otherwise); `where`
-    adds what the config does not know: log directory, host, secret file, which replicas start here."""
+    adds what the config does not know: log directory, host, secret file, which replicas start here, GPUs or not.
+    Its --max-model-len is the run's longest sequence (`Config.max_model_len`)."""
     r = cfg.rollout
     spec = FleetSpec(model_dir=Path(cfg.model.hf_dir), tp=r.tp, replicas=r.replicas, port=r.port,
                      kv_cache_gib=r.kv_cache_gib, gpu_memory_utilization=r.gpu_memory_utilization,
-                     startup_timeout_s=r.startup_timeout_s, dtype=r.dtype,
+                     startup_timeout_s=r.startup_timeout_s, dtype=r.dtype, max_model_len=cfg.max_model_len(),
+                     enforce_eager=r.enforce_eager,
                      return_routed_experts=r.return_routed_experts, expert_parallel=r.expert_parallel)
     return replace(spec, **where)

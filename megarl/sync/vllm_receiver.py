@@ -24,6 +24,12 @@ staged (default), all or nothing:
    paused, so generation never sees a half-updated model, and a failed transfer leaves the old
    weights serving. (`start_weight_update` / `finish_weight_update` therefore have nothing to do:
    entering the reload there would expose a model whose parameters are placeholders until finish.)
+   The reload keeps every served tensor where it is: it loads each layer into fresh tensors, runs the layer's
+   post-load processing there, then copies the results into the tensors the model served before and puts those
+   back (vLLM's `_copy_and_restore_kernel_tensors`), so CUDA graphs captured at start-up, which replay those
+   addresses, stay valid (`MegarlWorkerExtension.megarl_served_storages`; checked across full and delta pushes by
+   tests/test_sync_llama.py). The one exception is CPU-only: `_reprepack_cpu_moe_experts` re-registers a MoE's
+   expert weights after the reload (CPU fleets run eager, without graphs).
 
 streamed, bounded memory: the plan itself is checked against this rank's slices and the TP workers agree on
 that before any byte moves (a plan outside the slices is refused, model unchanged); then the model's
@@ -482,6 +488,16 @@ class MegarlWorkerExtension:
     def megarl_sync_report(self) -> dict[str, Any]:
         engine = getattr(self, "weight_transfer_engine", None)
         return dict(getattr(engine, "report", {}) or {})
+
+    def megarl_served_storages(self) -> dict[str, list[int]]:
+        """Every parameter and buffer of the served model (this worker's shard): name -> [data_ptr, numel]. CUDA
+        graphs replay the addresses they were captured with, so a push must leave each one where it was: the tests
+        compare them before and after pushes (`megarl.sync.vllm_receiver` loads through vLLM's layerwise reload,
+        which copies into the served storage). On CPU vLLM moves unquantized linear weights into its GEMM kernels'
+        own packed copies after loading and leaves an empty `weight` (numel 0) in the module."""
+        model = self.model_runner.model
+        tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+        return {name: [t.data_ptr(), t.numel()] for name, t in tensors}
 
     def megarl_m2n_placements(self) -> dict[str, str]:
         """How vLLM's own `nccl_m2n` backend would place each HF tensor of this model on this worker: 'shard'
