@@ -1,22 +1,32 @@
 """Liveness is health, not a pid (megarl/rollout/liveness.py) and no call waits on a dead replica longer than the
 bound (`RolloutClient(health_timeout_s=...)`): against a real HTTP server on a local socket whose `/health` answers
 200, then 503 (what vLLM answers once its engine died), or stops answering (a hung server), while a long call to it
-waits. The bound is checked from above with slack for a loaded machine, and against the call's own read timeout,
-which it must beat by far."""
+waits; and `megarl train`'s watcher kills the process group of a replica whose server process hangs (SIGSTOP).
+The bound is checked from above with slack for a loaded machine, and against the call's own read timeout, which it
+must beat by far."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 
+from megarl.parallel.spawn import free_port
 from megarl.rollout.client import RolloutClient, RolloutServerLost
+from megarl.rollout.fleet import FleetHandle, FleetSpec
+from megarl.rollout.fleet_auth import new_fleet_secret
 from megarl.rollout.liveness import Liveness
+from megarl.rollout.restarts import ReplicaWatcher
 
 SLACK_S = 15.0  # a loaded 2-core machine: thread start-up, probe intervals
 
@@ -144,3 +154,72 @@ def test_a_server_that_refuses_connections_is_dead_after_the_bound() -> None:
         assert time.monotonic() - started < 0.5 + SLACK_S
         time.sleep(0.05)
     assert "/health did not answer: ConnectionError" in live.why()
+
+
+_SERVER = """
+import subprocess, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+subprocess.Popen(["sleep", "600"])  # a child in its process group, as a server's engine core and workers are
+class H(BaseHTTPRequestHandler):
+    def log_message(self, *a): pass
+    def do_GET(self):
+        self.send_response(200); self.send_header("Content-Length", "0"); self.end_headers()
+HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def _group(pgid: int) -> list[int]:
+    """Running (not zombie) members of process group `pgid`, from /proc."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            members.append(int(stat.parent.name))
+    return members
+
+
+def test_the_watcher_kills_the_group_of_a_replica_that_hangs(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """`megarl train`'s watcher with a bound of 2 s: a replica's server (a real process serving /health, with a child
+    in its process group) is stopped with SIGSTOP: alive, its pid unchanged, not answering. The watcher finds it dead
+    after the bound, kills its whole process group, removes its registration and says so (no restarts here:
+    rollout.restarts=0, so no vLLM starts; the restart itself is the exited-server path of test_fleet_restarts)."""
+    port = free_port("127.0.0.1")
+    url, log = f"http://127.0.0.1:{port}", tmp_path / "vllm_replica0.log"
+    proc = subprocess.Popen([sys.executable, "-c", _SERVER, str(port)], start_new_session=True)
+    try:
+        live = Liveness(url, bound_s=60, every_s=0.2)
+        deadline = time.monotonic() + 60
+        while not live.probe():
+            assert time.monotonic() < deadline and proc.poll() is None, "the stand-in server did not start"
+            time.sleep(0.2)
+        while len(_group(proc.pid)) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        fleet = FleetHandle([url], [proc], [log], new_fleet_secret(tmp_path))
+        run_dir = tmp_path / "run"
+        watcher = ReplicaWatcher(fleet, FleetSpec(model_dir=tmp_path, gpu=False, log_dir=tmp_path), run_dir,
+                                 restarts=0, poll_s=0.2, health_timeout_s=2.0).start()
+        try:
+            assert (run_dir / "fleet" / "replica0.json").exists()
+            os.kill(proc.pid, signal.SIGSTOP)
+            stopped = time.monotonic()
+            while _group(proc.pid) or (run_dir / "fleet" / "replica0.json").exists():
+                assert time.monotonic() - stopped < 2.0 + SLACK_S, "the hung replica was not killed"
+                time.sleep(0.1)
+            took = time.monotonic() - stopped
+        finally:
+            watcher.stop()
+        err = capfd.readouterr().err
+        print(f"a hung replica (SIGSTOP) was found dead and its group killed after {took:.1f} s (bound 2 s)")
+        assert took >= 2.0
+        assert (f"megarl: rollout replica 0 ({url}) is dead: /health did not answer: ReadTimeout for " in err), err
+        assert ("(the bound, rollout.health_timeout_s, is 2s); its process group was killed (log " in err), err
+        assert "it stays down: no restarts left (rollout.restarts=0" in err, err
+        assert proc.returncode == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
