@@ -137,15 +137,15 @@ class ReplicaWatcher:
     def _watch(self, slot: int) -> None:
         """The thread of one replica: wait for its server to exit or stay unhealthy for the bound, restart it while
         restarts are left."""
-        liveness = None
+        liveness, of = None, None
         while not self._stopping.wait(self.poll_s):
             proc, url = self.fleet.procs[slot], self.fleet.urls[slot]
             unhealthy = ""
             if proc.poll() is None:
                 if self.health_timeout_s is None:
                     continue
-                if liveness is None or liveness.url != url:  # a restarted server: a fresh record
-                    liveness = Liveness(url, self.health_timeout_s, every_s=self.poll_s)
+                if liveness is None or of is not proc:  # a restarted server (maybe at the same URL): a fresh record
+                    liveness, of = Liveness(url, self.health_timeout_s, every_s=self.poll_s), proc
                 if not liveness.dead():
                     continue
                 unhealthy = liveness.why()
