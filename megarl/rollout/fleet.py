@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import requests
 
 from megarl.parallel.spawn import free_port, port_free
+from megarl.rollout.engine_death import EngineDeathMiddleware
 from megarl.rollout.fleet_auth import SECRET_ENV, FleetAuthMiddleware, bearer_header, new_fleet_secret, read_secret
 from megarl.sync.vllm_plugin import BACKEND_NAME
 
@@ -198,7 +199,9 @@ def server_env(spec: FleetSpec, secret_file: Path) -> dict[str, str]:
 
 def server_command(spec: FleetSpec, port: int) -> list[str]:
     """The command line of one replica: vLLM's OpenAI-compatible server with the token-in/token-out
-    routes (`--enable-scale-out`), megarl's weight-transfer backend and its worker extension."""
+    routes (`--enable-scale-out`), megarl's weight-transfer backend and its worker extension, the fleet's guard
+    (`megarl.rollout.fleet_auth`) and the middleware that makes the server exit when its engine dies
+    (`megarl.rollout.engine_death`)."""
     length = ["--max-model-len", str(spec.max_model_len)] if spec.max_model_len else []
     routes = ["--enable-return-routed-experts", "--enable-prefix-caching"] if spec.return_routed_experts else []
     experts = ["--enable-expert-parallel"] if spec.expert_parallel else []
@@ -210,6 +213,7 @@ def server_command(spec: FleetSpec, port: int) -> list[str]:
         "--weight-transfer-config", json.dumps({"backend": BACKEND_NAME}),
         "--worker-extension-cls", "megarl.sync.vllm_receiver.MegarlWorkerExtension",
         "--middleware", f"{FleetAuthMiddleware.__module__}.{FleetAuthMiddleware.__name__}",
+        "--middleware", f"{EngineDeathMiddleware.__module__}.{EngineDeathMiddleware.__name__}",
         *spec.extra_args,
     ]
 
