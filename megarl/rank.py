@@ -64,7 +64,7 @@ def run_rank(cfg: Config, place: ProcessPlace, sync_port: int, fleet_urls: Calla
                                 precision=t.precision, overlap_grad_reduce=t.overlap_grad_reduce,
                                 grad_bucket_size=t.grad_bucket_size)
         urls = fleet_urls() if rank == 0 else []
-        clients = [RolloutClient(url) for url in urls]
+        clients = [RolloutClient(url, health_timeout_s=cfg.rollout.health_timeout_s) for url in urls]
         weight_sync = PartitionedWeightSync(
             rank=rank, world_size=t.world_size, hf_config=hf, clients=clients, rollout_tp=cfg.rollout.tp,
             rollout_replicas=cfg.rollout.replicas, store_host=place.master_addr, store_port=sync_port,
@@ -76,7 +76,7 @@ def run_rank(cfg: Config, place: ProcessPlace, sync_port: int, fleet_urls: Calla
         )
         start_rollout, roster = None, None
         if rank == 0:
-            roster = Roster(cfg.run.dir, job_secret(), urls)
+            roster = Roster(cfg.run.dir, job_secret(), urls, cfg.rollout.health_timeout_s)
 
             def start_rollout(timeline, start, saved, data_position):
                 return start_rollout_worker(cfg, clients, timeline, start, saved, data_position)

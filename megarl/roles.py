@@ -144,10 +144,12 @@ def _raise_stop(signum: int, frame: object) -> None:
 
 
 def serve(cfg: Config, replica: int, host: str | None = None, restart: bool = False) -> int:
-    """Run replica `replica` of the fleet until SIGTERM/SIGINT (exit 0) or until its server dies (exit 1).
+    """Run replica `replica` of the fleet until SIGTERM/SIGINT (exit 0) or until its server dies (exit 1): exits, or
+    its `/health` fails for `rollout.health_timeout_s` (`megarl.rollout.liveness`; its process group is killed).
     `restart`: the launcher starts it again in the same job: its vLLM log is appended to (after the line the launcher
     wrote there), not started afresh."""
     from megarl.rollout.fleet import FleetError, fleet_spec, launch
+    from megarl.rollout.liveness import Liveness
     from megarl.rollout.rendezvous import register_replica, unregister_replica
 
     if not 0 <= replica < cfg.rollout.replicas:
@@ -159,14 +161,20 @@ def serve(cfg: Config, replica: int, host: str | None = None, restart: bool = Fa
                       secret_file=secret_file)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _raise_stop)
-    fleet = None
+    fleet, grace_s = None, 30.0
     try:
         fleet = launch(spec, restart=restart)
         register_replica(cfg.run.dir, replica, fleet.urls[0], secret)
         _say(f"rollout replica {replica} on {node_name()} serving at {fleet.urls[0]} ({visible_gpus()}; log "
              f"{fleet.logs[0]})")
+        liveness = Liveness(fleet.urls[0], cfg.rollout.health_timeout_s)
         while (code := fleet.procs[0].poll()) is None:
-            time.sleep(1.0)
+            time.sleep(liveness.every_s)
+            if liveness.dead():  # its engine died or it hangs: the same end as an exit (the finally kills the group)
+                _say(f"rollout replica {replica} ({fleet.urls[0]}) is dead: {liveness.why()}; stopping its server "
+                     f"(log {fleet.logs[0]})")
+                grace_s = 0.0  # a hung server would not heed SIGTERM
+                return 1
         _say(f"rollout replica {replica} ({fleet.urls[0]}) died: its vLLM server exited with code {code} "
              f"(log {fleet.logs[0]})")
         return 1
@@ -182,7 +190,7 @@ def serve(cfg: Config, replica: int, host: str | None = None, restart: bool = Fa
             signal.signal(sig, signal.SIG_IGN)
         unregister_replica(cfg.run.dir, replica)
         if fleet is not None:
-            fleet.stop()
+            fleet.stop(grace_s)
 
 
 def rank(cfg: Config) -> int:

@@ -193,6 +193,15 @@ class RolloutConfig(_Strict):
         "trainer lets it in at its next push, which sends it the current weights in full, and only then gives it "
         "prompts. 0: a dead replica stays dead. See docs/cluster.md.",
     )
+    health_timeout_s: float = Field(
+        30.0, gt=0, le=600, description="Liveness is health, not a pid: a replica whose /health fails (refused, "
+        "503 once its engine died, or no answer from a hung server) for this many seconds in a row is dead. The "
+        "launchers (`megarl train`'s own fleet, `megarl serve` under the SLURM job) then kill its whole process "
+        "group and restart it as if it had exited, and the trainer's calls to it (generation, evaluation, every "
+        "step of a push) give up on it within this bound, taking it out as any lost replica (it rejoins later with "
+        "a full push). /health answers without an engine round-trip, so a busy replica passes; raise it only where "
+        "a loaded host can leave a healthy server's event loop unanswering that long. See docs/pipeline.md.",
+    )
     samples_per_prompt: int = Field(8, ge=2, description="K responses per prompt (a group).")
     max_new_tokens: int = Field(1, ge=1, description="Maximum response length in tokens.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature (1.0 keeps engine log-probs = policy).")

@@ -8,6 +8,7 @@ import base64
 import binascii
 import io
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import requests
 
 from megarl.rollout.fleet_auth import SECRET_ENV, bearer_header, read_secret
+from megarl.rollout.liveness import Liveness
 
 if TYPE_CHECKING:
     import numpy as np
@@ -26,8 +28,9 @@ class RolloutServerError(RuntimeError):
 
 
 class RolloutServerLost(RolloutServerError):
-    """The rollout server stopped answering: connection refused or reset, a timeout, or a 5xx reply (its engine
-    died or is failing). The rollout worker gives such a replica's work to the others (`RolloutWorker`)."""
+    """The rollout server stopped answering: connection refused or reset, a timeout, a 5xx reply (its engine
+    died or is failing), or its `/health` failing for longer than the client's `health_timeout_s` while a call
+    waited. The rollout worker gives such a replica's work to the others (`RolloutWorker`)."""
 
 
 @dataclass
@@ -79,12 +82,19 @@ def decode_routed_experts(encoded: str, forwarded_tokens: int) -> np.ndarray:
 class RolloutClient:
     """Token-in/token-out generation and the weight-update lifecycle of one vLLM server at `base_url`.
     `secret_file`: the fleet's secret (`FleetHandle.secret_file`); None: the file named by
-    `MEGARL_FLEET_SECRET_FILE` if that is set, else no secret (an unguarded server)."""
+    `MEGARL_FLEET_SECRET_FILE` if that is set, else no secret (an unguarded server).
+
+    `health_timeout_s` (a run's `rollout.health_timeout_s`): every call watches the server's `/health` while it
+    waits (`megarl.rollout.liveness`) and raises `RolloutServerLost` once `/health` has failed that long, instead of
+    waiting for `timeout_s` (the read timeout of a live but slow call: a push at 30B, a long generation). The
+    abandoned request's thread ends when its connection does (the replica's launcher kills what is left of it).
+    None: calls wait for `timeout_s` only."""
 
     def __init__(self, base_url: str, timeout_s: float = 600.0, max_parallel: int = 32,
-                 secret_file: Path | None = None) -> None:
+                 secret_file: Path | None = None, health_timeout_s: float | None = None) -> None:
         self.url = base_url.rstrip("/")
         self.timeout_s = timeout_s
+        self.liveness = Liveness(self.url, health_timeout_s) if health_timeout_s else None
         secret_file = secret_file or os.environ.get(SECRET_ENV) or None
         self._headers = bearer_header(read_secret(secret_file)) if secret_file else {}
         self._pool = ThreadPoolExecutor(max_parallel)
@@ -95,7 +105,7 @@ class RolloutClient:
         naming the URL, the status and the body."""
         timeout = self.timeout_s if timeout_s is None else timeout_s
         try:
-            r = requests.request(method, f"{self.url}{route}", timeout=timeout, headers=self._headers, **kwargs)
+            r = self._send(method, route, timeout, **kwargs)
         except requests.RequestException as err:
             raise RolloutServerLost(f"rollout server {self.url}{route} unreachable: {err}") from None
         if r.status_code == 401:
@@ -110,6 +120,34 @@ class RolloutClient:
             return r.json() if r.content else None
         except ValueError:
             raise RolloutServerError(f"rollout server {self.url}{route} sent non-JSON: {r.text[:500]}") from None
+
+    def _send(self, method: str, route: str, timeout: float, **kwargs: Any) -> requests.Response:
+        """The HTTP call itself; with `liveness`, made in a thread of its own while this one watches the server's
+        health (a call that answers within a probe interval costs no probe)."""
+        def call() -> requests.Response:
+            return requests.request(method, f"{self.url}{route}", timeout=timeout, headers=self._headers, **kwargs)
+
+        if self.liveness is None:
+            return call()
+        box: dict[str, Any] = {}
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                box["reply"] = call()
+            except BaseException as err:  # noqa: BLE001 - handed to the waiting thread
+                box["error"] = err
+            finally:
+                done.set()
+
+        threading.Thread(target=run, daemon=True, name=f"megarl-call{route.replace('/', '-')}").start()
+        while not done.wait(self.liveness.every_s):
+            if self.liveness.dead():
+                raise RolloutServerLost(f"rollout server {self.url}{route}: gave up waiting, the replica is dead: "
+                                        f"{self.liveness.why()}")
+        if "error" in box:
+            raise box["error"]
+        return box["reply"]
 
     def _post(self, route: str, body: dict[str, Any] | None = None, params: dict | None = None) -> Any:
         return self._request("POST", route, json=body, params=params)

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import requests
 
 from megarl.parallel.spawn import free_port, port_free
+from megarl.rollout.engine_death import EngineDeathMiddleware
 from megarl.rollout.fleet_auth import SECRET_ENV, FleetAuthMiddleware, bearer_header, new_fleet_secret, read_secret
 from megarl.sync.vllm_plugin import BACKEND_NAME
 
@@ -209,8 +210,10 @@ def eager(spec: FleetSpec) -> bool:
 
 def server_command(spec: FleetSpec, port: int) -> list[str]:
     """The command line of one replica: vLLM's OpenAI-compatible server with the token-in/token-out
-    routes (`--enable-scale-out`), megarl's weight-transfer backend and its worker extension; eager or with CUDA
-    graphs (`eager`), its context the run's longest sequence (`FleetSpec.max_model_len`)."""
+    routes (`--enable-scale-out`), megarl's weight-transfer backend and its worker extension, the fleet's guard
+    (`megarl.rollout.fleet_auth`) and the middleware that makes the server exit when its engine dies
+    (`megarl.rollout.engine_death`); eager or with CUDA graphs (`eager`), its context the run's longest sequence
+    (`FleetSpec.max_model_len`)."""
     length = ["--max-model-len", str(spec.max_model_len)] if spec.max_model_len else []
     graphs = ["--enforce-eager"] if eager(spec) else []
     routes = ["--enable-return-routed-experts", "--enable-prefix-caching"] if spec.return_routed_experts else []
@@ -223,6 +226,7 @@ def server_command(spec: FleetSpec, port: int) -> list[str]:
         "--weight-transfer-config", json.dumps({"backend": BACKEND_NAME}),
         "--worker-extension-cls", "megarl.sync.vllm_receiver.MegarlWorkerExtension",
         "--middleware", f"{FleetAuthMiddleware.__module__}.{FleetAuthMiddleware.__name__}",
+        "--middleware", f"{EngineDeathMiddleware.__module__}.{EngineDeathMiddleware.__name__}",
         *spec.extra_args,
     ]
 

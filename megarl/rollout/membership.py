@@ -31,10 +31,12 @@ logger = logging.getLogger(__name__)
 class Roster:
     """Rank 0's view of the replicas' registrations: which slot a launcher has restarted since the trainer last
     let it in. `urls` are the replicas the run started with; `secret` the job's fleet secret (None: no
-    registrations are read, so no replica comes back: a fleet the caller started and keeps)."""
+    registrations are read, so no replica comes back: a fleet the caller started and keeps); `health_timeout_s`:
+    the clients' (`RolloutClient`) bound on a dead replica."""
 
-    def __init__(self, run_dir: Path | str, secret: str | None, urls: list[str]) -> None:
-        self.run_dir, self.secret = run_dir, secret
+    def __init__(self, run_dir: Path | str, secret: str | None, urls: list[str],
+                 health_timeout_s: float | None = None) -> None:
+        self.run_dir, self.secret, self.health_timeout_s = run_dir, secret, health_timeout_s
         now = registrations(run_dir, secret) if secret else {}
         # replica -> the incarnation the trainer holds in the sync (None: not registered as the URL it started with)
         self.known: dict[int, str | None] = {
@@ -55,7 +57,7 @@ class Roster:
         job's secret: replica -> a client of it."""
         back = {}
         for rep, (url, incarnation) in self.new_incarnations(replicas).items():
-            client = RolloutClient(url)
+            client = RolloutClient(url, health_timeout_s=self.health_timeout_s)
             try:
                 client.weight_version()
             except RolloutServerError as err:  # registered but not serving (yet): asked again at the next push

@@ -1,15 +1,19 @@
 """`megarl train`'s own fleet keeps its replicas up: registrations and bounded restarts.
 
 `ReplicaWatcher.start()` registers every replica of a running fleet in `<run.dir>/fleet/replica<i>.json`
-(`megarl.rollout.rendezvous`, with the server's pid, so a restart is a new incarnation) and watches each server's
-process in a thread of its own. When one exits while the run goes on, its registration is removed, what is left of
-its process group is killed, and, if the replica has restarts left (`rollout.restarts`, per replica), the same server
-is started again: the same `FleetSpec` and replica index, a free port unless `rollout.port` pins one, the same secret,
-its output appended to the same log. Once the new server is healthy and guarded it is registered, so the trainer lets
-it in again at its next push. One line on stderr says what happened each time:
+(`megarl.rollout.rendezvous`, with the server's pid, so a restart is a new incarnation) and watches each server in a
+thread of its own: its process, and its `/health` (`megarl.rollout.liveness`): a server whose `/health` has failed
+for `rollout.health_timeout_s` (its engine died, or it hangs) is dead as one that exited. When one dies while the
+run goes on, its registration is removed, its whole process group is killed, and, if the replica has restarts left
+(`rollout.restarts`, per replica), the same server is started again: the same `FleetSpec` and replica index, a free
+port unless `rollout.port` pins one, the same secret, its output appended to the same log. Once the new server is
+healthy and guarded it is registered, so the trainer lets it in again at its next push. One line on stderr says what
+happened each time:
 
     megarl: rollout replica 0 (http://127.0.0.1:41000) exited with code -9 (log run/vllm_replica0.log); restarted
     as http://127.0.0.1:42000 (restart 1 of 2)
+    megarl: rollout replica 0 (http://127.0.0.1:41000) is dead: /health answered 503 for 10.2s (the bound,
+    rollout.health_timeout_s, is 10s); its process group was killed (log ...); restarted as ... (restart 1 of 2)
 
 A restart that fails to start counts as one. `stop()` (which `FleetHandle.stop()` calls first) ends the watching and
 any restart under way, so that nothing restarts during shutdown, and removes the registrations; the fleet's own
@@ -30,9 +34,10 @@ from pathlib import Path
 
 from megarl.rollout.fleet import FleetError, FleetHandle, FleetSpec, server_env, start_server, wait_ready
 from megarl.rollout.fleet_auth import read_secret
+from megarl.rollout.liveness import Liveness
 from megarl.rollout.rendezvous import register_replica, unregister_replica
 
-POLL_S = 1.0  # how often each server's process is polled
+POLL_S = 1.0  # how often each server's process and /health are polled
 GONE_TIMEOUT_S = 30.0  # how long a dead server's process group (engine core, TP workers) may take to die
 
 
@@ -88,11 +93,13 @@ def kill_group(proc: subprocess.Popen, timeout_s: float = GONE_TIMEOUT_S) -> Non
 
 class ReplicaWatcher:
     """Registers the replicas of `fleet` (started from `spec`) in `run_dir` and restarts each one that dies, at most
-    `restarts` times per replica. `start()` once; `stop()` is idempotent."""
+    `restarts` times per replica; a replica whose `/health` fails for `health_timeout_s` is dead (None: only an exit
+    is). `start()` once; `stop()` is idempotent."""
 
     def __init__(self, fleet: FleetHandle, spec: FleetSpec, run_dir: Path, restarts: int,
-                 poll_s: float = POLL_S) -> None:
+                 poll_s: float = POLL_S, health_timeout_s: float | None = None) -> None:
         self.fleet, self.spec, self.run_dir, self.restarts, self.poll_s = fleet, spec, Path(run_dir), restarts, poll_s
+        self.health_timeout_s = health_timeout_s
         self.secret = read_secret(fleet.secret_file)
         self.env = server_env(spec, fleet.secret_file)
         self.used = [0] * len(fleet.procs)  # restarts made per replica (slot), failed ones included
@@ -128,13 +135,22 @@ class ReplicaWatcher:
             unregister_replica(self.run_dir, self.replica(slot))
 
     def _watch(self, slot: int) -> None:
-        """The thread of one replica: wait for its server to exit, restart it while restarts are left."""
+        """The thread of one replica: wait for its server to exit or stay unhealthy for the bound, restart it while
+        restarts are left."""
+        liveness, of = None, None
         while not self._stopping.wait(self.poll_s):
-            proc = self.fleet.procs[slot]
+            proc, url = self.fleet.procs[slot], self.fleet.urls[slot]
+            unhealthy = ""
             if proc.poll() is None:
-                continue
+                if self.health_timeout_s is None:
+                    continue
+                if liveness is None or of is not proc:  # a restarted server (maybe at the same URL): a fresh record
+                    liveness, of = Liveness(url, self.health_timeout_s, every_s=self.poll_s), proc
+                if not liveness.dead():
+                    continue
+                unhealthy = liveness.why()
             try:
-                if not self._revive(slot, proc):
+                if not self._revive(slot, proc, unhealthy):
                     return  # it stays down
             except _Stopping:
                 return
@@ -143,15 +159,17 @@ class ReplicaWatcher:
                      "no longer restarted")
                 return
 
-    def _revive(self, slot: int, dead: subprocess.Popen) -> bool:
-        """Replace the exited server of `slot`; whether a new one serves (False: no restarts left)."""
+    def _revive(self, slot: int, dead: subprocess.Popen, unhealthy: str = "") -> bool:
+        """Replace the dead server of `slot` (exited, or `unhealthy`: why its health says it is dead); whether a new
+        one serves (False: no restarts left)."""
         with self._lock:
             if self._stopping.is_set():
                 raise _Stopping
             unregister_replica(self.run_dir, self.replica(slot))  # the registration names a live server only
         kill_group(dead)
         i, url, log = self.replica(slot), self.fleet.urls[slot], self.fleet.logs[slot]
-        what = f"rollout replica {i} ({url}) exited with code {dead.returncode} (log {log})"
+        what = (f"rollout replica {i} ({url}) is dead: {unhealthy}; its process group was killed (log {log})"
+                if unhealthy else f"rollout replica {i} ({url}) exited with code {dead.returncode} (log {log})")
         while self.used[slot] < self.restarts:
             self.used[slot] += 1
             k = self.used[slot]

@@ -30,15 +30,16 @@ def start_fleet(cfg: Config, log_dir: Path, run_dir: Path | None = None) -> Iter
 
     With `run_dir` (`megarl train`: the run's directory) the fleet is this run's: earlier registrations there are
     cleared, every replica is registered in `<run_dir>/fleet/` once healthy and guarded, and a replica whose server
-    exits is restarted up to `rollout.restarts` times and registered again (`megarl.rollout.restarts`); the
-    registrations are removed when the fleet stops."""
+    exits, or whose `/health` fails for `rollout.health_timeout_s`, is restarted up to `rollout.restarts` times and
+    registered again (`megarl.rollout.restarts`); the registrations are removed when the fleet stops."""
     spec = fleet_spec(cfg, log_dir=Path(log_dir))
     if run_dir is not None:
         clear_fleet(run_dir)  # an earlier run's registrations in the same run directory are not this fleet's
     fleet = launch(spec)
     if run_dir is not None:
         try:
-            ReplicaWatcher(fleet, spec, Path(run_dir), cfg.rollout.restarts).start()
+            ReplicaWatcher(fleet, spec, Path(run_dir), cfg.rollout.restarts,
+                           health_timeout_s=cfg.rollout.health_timeout_s).start()
         except BaseException:
             fleet.stop()
             raise

@@ -1,0 +1,225 @@
+"""Liveness is health, not a pid (megarl/rollout/liveness.py) and no call waits on a dead replica longer than the
+bound (`RolloutClient(health_timeout_s=...)`): against a real HTTP server on a local socket whose `/health` answers
+200, then 503 (what vLLM answers once its engine died), or stops answering (a hung server), while a long call to it
+waits; and `megarl train`'s watcher kills the process group of a replica whose server process hangs (SIGSTOP).
+The bound is checked from above with slack for a loaded machine, and against the call's own read timeout, which it
+must beat by far."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from megarl.parallel.spawn import free_port
+from megarl.rollout.client import RolloutClient, RolloutServerLost
+from megarl.rollout.fleet import FleetHandle, FleetSpec
+from megarl.rollout.fleet_auth import new_fleet_secret
+from megarl.rollout.liveness import Liveness
+from megarl.rollout.restarts import ReplicaWatcher
+
+SLACK_S = 15.0  # a loaded 2-core machine: thread start-up, probe intervals
+
+
+class _Replica(ThreadingHTTPServer):
+    """`/health` answers `health` (an int status, or None: never answers); POST `/update_weights` answers `{}` after
+    `call_s` seconds."""
+
+    daemon_threads = True
+
+    def __init__(self) -> None:
+        super().__init__(("127.0.0.1", 0), _Handler)
+        self.health: int | None = 200
+        self.call_s = 0.0
+        self.released = threading.Event()  # ends every request still held (the test's end)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _Replica
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def _answer(self, status: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        if self.path == "/health":
+            if self.server.health is None:
+                self.server.released.wait()  # hung: never answers
+                return
+            self._answer(self.server.health, {})
+
+    def do_POST(self) -> None:  # noqa: N802
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        self.server.released.wait(self.server.call_s)
+        self._answer(200, {"done": True})
+
+
+@pytest.fixture
+def replica() -> Iterator[_Replica]:
+    server = _Replica()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.released.set()
+    server.shutdown()
+    server.server_close()
+
+
+def _later(seconds: float, fn) -> None:
+    timer = threading.Timer(seconds, fn)
+    timer.daemon = True
+    timer.start()
+
+
+@pytest.mark.parametrize("failure", [503, None], ids=["engine-dead-503", "hung"])
+def test_a_call_gives_up_on_a_replica_whose_health_fails_for_the_bound(replica: _Replica, failure: int | None) -> None:
+    """A push's `/update_weights` waits on a replica whose engine dies (or that hangs) 2 s into the call: the call
+    raises `RolloutServerLost` naming /health's failure and the bound, after at least the bound and within it plus
+    slack, not after the read timeout (300 s)."""
+    bound = 3.0
+    replica.call_s = 300.0
+    client = RolloutClient(replica.url, timeout_s=300.0, health_timeout_s=bound)
+    _later(2.0, lambda: setattr(replica, "health", failure))
+    started = time.monotonic()
+    with pytest.raises(RolloutServerLost) as err:
+        client.update_weights({"names": []})
+    took = time.monotonic() - started
+    print(f"/health {failure or 'hung'} from 2 s: the call gave up after {took:.1f} s (bound {bound:g} s)")
+    assert 2.0 + bound <= took < 2.0 + bound + SLACK_S
+    assert "/update_weights: gave up waiting, the replica is dead" in str(err.value)
+    assert ("/health answered 503" if failure else "/health did not answer") in str(err.value)
+    assert "rollout.health_timeout_s, is 3s" in str(err.value)
+
+
+def test_a_healthy_replica_s_long_call_is_waited_for(replica: _Replica) -> None:
+    """Health, not the call's length: a call that takes 4 s on a replica whose /health answers is waited for, with
+    a bound of 1 s; a blip shorter than the bound (503 for 0.5 s) does not end it either."""
+    replica.call_s = 4.0
+    client = RolloutClient(replica.url, timeout_s=60.0, health_timeout_s=1.0)
+    _later(1.0, lambda: setattr(replica, "health", 503))
+    _later(1.4, lambda: setattr(replica, "health", 200))
+    client.update_weights({"names": []})  # returns: no RolloutServerLost
+
+
+def test_liveness_counts_one_run_of_failures_and_an_answer_ends_it(replica: _Replica) -> None:
+    """`Liveness.dead()` after the bound of failed probes, not before; one 200 ends the run; a failure after a gap in
+    the probes starts a new run rather than counting the gap."""
+    live = Liveness(replica.url, bound_s=1.5, every_s=0.1)
+    assert not live.dead() and live.failing_for() == 0.0
+    replica.health = 503
+    started = time.monotonic()
+    while not live.dead():
+        assert time.monotonic() - started < 1.5 + SLACK_S
+        time.sleep(0.05)
+    assert time.monotonic() - started >= 1.5 and "/health answered 503 for" in live.why()
+    replica.health = 200
+    time.sleep(0.15)
+    assert not live.dead() and live.failing_for() == 0.0
+    replica.health = 503
+    time.sleep(0.15)
+    assert not live.dead()  # one failed probe: a new run
+    time.sleep(1.0)  # no probe for a while (> 2 probe intervals + the probe's timeout)
+    assert not live.probe() and live.failing_for() < 0.5  # the gap is not counted as failing
+
+
+def test_a_server_that_refuses_connections_is_dead_after_the_bound() -> None:
+    """A replica that is gone (nothing listens on its port) fails every probe: dead after the bound."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    live = Liveness(f"http://127.0.0.1:{port}", bound_s=0.5, every_s=0.1)
+    started = time.monotonic()
+    while not live.dead():
+        assert time.monotonic() - started < 0.5 + SLACK_S
+        time.sleep(0.05)
+    assert "/health did not answer: ConnectionError" in live.why()
+
+
+_SERVER = """
+import subprocess, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+subprocess.Popen(["sleep", "600"])  # a child in its process group, as a server's engine core and workers are
+class H(BaseHTTPRequestHandler):
+    def log_message(self, *a): pass
+    def do_GET(self):
+        self.send_response(200); self.send_header("Content-Length", "0"); self.end_headers()
+HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def _group(pgid: int) -> list[int]:
+    """Running (not zombie) members of process group `pgid`, from /proc."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            members.append(int(stat.parent.name))
+    return members
+
+
+def test_the_watcher_kills_the_group_of_a_replica_that_hangs(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """`megarl train`'s watcher with a bound of 2 s: a replica's server (a real process serving /health, with a child
+    in its process group) is stopped with SIGSTOP: alive, its pid unchanged, not answering. The watcher finds it dead
+    after the bound, kills its whole process group, removes its registration and says so (no restarts here:
+    rollout.restarts=0, so no vLLM starts; the restart itself is the exited-server path of test_fleet_restarts)."""
+    port = free_port("127.0.0.1")
+    url, log = f"http://127.0.0.1:{port}", tmp_path / "vllm_replica0.log"
+    proc = subprocess.Popen([sys.executable, "-c", _SERVER, str(port)], start_new_session=True)
+    try:
+        live = Liveness(url, bound_s=60, every_s=0.2)
+        deadline = time.monotonic() + 60
+        while not live.probe():
+            assert time.monotonic() < deadline and proc.poll() is None, "the stand-in server did not start"
+            time.sleep(0.2)
+        while len(_group(proc.pid)) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        fleet = FleetHandle([url], [proc], [log], new_fleet_secret(tmp_path))
+        run_dir = tmp_path / "run"
+        watcher = ReplicaWatcher(fleet, FleetSpec(model_dir=tmp_path, gpu=False, log_dir=tmp_path), run_dir,
+                                 restarts=0, poll_s=0.2, health_timeout_s=2.0).start()
+        try:
+            assert (run_dir / "fleet" / "replica0.json").exists()
+            os.kill(proc.pid, signal.SIGSTOP)
+            stopped = time.monotonic()
+            while _group(proc.pid) or (run_dir / "fleet" / "replica0.json").exists():
+                assert time.monotonic() - stopped < 2.0 + SLACK_S, "the hung replica was not killed"
+                time.sleep(0.1)
+            took = time.monotonic() - stopped
+        finally:
+            watcher.stop()
+        err = capfd.readouterr().err
+        print(f"a hung replica (SIGSTOP) was found dead and its group killed after {took:.1f} s (bound 2 s)")
+        assert took >= 2.0
+        assert (f"megarl: rollout replica 0 ({url}) is dead: /health did not answer: ReadTimeout for " in err), err
+        assert ("(the bound, rollout.health_timeout_s, is 2s); its process group was killed (log " in err), err
+        assert "it stays down: no restarts left (rollout.restarts=0" in err, err
+        assert proc.returncode == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
