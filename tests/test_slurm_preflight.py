@@ -51,7 +51,10 @@ def _submit(cluster: SlurmCluster, tmp_path: Path, script: str, model: Path, ove
         "MEGARL": str(Path(sys.executable).parent / "megarl"),
         "RUN_DIR": str(tmp_path / "run"),
         "MEGARL_OVERRIDES": (f"model.hf_dir={model} data.train_files=[{SAMPLES_DIR / 'guru_math_sample.parquet'}] "
-                             f"data.eval_files=[{SAMPLES_DIR / 'math500_sample.jsonl'}] {overrides}"),
+                             f"data.eval_files=[{SAMPLES_DIR / 'math500_sample.jsonl'}] "
+                             # the emulated nodes have 32 GB each: staged pushes pin each vLLM rank's whole shard
+                             # (88.8 GB per 30B replica), which the job rightly refuses there; streamed fits
+                             f"sync.receive=streamed {overrides}"),
         # the emulation: every node is 127.0.0.1, and its GPUs are device entries without a driver
         "MEGARL_MASTER_ADDR": "127.0.0.1",
         "MEGARL_BIND_ADDR": "127.0.0.1",
