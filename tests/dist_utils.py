@@ -9,6 +9,7 @@ per-rank return values (serialised back, tensors included). A rank that raises o
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from megarl.parallel.spawn import free_port, run_ranks
@@ -34,3 +35,16 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, ini
 
 def run_distributed(fn: Callable, world_size: int, *args: Any, init_dist: bool = True) -> list[Any]:
     return run_ranks(_entry, world_size, world_size, free_port(), fn, args, init_dist, role="test")
+
+
+def process_group_members(pgid: int) -> list[int]:
+    """Running (not zombie) members of process group `pgid`, from /proc."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            members.append(int(stat.parent.name))
+    return members

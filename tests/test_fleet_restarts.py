@@ -24,6 +24,7 @@ from megarl.config.schema import Config
 from megarl.rollout.fleet_auth import SECRET_ENV, bearer_header, read_secret
 from megarl.rollout.rendezvous import register_replica, registrations
 from megarl.rollout.run_fleet import start_fleet
+from tests.dist_utils import process_group_members
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -55,19 +56,6 @@ def _fleet_processes(secret_file: Path) -> list[int]:
         except OSError:
             continue  # exited while we looked, or not ours
     return found
-
-
-def _in_group(pgid: int) -> list[int]:
-    """Running (not zombie) members of process group `pgid`, from /proc."""
-    members = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            members.append(int(stat.parent.name))
-    return members
 
 
 class _Stderr:
@@ -125,7 +113,7 @@ def test_dead_replicas_are_restarted_a_failed_restart_counts_and_stopping_stops_
         assert requests.get(f"{url}/health", timeout=10).status_code == 200
         assert requests.get(f"{url}/v1/models", timeout=30).status_code == 401  # guarded
         assert requests.get(f"{url}/v1/models", headers=bearer_header(secret), timeout=30).status_code == 200
-        assert not _in_group(first.pid), "the dead incarnation's engine core or workers outlived it"
+        assert not process_group_members(first.pid), "the dead incarnation's engine core or workers outlived it"
         assert (f"megarl: rollout replica 0 ({first_url}) exited with code -9 (log {log}); restarted as {url} "
                 "(restart 1 of 2)") in stderr.read()
         assert "===== megarl: restart 1 of 2 of rollout replica 0" in log.read_text()  # the log goes on
@@ -146,7 +134,7 @@ def test_dead_replicas_are_restarted_a_failed_restart_counts_and_stopping_stops_
         assert _registration(run_dir) is None
         failed = fleet.procs[0]  # the failed restart's server
         time.sleep(3)  # three polls: nothing restarts it
-        assert fleet.procs[0] is failed and not any(_in_group(p.pid) for p in (first, second, failed))
+        assert fleet.procs[0] is failed and not any(process_group_members(p.pid) for p in (first, second, failed))
         assert stderr.read().count("megarl: rollout replica 0") == 3  # restarted, failed, stays down
         assert log.read_text().count("===== megarl: restart") == 2
         assert other.poll() is None and _registration(run_dir, 1) is not None  # replica 1 untouched meanwhile
@@ -162,7 +150,7 @@ def test_dead_replicas_are_restarted_a_failed_restart_counts_and_stopping_stops_
         assert ", its log ending: OSError: " in line and "is not a valid JSON file" in line, line
         assert line.endswith(f"(log {log1})"), line
     assert not _fleet_processes(secret_file), "a server outlived the fleet"
-    assert not _in_group(fleet.procs[1].pid) and not _in_group(other.pid)
+    assert not process_group_members(fleet.procs[1].pid) and not process_group_members(other.pid)
     # nothing more said of replica 1: no restart 2 of it ended, it was not said to stay down
     assert "rollout replica 1 (restart 1 failed)" not in stderr.read()
     assert stderr.read().count("stays down") == 1 and stderr.read().count("restart 2 of 2") == 1  # replica 0's

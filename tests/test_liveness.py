@@ -27,6 +27,7 @@ from megarl.rollout.fleet import FleetHandle, FleetSpec
 from megarl.rollout.fleet_auth import new_fleet_secret
 from megarl.rollout.liveness import Liveness
 from megarl.rollout.restarts import ReplicaWatcher
+from tests.dist_utils import process_group_members
 
 SLACK_S = 15.0  # a loaded 2-core machine: thread start-up, probe intervals
 
@@ -168,19 +169,6 @@ HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
 """
 
 
-def _group(pgid: int) -> list[int]:
-    """Running (not zombie) members of process group `pgid`, from /proc."""
-    members = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            members.append(int(stat.parent.name))
-    return members
-
-
 def test_the_watcher_kills_the_group_of_a_replica_that_hangs(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     """`megarl train`'s watcher with a bound of 2 s: a replica's server (a real process serving /health, with a child
     in its process group) is stopped with SIGSTOP: alive, its pid unchanged, not answering. The watcher finds it dead
@@ -195,7 +183,7 @@ def test_the_watcher_kills_the_group_of_a_replica_that_hangs(tmp_path: Path, cap
         while not live.probe():
             assert time.monotonic() < deadline and proc.poll() is None, "the stand-in server did not start"
             time.sleep(0.2)
-        while len(_group(proc.pid)) < 2:
+        while len(process_group_members(proc.pid)) < 2:
             assert time.monotonic() < deadline
             time.sleep(0.1)
         fleet = FleetHandle([url], [proc], [log], new_fleet_secret(tmp_path))
@@ -206,7 +194,7 @@ def test_the_watcher_kills_the_group_of_a_replica_that_hangs(tmp_path: Path, cap
             assert (run_dir / "fleet" / "replica0.json").exists()
             os.kill(proc.pid, signal.SIGSTOP)
             stopped = time.monotonic()
-            while _group(proc.pid) or (run_dir / "fleet" / "replica0.json").exists():
+            while process_group_members(proc.pid) or (run_dir / "fleet" / "replica0.json").exists():
                 assert time.monotonic() - stopped < 2.0 + SLACK_S, "the hung replica was not killed"
                 time.sleep(0.1)
             took = time.monotonic() - stopped
