@@ -12,31 +12,22 @@ store on `master_addr:master_port + 1` (each bound to that address only; `megarl
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 from megarl.config.schema import Config
 from megarl.parallel.launcher_env import ProcessPlace
+from megarl.parallel.quiet_warnings import quiet_cpu_warnings
 from megarl.parallel.spawn import error_log as rank_error_log
-
-
-def quiet_cpu_warnings() -> None:
-    """megatron-core warns at import that Apex / Transformer Engine are absent and about GPU-only tuning knobs:
-    expected on CPU, and they would bury the progress bar."""
-    import torch
-
-    if not torch.cuda.is_available():
-        warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
-        # torch's deprecation notes for the collectives megatron's MoE dispatcher calls
-        warnings.filterwarnings("ignore", category=FutureWarning, message=r"`torch\.distributed\.")
 
 
 def run_rank(cfg: Config, place: ProcessPlace, sync_port: int, fleet_urls: Callable[[], list[str]]) -> None:
     """Train as rank `place.rank`. Rank 0 calls `fleet_urls()` once its model is built (it may wait for the
     fleet there) and drives the rollout side; the other ranks never call it."""
-    quiet_cpu_warnings()
     import torch
+
+    if not torch.cuda.is_available():
+        quiet_cpu_warnings()
 
     from megarl.checks import receive_mode
     from megarl.loop import run_loop

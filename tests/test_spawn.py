@@ -151,3 +151,27 @@ def test_free_ports_are_distinct_and_bindable():
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
         assert not port_free(port)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the forkserver, and so its quiet preload, is CPU-only")
+def test_ranks_on_cpu_print_no_megatron_import_notes(tmp_path):
+    """megatron-core's "Transformer Engine and Apex are not installed" notes, printed at import, buried `megarl
+    train`'s progress bar: the forkserver imports megatron, so its filters must be in place before that import.
+    A fresh interpreter (a forkserver starts once per parent), one rank that builds megatron's optimizer modules."""
+    import subprocess
+    import sys
+
+    script = ("from megarl.parallel.spawn import run_ranks\n"
+              "from tests.test_spawn import _imports_megatron_optimizer\n"
+              "print(run_ranks(_imports_megatron_optimizer, 1))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240,
+                          cwd=os.getcwd(), env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert done.returncode == 0, done.stderr
+    assert "['megatron.core.optimizer.clip_grads']" in done.stdout  # the rank did import it
+    assert "Transformer Engine" not in done.stderr, done.stderr
+
+
+def _imports_megatron_optimizer(rank: int) -> str:
+    import megatron.core.optimizer.clip_grads as clip_grads
+
+    return clip_grads.__name__

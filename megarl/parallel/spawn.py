@@ -36,10 +36,14 @@ from typing import Any, Self
 
 # imported once by the forkserver (CPU machines), so its forked ranks start with them loaded: torch, megatron-core and
 # the other third-party modules every trainer rank imports (transformers for the tokenizer, megatron's DDP and
-# optimizer for training). Third-party only: megarl itself is imported by each rank (1.5 s of CPU).
+# optimizer for training). Third-party only, but for the first entry, which silences megatron's import-time notes
+# on CPU (megarl.parallel.forkserver_preload): megarl itself is imported by each rank (1.5 s of CPU).
 # Measured per rank of a 2-rank group: its imports of megarl's trainer modules took 3.6 s of CPU with torch and
 # megatron-core preloaded, 1.5 s with all of these. Not pyarrow: importing it starts a thread, and the server forks.
-PRELOAD = ("torch", "megatron.core", "transformers", "megatron.core.distributed", "megatron.core.optimizer")
+PRELOAD = (
+    "megarl.parallel.forkserver_preload", "torch", "megatron.core", "transformers", "megatron.core.distributed",
+    "megatron.core.optimizer",
+)
 STOP_GRACE_S = 5.0  # after SIGTERM, how long a rank may take to exit before SIGKILL
 EXIT_GRACE_S = 60.0  # after reporting its result, how long a rank may take to exit before it is stopped
 
