@@ -289,11 +289,14 @@ def _push(rank, world, hf_dir, urls, tp, port, sync_port, version, inject=None, 
         destroy_trainer_groups()
 
 
-def _push_to_file(out_path, rank, world, *args):
+def _push_to_file(out_path, env, rank, world, *args):
     """`_push` in a process of its own, its result saved to `out_path` (the test's own launcher: run_distributed
-    would stop the other ranks as soon as one dies)."""
+    would stop the other ranks as soon as one dies), in the test's environment `env` (a forkserver's child would
+    otherwise have the server's)."""
     import torch
 
+    os.environ.clear()
+    os.environ.update(env)
     torch.save(_push(rank, world, *args), out_path)
 
 
@@ -405,9 +408,16 @@ def _kill_the_store_host_mid_send(client, before, moe_fleet, other_checkpoint, t
 
     import torch
 
-    ctx = multiprocessing.get_context("spawn")
+    from megarl.parallel.spawn import PRELOAD, start_method
+
+    # started as run_distributed starts ranks: forked from the forkserver that has torch and megatron-core imported
+    # (seconds per fresh interpreter otherwise)
+    ctx = multiprocessing.get_context(start_method())
+    if start_method() == "forkserver":
+        ctx.set_forkserver_preload(list(PRELOAD))
     args = (other_checkpoint, moe_fleet.urls, 2, free_port(), free_port(), 51, (0, "die"))
-    procs = [ctx.Process(target=_push_to_file, args=(tmp_path / f"rank{r}.pt", r, 2, *args)) for r in range(2)]
+    procs = [ctx.Process(target=_push_to_file, args=(tmp_path / f"rank{r}.pt", dict(os.environ), r, 2, *args))
+             for r in range(2)]
     for proc in procs:
         proc.start()
     for proc in procs:
