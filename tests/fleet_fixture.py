@@ -9,12 +9,20 @@ could unset it under a session fleet made after it.)
 
 Imported by `tests/conftest.py`; tests that change the server's weights must say so, and tests
 that need particular weights push them first (`PartitionedWeightSync.push`).
+
+A test that kills a replica of a session fleet (a server, or a worker, which ends its server) says so with
+`@pytest.mark.kills_session_fleet("moe_fleet_2x1")`: such tests run after every other test of the session
+(`order_fleet_killers_last`, conftest's collection hook), so the fleet serves its other users whole and nobody starts
+a fleet of its own to kill; after one, `revive_killed_fleets` restarts the killed replicas of the fleets it names
+when a later test of the session still asks for them (another killer of the same fleet), at new URLs in the same
+`FleetHandle`.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -71,8 +79,10 @@ def tiny_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def moe_fleet(tiny_moe_dir: Path, fleet_secret: Path,
               tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetHandle]:
     """A real vLLM OpenAI-compatible server, TP 2, serving the tiny MoE with megarl's weight-transfer backend."""
-    with launch(FleetSpec(model_dir=tiny_moe_dir, tp=2, log_dir=tmp_path_factory.mktemp("fleet_logs"),
-                          secret_file=fleet_secret)) as fleet:
+    spec = FleetSpec(model_dir=tiny_moe_dir, tp=2, log_dir=tmp_path_factory.mktemp("fleet_logs"),
+                     secret_file=fleet_secret)
+    with launch(spec) as fleet:
+        _SPECS[id(fleet)] = spec
         yield fleet
     _assert_gone(fleet)
 
@@ -81,10 +91,68 @@ def moe_fleet(tiny_moe_dir: Path, fleet_secret: Path,
 def moe_fleet_2x1(tiny_moe_dir: Path, fleet_secret: Path,
                   tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetHandle]:
     """Two replicas of the tiny MoE, tensor parallel 1 each: several replicas generate at the same time."""
-    with launch(FleetSpec(model_dir=tiny_moe_dir, tp=1, replicas=2, log_dir=tmp_path_factory.mktemp("fleet2_logs"),
-                          secret_file=fleet_secret)) as fleet:
+    spec = FleetSpec(model_dir=tiny_moe_dir, tp=1, replicas=2, log_dir=tmp_path_factory.mktemp("fleet2_logs"),
+                     secret_file=fleet_secret)
+    with launch(spec) as fleet:
+        _SPECS[id(fleet)] = spec
         yield fleet
     _assert_gone(fleet)
+
+
+_SPECS: dict[int, FleetSpec] = {}  # id(session FleetHandle) -> the spec it was launched with
+KILLS_FLEET = "kills_session_fleet"  # the marker: @pytest.mark.kills_session_fleet("moe_fleet", ...)
+
+
+def order_fleet_killers_last(items: list[pytest.Item]) -> None:
+    """Move the tests marked `kills_session_fleet` after every other test, in their own order (in place)."""
+    killers = [item for item in items if item.get_closest_marker(KILLS_FLEET)]
+    items[:] = [item for item in items if not item.get_closest_marker(KILLS_FLEET)] + killers
+
+
+@pytest.fixture(autouse=True)
+def revive_killed_fleets(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After a test marked `kills_session_fleet(names...)`: each named session fleet that a later test of the session
+    asks for gets its dead replicas restarted (`restart_dead_replicas`); nothing for other tests."""
+    marker = request.node.get_closest_marker(KILLS_FLEET)
+    fleets = {name: request.getfixturevalue(name) for name in marker.args} if marker else {}
+    yield
+    if not fleets:
+        return
+    items = request.session.items
+    later = items[items.index(request.node) + 1:]
+    for name, fleet in fleets.items():
+        if any(name in item.fixturenames for item in later):
+            restart_dead_replicas(fleet)
+
+
+def restart_dead_replicas(fleet: FleetHandle) -> list[int]:
+    """Start a new server for each replica of session fleet `fleet` whose server exited (its process group killed
+    first: workers it left), in place in the handle (new URL and process; the log is appended to); the restarted
+    replica indices."""
+    spec, restarted = _SPECS[id(fleet)], []
+    for i, proc in enumerate(fleet.procs):
+        if proc.poll() is None:
+            continue
+        _kill_leftovers(proc.pid)
+        new = launch(replace(spec, replicas=1, first_replica=i), restart=True)
+        fleet.urls[i], fleet.procs[i] = new.urls[0], new.procs[0]
+        restarted.append(i)
+    return restarted
+
+
+def _kill_leftovers(group: int) -> None:
+    """SIGKILL what is left of a dead server's process group (its engine core, workers) and wait until it is gone."""
+    import os
+    import signal
+
+    try:
+        os.killpg(group, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    deadline = time.time() + 10
+    while _live_members({group}) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not _live_members({group}), f"a dead replica's processes outlived it: {_live_members({group})}"
 
 
 @pytest.fixture(scope="session")

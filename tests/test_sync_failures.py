@@ -1,11 +1,14 @@
 """Failures in the middle of a weight update, on real processes (2 trainer ranks, expert parallel 2; vLLM servers):
 
-- a replica's whole server killed mid-update (two replicas, TP 1 each, on a fleet of their own since one of them
-  dies): the push goes on without it (rollout.min_replicas=1), a restarted server for its slot rejoins with a full
-  push, and with min_replicas=2 the same loss fails the push;
 - a trainer rank that raises while sending (the session's TP 2 server);
-- one vLLM worker of a TP 2 replica killed (a TP 2 fleet of its own: vLLM then shuts the whole server down);
-- the sync store's host, trainer rank 0, killed (the session's TP 2 server).
+- the sync store's host, trainer rank 0, killed (the session's TP 2 server);
+- a replica's whole server killed mid-update (the session's two TP-1 replicas, `moe_fleet_2x1`): the push goes on
+  without it (rollout.min_replicas=1), a restarted server for its slot rejoins with a full push, and with
+  min_replicas=2 the same loss fails the push;
+- one vLLM worker of a TP 2 replica killed (the session's TP 2 server: vLLM then shuts the whole server down).
+
+The last two kill replicas of session fleets, so they are marked `kills_session_fleet` and run after every other test
+of the session (tests/fleet_fixture.py): no fleet is started here to be killed.
 
 Every failing case checks that each surviving trainer rank raises `WeightSyncError` naming what failed and why within a
 bounded time (`BOUND_S`, against the group's 600 s timeout), and what the replicas serve afterwards, seen from
@@ -32,13 +35,6 @@ from tests.fleet_fixture import perturbed_checkpoint
 from tests.slow_proxy import slow_proxy
 
 BOUND_S = 120  # a failed update must be reported well within the sync group's timeout (600 s here)
-
-
-@pytest.fixture(scope="module")
-def doomed_fleet(tiny_moe_dir, fleet_secret, tmp_path_factory):
-    with launch(FleetSpec(model_dir=tiny_moe_dir, tp=1, replicas=2, log_dir=tmp_path_factory.mktemp("doomed_logs"),
-                          secret_file=fleet_secret)) as fleet:
-        yield fleet
 
 
 def _kill_replica_mid_update(sync, pid):
@@ -128,9 +124,12 @@ def _lose_rejoin_then_fail(rank, world, hf_dir, pushed_dir, urls, doomed_pid, po
         destroy_trainer_groups()
 
 
-def test_a_replica_killed_mid_update_leaves_the_sync_and_a_restarted_one_rejoins(doomed_fleet, tiny_moe_dir,
+@pytest.mark.kills_session_fleet("moe_fleet_2x1")
+def test_a_replica_killed_mid_update_leaves_the_sync_and_a_restarted_one_rejoins(moe_fleet_2x1, tiny_moe_dir,
                                                                                pushed_checkpoint, fleet_secret,
                                                                                tmp_path):
+    """Kills replica 1 of the session's `moe_fleet_2x1` (it runs after every other user of that fleet)."""
+    doomed_fleet = moe_fleet_2x1
     doomed = doomed_fleet.procs[1].pid  # each server leads its own process group
     results = run_distributed(_lose_rejoin_then_fail, 2, tiny_moe_dir, pushed_checkpoint, doomed_fleet.urls, doomed,
                               free_port(), free_port(), tmp_path, fleet_secret, init_dist=False)
@@ -179,14 +178,6 @@ def pushed_checkpoint(tiny_moe_dir, tmp_path_factory):
 def other_checkpoint(tiny_moe_dir, tmp_path_factory):
     """Other weights again (another seed): a test after one that pushed `pushed_checkpoint` still sees a change."""
     return perturbed_checkpoint(tiny_moe_dir, tmp_path_factory.mktemp("other"), seed=17)
-
-
-@pytest.fixture(scope="module")
-def doomed_tp2_fleet(tiny_moe_dir, fleet_secret, tmp_path_factory):
-    """One replica at TP 2 whose worker TP 1 gets killed: a fleet of its own."""
-    with launch(FleetSpec(model_dir=tiny_moe_dir, tp=2, log_dir=tmp_path_factory.mktemp("doomed_tp2_logs"),
-                          secret_file=fleet_secret)) as fleet:
-        yield fleet
 
 
 class _AtSecondBucket:
@@ -298,11 +289,14 @@ def _push(rank, world, hf_dir, urls, tp, port, sync_port, version, inject=None, 
         destroy_trainer_groups()
 
 
-def _push_to_file(out_path, rank, world, *args):
+def _push_to_file(out_path, env, rank, world, *args):
     """`_push` in a process of its own, its result saved to `out_path` (the test's own launcher: run_distributed
-    would stop the other ranks as soon as one dies)."""
+    would stop the other ranks as soon as one dies), in the test's environment `env` (a forkserver's child would
+    otherwise have the server's)."""
     import torch
 
+    os.environ.clear()
+    os.environ.update(env)
     torch.save(_push(rank, world, *args), out_path)
 
 
@@ -363,13 +357,15 @@ def _worker_pid(fleet, tp_rank):
     raise AssertionError(f"no Worker_TP{tp_rank} process in the server's process group {group}")
 
 
-def test_vllm_worker_killed_mid_receive(doomed_tp2_fleet, pushed_checkpoint):
+@pytest.mark.kills_session_fleet("moe_fleet")
+def test_vllm_worker_killed_mid_receive(moe_fleet, pushed_checkpoint):
     """One vLLM worker (TP rank 1) of a TP 2 replica is SIGKILLed while the trainer ranks send (trainer rank 0 kills
     it once its first bucket was received); the API server and the other worker are left alone. Checked:
     both trainer ranks raise naming the replica, its URL and that a worker died, within the bound; the replica is not
     labelled with the pushed version, and it no longer serves (vLLM shuts the whole engine down when a worker
-    dies: the server exits, so it never serves under the pushed label)."""
-    fleet = doomed_tp2_fleet
+    dies: the server exits, so it never serves under the pushed label). Kills the session's `moe_fleet` (it runs after
+    every other user of that fleet)."""
+    fleet = moe_fleet
     client = RolloutClient(fleet.urls[0], timeout_s=60)
     label = client.weight_version()
     victim = _worker_pid(fleet, 1)
@@ -412,9 +408,16 @@ def _kill_the_store_host_mid_send(client, before, moe_fleet, other_checkpoint, t
 
     import torch
 
-    ctx = multiprocessing.get_context("spawn")
+    from megarl.parallel.spawn import PRELOAD, start_method
+
+    # started as run_distributed starts ranks: forked from the forkserver that has torch and megatron-core imported
+    # (seconds per fresh interpreter otherwise)
+    ctx = multiprocessing.get_context(start_method())
+    if start_method() == "forkserver":
+        ctx.set_forkserver_preload(list(PRELOAD))
     args = (other_checkpoint, moe_fleet.urls, 2, free_port(), free_port(), 51, (0, "die"))
-    procs = [ctx.Process(target=_push_to_file, args=(tmp_path / f"rank{r}.pt", r, 2, *args)) for r in range(2)]
+    procs = [ctx.Process(target=_push_to_file, args=(tmp_path / f"rank{r}.pt", dict(os.environ), r, 2, *args))
+             for r in range(2)]
     for proc in procs:
         proc.start()
     for proc in procs:
