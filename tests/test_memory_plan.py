@@ -10,10 +10,11 @@ layers including the local spec's attention scores, plus the output log-prob's p
 of it; a per-token inventory that missed the MLP, the scores or the q/k/v tensors would be off by more.
 
 The fixed terms, in mixed precision too: one spawned pair of gloo ranks trains one step of the tiny dense model at
-DP 2 (fp32 and bf16, with and without megatron's distributed optimizer) and of the tiny MoE at EP 2 (bf16, distributed
-optimizer: dense moments sharded over DP 2, experts' over expert DP 1, i.e. not) and at EP 1 (expert DP 2); the storages the model, DDP's
-buffers and the optimizer hold, by what reaches them, are the plan's weights, gradient buffers, main parameters and
-Adam moments per rank (measured: equal to the byte but for the Adam step counts).
+DP 2 (fp32 and bf16, with and without megatron's distributed optimizer) and of the tiny MoE at EP 2 (bf16,
+distributed optimizer: dense moments sharded over DP 2, experts' over expert DP 1, i.e. not) and at EP 1 (expert DP
+2); the storages the model, DDP's buffers and the optimizer hold, by what reaches them, are the plan's weights,
+gradient buffers, main parameters and Adam moments per rank (measured: equal to the byte but for the Adam step
+counts).
 """
 
 from __future__ import annotations
