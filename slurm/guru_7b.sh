@@ -5,7 +5,7 @@
 #
 #   sbatch slurm/guru_7b.sh                                   # from the megarl checkout, on the login node
 #
-# 2 nodes x 8 GPUs: trainer on the first (8 ranks: TP 2 x PP 2 x DP 2), 4 vLLM replicas x TP 2 on the second.
+# 2 nodes x 8 GPUs: trainer on the first (8 ranks: TP 2 x PP 2 x DP 2; bf16), 4 vLLM replicas x TP 2 on the second.
 # Every setting is an environment variable (slurm/megarl_job.sh, docs/cluster.md).
 #SBATCH --job-name=megarl-guru-7b
 #SBATCH --nodes=2

@@ -125,6 +125,44 @@ def test_token_budget_plan_by_hand():
     assert microbatch_plan(LENGTHS, 2, 3, None, packed=False) == [[[0, 1, 2], [3]], [[4, 5, 6], [7]]]
 
 
+def test_token_budget_counts_widths_rounded_for_sequence_parallelism():
+    """Under sequence parallelism every width is rounded up to a multiple of TP (4 here), and the budget counts the
+    rounded widths: cut by real lengths, [2, 6] would be 2 x 8 = 16 tokens and [0, 1] 2 x 8, over 12."""
+    from megarl.trainer.batching import microbatch_plan, microbatch_widths
+
+    plan = microbatch_plan(LENGTHS, 1, 8, 12, packed=False, multiple=4)
+    assert plan == [[[4], [2], [6], [0], [1, 3, 5], [7]]]  # 9 -> 12 alone; 6, 6, 5 -> 8 alone; 4, 4, 3 -> 3 x 4
+    widths = microbatch_widths(LENGTHS, plan, packed=False, multiple=4)
+    assert widths == [12, 8, 8, 8, 4, 4]
+    assert all(len(mb) * w <= 12 or len(mb) == 1 for mb, w in zip(plan[0], widths, strict=True))
+    unrounded = microbatch_plan(LENGTHS, 1, 8, 12, packed=False)  # the plan without the rounding overflows it
+    assert [len(mb) * w for mb, w in zip(unrounded[0], microbatch_widths(LENGTHS, unrounded, False, 4),
+                                         strict=True)] == [12, 16, 16, 12]
+    # packed: a rank's sum of lengths rounded up (9 -> 12; 6 + 6 = 12; 5 + 4 = 9 -> 12; 4 + 3 + 3 = 10 -> 12)
+    assert microbatch_plan(LENGTHS, 1, 8, 12, packed=True, multiple=4) == [[[4], [2, 6], [0, 1], [3, 5, 7]]]
+
+
+def test_rank_microbatches_are_the_recompute_cuts():
+    """`rank_microbatches` (what the step trains on and `algorithm.old_logprobs=trainer` recomputes over): at a
+    12-token budget, DP 2, each rank's microbatches are the plan's rows cut to the plan's widths, every b x width
+    within the budget unless one row; count-based: `micro_batch_size` rows at the batch's padded width."""
+    from megarl.config.schema import TrainerConfig
+    from megarl.trainer.step import rank_microbatches
+
+    batch = RolloutBatch(index=0, prompt_ids=[[1]] * 8, response_ids=[[5] * (n - 1) for n in LENGTHS],
+                         engine_logprobs=[[-0.1] * (n - 1) for n in LENGTHS], rewards=torch.zeros(1, 8),
+                         advantages=torch.zeros(1, 8), policy_version=0)
+    tensors = pack_batch(batch, pad_id=0)
+    budget = TrainerConfig(world_size=2, max_tokens_per_microbatch=12)
+    for rank, want in enumerate(([[4], [6, 1], [5]], [[2], [0, 3], [7]])):  # the DP 2 plan above
+        plan, widths, mbs = rank_microbatches(tensors, budget, rank, 2, 1, pad_id=0)
+        assert plan[rank] == want and widths == [9, 6, 3]
+        assert [tuple(mb["tokens"].shape) for mb in mbs] == [(1, 9), (2, 6), (1, 3)]
+        assert [mb["lengths"].tolist() for mb in mbs] == [[LENGTHS[i] for i in rows] for rows in want]
+    _, _, mbs = rank_microbatches(tensors, TrainerConfig(world_size=2, micro_batch_size=3), 1, 2, 1, pad_id=0)
+    assert [tuple(mb["tokens"].shape) for mb in mbs] == [(3, 9), (1, 9)]  # rows 4-6, then 7, padded to 9
+
+
 def test_select_microbatch_cuts_columns():
     from megarl.trainer.batching import select_microbatch
 

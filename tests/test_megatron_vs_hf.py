@@ -3,7 +3,8 @@ log-probs and entropy of the same tokens, parameter gradients of the same loss, 
 each rank exports for the weight sync (their union must rebuild every HF tensor bit-exactly).
 Layouts: world 2 (dense TP=2 / PP=2, MoE EP=2, MoE expert TP=2 at TP=1, Qwen2 with q/k/v biases at TP=2, tied
 embeddings at PP=2) and world 4 (dense TP=2 x PP=2, MoE EP=2 x PP=2: expert data parallel 1, dense data parallel
-2, also with megatron's distributed optimizer; tied TP=2 x PP=2), through megatron's DDP and optimizer as the
+2, also with megatron's distributed optimizer; tied TP=2 x PP=2), and the MoE at DP 2 without EP (expert data parallel
+2) with the distributed optimizer, through megatron's DDP and optimizer as the
 trainer runs them.
 Tied embeddings: transformers has ONE parameter `model.embed_tokens.weight` whose gradient is the embedding's plus
 the output layer's; megatron's two copies (first and last stage) must each hold that gradient and that step.
@@ -221,12 +222,15 @@ def _assert_tied_sync_plan(per_rank_blocks, hf: dict, first_stage: set[int]) -> 
     # megatron's distributed optimizer: dense gradients reduce-scattered over DP 2, experts (expert DP 1) not split;
     # and DDP reducing once after backward instead of per bucket during it
     ("moe", TrainerLayout(ep=2, pp=2), 4, {"distributed_optimizer": True}),
+    # expert data parallel 2 (no EP: every rank holds every expert): the experts' gradients reduce-scattered and their
+    # Adam state sharded over the expert-data-parallel group, as the 30B recipe's expert DP 2 (TP 1 x EP 8 x PP 2)
+    ("moe", TrainerLayout(), 2, {"distributed_optimizer": True}),
     ("dense", TrainerLayout(pp=2), 2, {"overlap_grad_reduce": False}),
     # tied embeddings: embedding on the first stage, its copy as the output layer on the last stage
     ("dense-tied", TrainerLayout(pp=2), 2, {}),
     ("dense-tied", TrainerLayout(tp=2, pp=2), 4, {}),
 ], ids=["dense-tp2", "dense-vocab31-tp2", "dense-pp2", "moe-ep2", "moe-etp2", "qwen2-tp2", "dense-tp2-pp2",
-        "moe-ep2-pp2", "moe-ep2-pp2-distopt", "dense-pp2-no-overlap", "tied-pp2", "tied-tp2-pp2"])
+        "moe-ep2-pp2", "moe-ep2-pp2-distopt", "moe-edp2-distopt", "dense-pp2-no-overlap", "tied-pp2", "tied-tp2-pp2"])
 def test_megatron_matches_transformers(checkpoints, kind, layout, world, options):
     hf_dir = checkpoints[kind]
     ref_lp, ref_ent, ref_norm, clip, ref_grads, initial, stepped = _hf_reference(hf_dir, clip_fraction=0.5)

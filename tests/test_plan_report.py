@@ -169,14 +169,20 @@ def test_plan_command_on_the_30b_recipe(capsys):
     assert re.search(r"nccl +61\.06 GB per rank +1\.221 s", out)
     assert re.search(r"nccl_m2n +60\.46 GB per rank", out)  # 61,064,245,248 - 805,306,368 * 3 / 4 bytes
     assert re.search(r"megarl +15\.29 GB per rank +0\.306 s", out)
-    # 16 ranks per stage: 8 expert ranks x 2 expert-TP ranks leave expert data parallel 1
-    assert "experts: ep 8 x expert-tp 2 x expert-dp 1 per stage, 16 experts per rank" in out
-    assert run(_args(recipe, f"model.hf_dir={MODELS / 'qwen3-30b-a3b'}", "trainer.expert_tp=1")) == 0
-    assert "experts: ep 8 x expert-tp 1 x expert-dp 2 per stage, 16 experts per rank" in capsys.readouterr().out
-    # trainer.tp=2 with a MoE model is a GPU-only layout: the CPU check refuses it, plan checks it as for the GPU
+    # 16 ranks per stage: 8 expert ranks of whole experts (expert-TP 1) leave expert data parallel 2
+    assert "trainer: 32 ranks = tp 1 x pp 2 x dp 16" in out
+    assert "experts: ep 8 x expert-tp 1 x expert-dp 2 per stage, 16 experts per rank" in out
+    # bf16 with the distributed optimizer (the recipe): 2,582,484,992 parameters on stage 0, of which 1,811,939,328
+    # experts; weights 2 B, gradient buffers 4 B; main 4 B and Adam 8 B of dense / 16 + experts / 2 per rank
+    assert re.search(r" +0 +5\.2 GB +10\.3 GB +3\.8 GB +7\.6 GB +9\.4 GB +2 +0\.0 GB +3\.0 GB +39\.4 GB", out)
+    assert "trainer.precision=bf16" in out
+    assert run(_args(recipe, f"model.hf_dir={MODELS / 'qwen3-30b-a3b'}", "trainer.expert_tp=2")) == 0
+    assert "experts: ep 8 x expert-tp 2 x expert-dp 1 per stage, 16 experts per rank" in capsys.readouterr().out
+    # the recipe's layout is one the CPU stack trains (trainer.tp=1); trainer.tp=2 with a MoE model is a GPU-only
+    # layout: the CPU check refuses it, plan checks it as for the GPU
     from megarl.config.load import load_config
 
-    cfg = load_config(recipe, [f"model.hf_dir={MODELS / 'qwen3-30b-a3b'}"])
+    cfg = load_config(recipe, [f"model.hf_dir={MODELS / 'qwen3-30b-a3b'}", "trainer.tp=2"])
     with pytest.raises(ConfigError, match="sequence parallel"):
         check_against_model(cfg, read_hf_config(cfg.model.hf_dir), cuda=False)
     assert run(_args(recipe, f"model.hf_dir={MODELS / 'qwen3-30b-a3b'}", dtype="fp32")) == 0
@@ -206,7 +212,7 @@ def test_plan_from_vllms_own_loaders_equals_the_table(capsys, tmp_path, monkeypa
 def test_plan_refuses_layouts_megatron_refuses(capsys):
     recipe = ROOT / "configs" / "qwen3_30b_a3b_guru.yaml"
     hf_dir = f"model.hf_dir={MODELS / 'qwen3-30b-a3b'}"
-    # 16 ranks = tp 2 x pp 2 x dp 4: experts split over 2 expert-TP ranks need expert_tp*ep*pp = 32 ranks
+    # 16 ranks = tp 1 x pp 2 x dp 8: experts split over 2 expert-TP ranks need expert_tp*ep*pp = 32 ranks
     assert run(_args(recipe, hf_dir, "trainer.world_size=16", "trainer.expert_tp=2")) == 2
     assert ("trainer.expert_tp=2 x trainer.ep=8 x trainer.pp=2 = 32 does not divide trainer.world_size=16"
             in capsys.readouterr().err)
@@ -216,5 +222,7 @@ def test_plan_refuses_layouts_megatron_refuses(capsys):
     assert "rollout.tp=3 does not divide num_attention_heads=32" in capsys.readouterr().err
 
 
-def test_dense_recipe_plans():
+def test_dense_recipe_plans(capsys):
     assert run(_args(ROOT / "configs" / "qwen2.5_7b_guru.yaml", f"model.hf_dir={MODELS / 'qwen2.5-7b'}")) == 0
+    # TP 2 x PP 2 x DP 2 in bf16 with the distributed optimizer: main parameters and Adam halved over DP 2
+    assert "worst rank 33.0 GB vs trainer.gpu_memory_gb=80: fits" in capsys.readouterr().out

@@ -1,6 +1,8 @@
 """The receiver-memory model (`megarl.sync.receiver_memory`) against numbers computed by hand from the 30B recipe's
-config.json, its bound against a real wire layout, `megarl check --gpu` refusing a push that cannot fit, `megarl
-plan` printing it, and `rollout.gpu_memory_utilization` reaching vLLM on GPU fleets only."""
+config.json at the trainer layout they were worked out for (TP 2 x PP 2 x DP 8, EP 8 with expert TP 2 on 32 ranks:
+the recipe's until it moved to TP 1 x EP 8 x PP 2, pinned here by overrides; `megarl plan` prints the recipe's own),
+its bound against a real wire layout, `megarl check --gpu` refusing a push that cannot fit, `megarl plan` printing
+it, and `rollout.gpu_memory_utilization` reaching vLLM on GPU fleets only."""
 
 import argparse
 import re
@@ -42,8 +44,11 @@ HF_DIR = f"model.hf_dir={ROOT / 'configs' / 'models' / 'qwen3-30b-a3b'}"
 MIB = 2**20
 
 
+HAND_LAYOUT = ["trainer.tp=2", "trainer.expert_tp=2"]  # the trainer layout the hand numbers below are for
+
+
 def _recipe(*overrides: str):
-    cfg = load_config(RECIPE, [HF_DIR, *overrides])
+    cfg = load_config(RECIPE, [HF_DIR, *HAND_LAYOUT, *overrides])
     return cfg, read_hf_config(cfg.model.hf_dir)
 
 
@@ -178,7 +183,8 @@ def test_check_refuses_a_push_that_cannot_fit():
 
 
 def test_plan_prints_the_push_memory(capsys):
-    args = argparse.Namespace(config=str(RECIPE), overrides=[HF_DIR], dtype="bf16", link_gbps=50.0, needs="table")
+    args = argparse.Namespace(config=str(RECIPE), overrides=[HF_DIR, *HAND_LAYOUT], dtype="bf16", link_gbps=50.0,
+                              needs="table")
     assert run(args) == 0
     out = capsys.readouterr().out
     assert ("free beside vLLM: rollout.gpu_memory_gb=80 x (1 - rollout.gpu_memory_utilization=0.9) - 0.54 GB CUDA "

@@ -237,6 +237,38 @@ def _grad_errors(policy, hf, reference: dict[str, torch.Tensor]) -> list[tuple]:
     return rows
 
 
+RECOMPUTE_BUDGET = 12
+
+
+def _recompute_check(policy, batch, size, layout, packed, dp_rank, dp) -> tuple[float, list, int]:
+    """`algorithm.old_logprobs=trainer`'s recompute over this rank's token-budget microbatches (12 tokens) against the
+    same rows' log-probs uncut (all of them in one padded microbatch, as the recompute ran before it was cut): the
+    largest difference on response positions, the `[b, s]` shapes the model was fed, and the microbatch count."""
+    from megarl.trainer.batching import pack_batch
+    from megarl.trainer.step import rank_microbatches, recompute_old_logprobs, sequence_multiple
+
+    trainer = TrainerConfig(world_size=size, tp=layout.tp, pp=layout.pp, ep=layout.ep,
+                            max_tokens_per_microbatch=RECOMPUTE_BUDGET, pack_sequences=packed)
+    multiple = sequence_multiple(policy.model.config)
+    tensors = pack_batch(batch, PAD, multiple)
+    plan, _, mbs = rank_microbatches(tensors, trainer, dp_rank, dp, multiple, PAD)
+    shapes: list[tuple[int, ...]] = []
+    hook = policy.model.register_forward_pre_hook(lambda _module, args: shapes.append(tuple(args[0].shape)))
+    try:
+        recompute_old_logprobs(policy, mbs)
+    finally:
+        hook.remove()
+    rows = torch.tensor([i for mb in plan[dp_rank] for i in mb])
+    uncut = policy.compute_logprobs(tensors["tokens"][rows], tensors["targets"][rows], micro=len(rows))[0]
+    uncut = uncut * tensors["mask"][rows]
+    diff, start = 0.0, 0
+    for mb in mbs:
+        b, w = mb["old_logprobs"].shape
+        diff = max(diff, float((mb["old_logprobs"] - uncut[start:start + b, :w]).abs().max()))
+        start += b
+    return diff, shapes, len(mbs)
+
+
 def _trainer_rank(rank, world, layouts, ports, hf_dirs, responses, engines, references):
     import dataclasses
 
@@ -284,6 +316,7 @@ def _trainer_rank(rank, world, layouts, ports, hf_dirs, responses, engines, refe
                     with torch.no_grad():  # back to the checkpoint's weights for the next run
                         for p, p0 in zip(policy.model.parameters(), initial, strict=True):
                             p.copy_(p0)
+            results[(label, "recompute")] = _recompute_check(policy, batch, size, layout, packed, dp_rank, dp)
         finally:
             destroy_trainer_groups()
     return results
@@ -347,4 +380,14 @@ def test_loss_and_gradients_do_not_depend_on_the_split(checkpoints):
                 missing = [n for n, c in covered.items() if not c.all()]
                 if missing:
                     failures.append(f"{case}: no rank holds gradients of {missing}")
+        # old_logprobs=trainer: the recompute is cut by the training token budget (a row longer than the budget
+        # alone), one forward per training microbatch, and equals the uncut log-probs (other shapes: fp32 rounding)
+        for rank, results in enumerate(per_rank[:size]):
+            diff, shapes, count = results[(label, "recompute")]
+            if len(shapes) != count or any(b * s > RECOMPUTE_BUDGET and b > 1 for b, s in shapes):
+                failures.append(f"{label} rank {rank}: recompute fed {shapes} for {count} microbatches, budget "
+                                f"{RECOMPUTE_BUDGET}")
+            if count < 2 or diff > 1e-5:
+                failures.append(f"{label} rank {rank}: recompute differs from the uncut log-probs by {diff:.3g} "
+                                f"({count} microbatches)")
     assert not failures, "\n".join(failures)

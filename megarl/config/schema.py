@@ -74,7 +74,8 @@ class TrainerConfig(_Strict):
         "None: micro_batch_size sequences per microbatch, padded to the batch's longest. Every step records "
         "train/padding_fraction (1 - real tokens / tokens computed), train/tokens_computed, train/tokens_real. "
         "`megarl plan` projects the trainer's memory at this budget. The trainer's recompute of "
-        "algorithm.old_logprobs=trainer still runs count-based, padded.",
+        "algorithm.old_logprobs=trainer runs forward only over the same microbatches, so the same budget cuts it. "
+        "Under sequence parallelism (MoE at trainer.tp > 1) the budget counts widths rounded up to a multiple of TP.",
     )
     gpu_memory_gb: float = Field(
         80.0, gt=0, description="Memory of each trainer GPU in GB (10^9 bytes; 80 for an H100), for the trainer's "
@@ -116,7 +117,7 @@ class TrainerConfig(_Strict):
         False, description="Feed each microbatch to the model as ONE row: its sequences cut to their real length "
         "and concatenated, with a block-diagonal causal mask (no projection/MLP compute on padding; attention is a "
         "dense masked row). Losses still see one row per response, so sequence-level quantities (GSPO, OAPL) are "
-        "per whole response. The training step only: the recompute of algorithm.old_logprobs=trainer stays padded. "
+        "per whole response. The recompute of algorithm.old_logprobs=trainer runs over the same packed microbatches. "
         "Local (CPU) layer spec only: Transformer Engine needs THD packed-sequence parameters, not implemented yet.",
     )
     precision: Literal["fp32", "bf16"] = Field(
@@ -471,7 +472,8 @@ class AlgorithmConfig(_Strict):
     )
     old_logprobs: Literal["engine", "trainer"] = Field(
         "engine", description="Behaviour log-probs: the engine's sampled-token log-probs, or the trainer's "
-        "recompute at its current weights before the update (decoupled-PPO 'proximal' policy). OAPL always "
+        "recompute at its current weights before the update (decoupled-PPO 'proximal' policy), forward only over the "
+        "step's own microbatches (trainer.max_tokens_per_microbatch cuts it as it cuts training). OAPL always "
         "regresses against the engine's log-probs (PolicyLossInput.engine_logprobs).",
     )
     correction: CorrectionConfig = Field(

@@ -96,22 +96,24 @@ def microbatches(tensors: dict[str, torch.Tensor], size: int) -> list[dict[str, 
 # with expert parallelism the token dispatcher gathers equal token counts from the ranks of its group.
 
 
-def _group_tokens(lengths: list[int], group: list[int], dp: int, packed: bool) -> int:
+def _group_tokens(lengths: list[int], group: list[int], dp: int, packed: bool, multiple: int = 1) -> int:
     """Tokens one rank computes when `group` (dp x b rows, longest first) is dealt to the dp ranks row by row:
-    the largest rank's sum of lengths when packed, else b rows padded to the group's longest."""
+    the largest rank's sum of lengths when packed, else b rows padded to the group's longest; the row width rounded
+    up to a multiple of `multiple` (sequence parallelism: TP), as `microbatch_widths` rounds it."""
     if packed:
-        return max(sum(lengths[i] for i in group[r::dp]) for r in range(dp))
-    return len(group) // dp * max(lengths[i] for i in group)
+        return round_up(max(sum(lengths[i] for i in group[r::dp]) for r in range(dp)), multiple)
+    return len(group) // dp * round_up(max(lengths[i] for i in group), multiple)
 
 
 def microbatch_plan(lengths: list[int], dp_size: int, micro_batch_size: int, max_tokens: int | None,
-                    packed: bool) -> list[list[list[int]]]:
+                    packed: bool, multiple: int = 1) -> list[list[list[int]]]:
     """The microbatches of every data-parallel rank for a global batch of sequences of real `lengths`.
 
     `max_tokens` None (count-based): rank r holds the contiguous rows `data_parallel_share` gives it, cut into
     microbatches of `micro_batch_size` consecutive rows. Otherwise (token budget): the whole batch is sorted by
     length, longest first (ties: lower index first), and cut into groups of dp x b consecutive rows, b as large as
-    the budget allows (`_group_tokens(...) <= max_tokens`, b >= 1); each group is dealt row by row to the ranks,
+    the budget allows (`_group_tokens(...) <= max_tokens`, b >= 1; the widths counted as the model sees them, rounded
+    up to a multiple of `multiple` under sequence parallelism); each group is dealt row by row to the ranks,
     so microbatch k has b rows on every rank and every rank runs the same number of microbatches (megatron's
     schedule, the gradient all-reduces and the expert dispatch are collective: no rank can run one more). A row
     longer than the budget gets a microbatch of its own. Whole sequences only; a function of the lengths alone,
@@ -130,7 +132,8 @@ def microbatch_plan(lengths: list[int], dp_size: int, micro_batch_size: int, max
     while start < n:
         b = 1
         while (start + dp_size * (b + 1) <= n
-               and _group_tokens(lengths, order[start:start + dp_size * (b + 1)], dp_size, packed) <= max_tokens):
+               and _group_tokens(lengths, order[start:start + dp_size * (b + 1)], dp_size, packed, multiple)
+               <= max_tokens):
             b += 1
         group = order[start:start + dp_size * b]
         for r in range(dp_size):

@@ -2,21 +2,29 @@
 
 Its inputs are the HF config, the trainer layout and the microbatch token budget; `megarl plan` prints it and
 `megarl check --gpu` (`trainer_memory_problem`) refuses a layout whose worst rank does not fit
-`trainer.gpu_memory_gb`. The terms (bytes; megarl trains in fp32: parameters, gradients, activations):
+`trainer.gpu_memory_gb`. The terms (bytes), as megatron-core's DDP and optimizer hold them
+(`megarl.trainer.optimizer`), in `trainer.precision` fp32 or bf16 (mixed precision):
 
-- weights: the rank's parameters (`megarl.models.shapes.megatron_local_shapes`) x 4;
-- gradients: the same again (megarl keeps a gradient for every parameter between microbatches);
-- optimizer: AdamW's `exp_avg` and `exp_avg_sq`, 8 bytes per parameter; with `trainer.distributed_optimizer`
-  dense parameters' state is split over the data-parallel ranks and expert parameters' over the
-  expert-data-parallel ranks;
+- weights: the rank's parameters (`megarl.models.shapes.megatron_local_shapes`) x 4 (fp32) or x 2 (bf16);
+- gradients: megatron DDP's contiguous fp32 gradient buffers (`grad_reduce_in_fp32`), 4 bytes per parameter in
+  either precision;
+- main parameters (bf16 only): the fp32 copies Adam steps, 4 bytes per parameter (fp32 steps the parameters
+  themselves: none);
+- optimizer: Adam's `exp_avg` and `exp_avg_sq`, fp32, 8 bytes per parameter;
+- with `trainer.distributed_optimizer` the main parameters and the moments are sharded: dense parameters' over the
+  data-parallel ranks, expert parameters' over the expert-data-parallel ranks (the weights and gradient buffers are
+  whole on every rank; megatron pads each parameter to 64 elements and each bucket to a multiple of lcm(DP, 128),
+  which the plan leaves out);
 - activations: what autograd keeps per token of a microbatch in each of the stage's layers (`layer_elements`),
   times the microbatches in flight (1F1B: pipeline stage s holds up to pp - s microbatches' activations; without
   pipelining, one), plus the stage's input and, with attention that keeps its scores (the CPU local spec),
-  `heads/tp x s^2` per row of b per layer;
+  `heads/tp x s^2` per row of b per layer; 4 bytes per element in fp32, 2 in bf16 (megatron's mixed precision keeps
+  activations in bf16; its few fp32 tensors, the router's probabilities and softmax statistics, are left out);
 - logits (last stage): fused (`megarl.parallel.fused_output_logprobs`, the default): four `chunk x block` fp32
   tile buffers (`block` = `trainer.logprob_vocab_block` rows, default the shard's `V/tp`), the `[V/tp, h]` weight
   gradient it returns (fp32 weights: accumulated in place, no second copy) and dL/dh `[tokens, h]`; unfused: the whole
-  `[tokens, V/tp]` fp32 logits and their gradient, plus three chunk buffers;
+  `[tokens, V/tp]` fp32 logits and their gradient, plus three chunk buffers; counted in fp32 in either precision
+  (both paths compute in fp32; in bf16 an upper bound);
 - reserve: `RESERVE_BYTES` for what lives outside torch's tensors (CUDA context, NCCL buffers, allocator
   fragmentation), an allowance rather than a measurement.
 
@@ -29,7 +37,9 @@ top_k routed copies per token of its microbatch, on average); `trainer.recompute
 plus one layer's activations, 'selective' drops the attention scores; attention on a GPU is Transformer Engine's flash
 attention (no `s x s` scores kept), on CPU megatron's local spec (scores and probabilities kept, fp32); the
 optimizer's transient buffers and the all-reduce buckets are inside the reserve. The per-token inventory was
-checked against a measured CPU run of a tiny model at two token budgets (tests/test_memory_plan.py).
+checked against a measured CPU run of a tiny model at two token budgets, and the weights, gradient buffers, main
+parameters and moments against the tensors a real CPU training step allocates, fp32 and bf16, with and without the
+distributed optimizer (tests/test_memory_plan.py).
 """
 
 from __future__ import annotations
@@ -43,6 +53,7 @@ from megarl.models.hf_config import num_experts
 
 GB = 10**9
 FP32 = 4
+WEIGHT_BYTES = {"fp32": 4, "bf16": 2}  # bytes per parameter (and per activation element) by trainer.precision
 RESERVE_BYTES = 3 * GB  # CUDA context + NCCL communicators + caching-allocator fragmentation (an allowance)
 
 
@@ -53,8 +64,9 @@ class TrainerRankMemory:
     stage: int
     params: int
     weights: int
-    grads: int
-    optimizer: int
+    grads: int  # DDP's fp32 gradient buffers
+    main_params: int  # the fp32 copies Adam steps (bf16; 0 in fp32, where Adam steps the parameters themselves)
+    optimizer: int  # Adam's two fp32 moments
     activations: int
     logits: int
     reserve: int
@@ -63,7 +75,8 @@ class TrainerRankMemory:
 
     @property
     def total(self) -> int:
-        return self.weights + self.grads + self.optimizer + self.activations + self.logits + self.reserve
+        return (self.weights + self.grads + self.main_params + self.optimizer + self.activations + self.logits
+                + self.reserve)
 
 
 def microbatch_tokens(cfg: Config) -> tuple[int, int]:
@@ -118,17 +131,29 @@ def logits_bytes(hf: dict[str, Any], tokens: int, tp: int, fused: bool, chunk: i
 
 def activation_bytes(
     hf: dict[str, Any], tokens: int, longest: int, layers: int, tp: int, flash: bool, recompute: str = "none",
-    expert_tp: int | None = None,
+    expert_tp: int | None = None, precision: str = "fp32",
 ) -> int:
-    """One microbatch's activations in `layers` decoder layers of one rank: `tokens` tokens in rows of `longest`."""
+    """One microbatch's activations in `layers` decoder layers of one rank: `tokens` tokens in rows of `longest`,
+    `WEIGHT_BYTES[precision]` bytes per element."""
     moe = num_experts(hf) > 0
     sp = moe and tp > 1
     per_token = layer_elements(hf, tp, sp, moe, expert_tp)
     scores = 0.0 if flash or recompute == "selective" else 2 * hf["num_attention_heads"] / tp * longest
     h = hf["hidden_size"] / (tp if sp else 1)
+    size = WEIGHT_BYTES[precision]
     if recompute == "full":  # each layer's input kept; one layer's activations rebuilt at a time in backward
-        return int(FP32 * tokens * (layers * h + per_token + scores + 2 * h))
-    return int(FP32 * tokens * (layers * (per_token + scores) + 2 * h))
+        return int(size * tokens * (layers * h + per_token + scores + 2 * h))
+    return int(size * tokens * (layers * (per_token + scores) + 2 * h))
+
+
+def optimizer_shard(params: int, expert: int, t: Any) -> float:
+    """Parameters whose main copy and Adam moments one rank holds: all of its `params`, or with
+    `trainer.distributed_optimizer` the dense ones' 1/DP share and the `expert` ones' 1/expert-DP share."""
+    if not t.distributed_optimizer:
+        return params
+    dp = t.world_size // (t.tp * t.pp)
+    expert_dp = t.world_size // (t.expert_tp * t.ep * t.pp)
+    return (params - expert) / dp + expert / expert_dp
 
 
 def trainer_memory(hf: dict[str, Any], cfg: Config, flash: bool = True, fused: bool = True) -> list[TrainerRankMemory]:
@@ -136,8 +161,6 @@ def trainer_memory(hf: dict[str, Any], cfg: Config, flash: bool = True, fused: b
     from megarl.models.shapes import megatron_local_shapes
 
     t = cfg.trainer
-    dp = t.world_size // (t.tp * t.pp)
-    expert_dp = t.world_size // (t.expert_tp * t.ep * t.pp)
     tokens, longest = microbatch_tokens(cfg)
     layers = hf["num_hidden_layers"] // t.pp
     out = []
@@ -145,21 +168,19 @@ def trainer_memory(hf: dict[str, Any], cfg: Config, flash: bool = True, fused: b
         shapes = megatron_local_shapes(hf, t.tp, t.pp, t.ep, stage, t.expert_tp)
         params = sum(map(math.prod, shapes.values()))
         expert = sum(math.prod(v) for k, v in shapes.items() if ".local_experts." in k)
-        if t.distributed_optimizer:
-            state = 2 * FP32 * ((params - expert) / dp + expert / expert_dp)
-        else:
-            state = 2 * FP32 * params
+        shard = optimizer_shard(params, expert, t)
         in_flight = t.pp - stage if t.pp > 1 else 1
         last = stage == t.pp - 1
         out.append(
             TrainerRankMemory(
                 stage=stage,
                 params=params,
-                weights=FP32 * params,
+                weights=WEIGHT_BYTES[t.precision] * params,
                 grads=FP32 * params,
-                optimizer=int(state),
+                main_params=int(FP32 * shard) if t.precision == "bf16" else 0,
+                optimizer=int(2 * FP32 * shard),
                 activations=in_flight * activation_bytes(hf, tokens, longest, layers, t.tp, flash, t.recompute,
-                                                         t.expert_tp),
+                                                         t.expert_tp, t.precision),
                 logits=logits_bytes(hf, tokens, t.tp, fused, t.logprob_chunk_tokens, t.logprob_vocab_block)
                 if last else 0,
                 reserve=RESERVE_BYTES,
@@ -185,16 +206,19 @@ def format_trainer_memory(hf: dict[str, Any], cfg: Config) -> list[str]:
         if t.max_tokens_per_microbatch
         else f"count-based: micro_batch_size {t.micro_batch_size} x {longest} tokens (rows padded to the longest)"
     )
+    weights = ("bf16 weights and activations, fp32 gradient buffers, fp32 main parameters and Adam moments"
+               if t.precision == "bf16" else "fp32 weights, gradient buffers, Adam moments and activations")
+    shard = " (main and Adam sharded over data parallel)" if t.distributed_optimizer else ""
     lines = [
         "",
-        f"trainer memory per rank at its peak (fp32 weights/grads/AdamW; megarl.trainer.memory_plan): "
-        f"microbatch of {tokens:,} tokens ({how}), flash attention, fused output log-prob",
-        f"  {'stage':>5} {'weights':>9} {'grads':>9} {'AdamW':>9} {'activations':>12} {'mb held':>7} "
+        f"trainer memory per rank at its peak (trainer.precision={t.precision}: {weights}{shard}; "
+        f"megarl.trainer.memory_plan): microbatch of {tokens:,} tokens ({how}), flash attention, fused output log-prob",
+        f"  {'stage':>5} {'weights':>9} {'grads':>9} {'main':>9} {'Adam':>9} {'activations':>12} {'mb held':>7} "
         f"{'logits':>8} {'reserve':>8} {'total':>9}",
     ]
     for m in rows:
         lines.append(
-            f"  {m.stage:>5} {_gb(m.weights):>9} {_gb(m.grads):>9} {_gb(m.optimizer):>9} "
+            f"  {m.stage:>5} {_gb(m.weights):>9} {_gb(m.grads):>9} {_gb(m.main_params):>9} {_gb(m.optimizer):>9} "
             f"{_gb(m.activations):>12} {m.in_flight:>7} {_gb(m.logits):>8} {_gb(m.reserve):>8} "
             f"{_gb(m.total):>9}"
         )
@@ -225,14 +249,18 @@ def trainer_memory_problem(hf: dict[str, Any], cfg: Config) -> str | None:
         fixes.append(
             f"set trainer.max_tokens_per_microbatch to at most ~{fits:,} (now {worst.tokens:,} tokens per microbatch)"
         )
+    if t.precision == "fp32":
+        fixes.append("set trainer.precision=bf16 (bf16 weights and activations; fp32 main parameters)")
     if not t.distributed_optimizer:
-        fixes.append("set trainer.distributed_optimizer=true (AdamW state split over data-parallel ranks)")
+        fixes.append("set trainer.distributed_optimizer=true (Adam moments and main parameters split over "
+                     "data-parallel ranks)")
     fixes.append("raise trainer.tp / trainer.pp / trainer.ep / trainer.expert_tp (fewer parameters per rank)")
     if t.recompute == "none":
         fixes.append("set trainer.recompute=full (activations recomputed in backward)")
     return (
         f"trainer: pipeline stage {worst.stage}'s ranks need about {_gb(worst.total)} at their peak "
-        f"(weights {_gb(worst.weights)}, grads {_gb(worst.grads)}, AdamW {_gb(worst.optimizer)}, activations "
+        f"(trainer.precision={t.precision}: weights {_gb(worst.weights)}, grad buffers {_gb(worst.grads)}, main "
+        f"parameters {_gb(worst.main_params)}, Adam {_gb(worst.optimizer)}, activations "
         f"{_gb(worst.activations)} for {worst.in_flight} microbatch(es) of {worst.tokens:,} tokens, logits "
         f"{_gb(worst.logits)}, reserve {_gb(worst.reserve)}; `megarl plan` shows the terms), more than "
         f"trainer.gpu_memory_gb={t.gpu_memory_gb:g}: " + ", or ".join(fixes)

@@ -1,6 +1,6 @@
 """The policy being trained: a megatron-core `GPTModel` stage with its optimizer.
 
-`compute_logprobs` and `train_step` take token batches and return per-token log-probs of the
+`compute_logprobs` / `microbatch_logprobs` and `train_step` take token batches and return per-token log-probs of the
 targets and the exact entropy, computed from the vocab-parallel logits shards (the vocabulary is
 never gathered). By default the output layer is fused with that computation
 (`megarl.parallel.fused_output_logprobs`): the last stage returns its final hidden states and the log-probs
@@ -268,25 +268,36 @@ class MegatronPolicy:
     @torch.no_grad()
     def compute_logprobs(self, tokens: torch.Tensor, targets: torch.Tensor, micro: int = 64,
                          routed_experts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """`tokens, targets [B, S]` (long) -> `(logprobs, entropy) [B, S]` fp32 on the CPU, on every rank.
-        `routed_experts [B, S, L, k]`: replay these experts (needs `routing_replay`)."""
-        self.model.eval()
+        """`tokens, targets [B, S]` (long) -> `(logprobs, entropy) [B, S]` fp32 on the CPU, on every rank, in
+        microbatches of `micro` rows. `routed_experts [B, S, L, k]`: replay these experts (needs `routing_replay`)."""
         rows = {"tokens": tokens, "targets": targets}
         if routed_experts is not None:
             rows["routed_experts"] = routed_experts
         mbs = [{k: v[i:i + micro] for k, v in rows.items()} for i in range(0, len(tokens), micro)]
+        out = self.microbatch_logprobs(mbs)
+        return torch.cat([lp for lp, _ in out]), torch.cat([ent for _, ent in out])
+
+    @torch.no_grad()
+    def microbatch_logprobs(self, microbatches: list[dict[str, torch.Tensor]]
+                            ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Forward only, through the same schedule as `train_step`, over microbatches shaped as `train_step` takes
+        them (`tokens, targets [b, S]`, packed ones with their packed inputs, `routed_experts` to replay): per
+        microbatch `(logprobs, entropy) [b, S]` fp32 on the CPU, on every rank (pipeline stages included)."""
+        self.model.eval()
 
         def collect(mb, output):
             lp, ent = self._logprobs(output, mb)
             return torch.zeros(()), torch.tensor(1, dtype=torch.int), {"logprobs": lp, "entropy": ent}
 
-        outs = self._run(mbs, collect, forward_only=True)
-        result = torch.zeros(2, *tokens.shape, device=self.device)
+        outs = self._run(microbatches, collect, forward_only=True)
+        sizes = [mb["tokens"].numel() for mb in microbatches]
+        result = torch.zeros(2, sum(sizes), device=self.device)
         if self.is_last_stage:
-            result[0] = torch.cat([o["logprobs"] for o in outs])
-            result[1] = torch.cat([o["entropy"] for o in outs])
+            result[0] = torch.cat([o["logprobs"].reshape(-1) for o in outs])
+            result[1] = torch.cat([o["entropy"].reshape(-1) for o in outs])
         logprobs, entropy = self._from_last_stage(result).cpu()
-        return logprobs, entropy
+        return [(lp.reshape(mb["tokens"].shape), ent.reshape(mb["tokens"].shape))
+                for lp, ent, mb in zip(logprobs.split(sizes), entropy.split(sizes), microbatches, strict=True)]
 
     # ---- training step ---------------------------------------------------------------------------------------
     def train_step(self, microbatches: list[dict[str, torch.Tensor]], loss_fn: LossFn) -> dict[str, float]:

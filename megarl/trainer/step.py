@@ -14,7 +14,7 @@ from megarl.algorithms.corrections import correction_weights
 from megarl.algorithms.losses import PolicyLossInput
 from megarl.algorithms.registry import Algorithm
 from megarl.batch import RolloutBatch
-from megarl.config.schema import Config
+from megarl.config.schema import Config, TrainerConfig
 from megarl.metrics import mismatch
 from megarl.trainer.batching import (
     microbatch_plan,
@@ -34,6 +34,40 @@ def sequence_multiple(model_config) -> int:
     return model_config.tensor_model_parallel_size if model_config.sequence_parallel else 1
 
 
+def rank_microbatches(tensors: dict[str, torch.Tensor], t: TrainerConfig, dp_rank: int, dp_size: int, multiple: int,
+                      pad_id: int) -> tuple[list[list[list[int]]], list[int], list[dict[str, torch.Tensor]]]:
+    """This data-parallel rank's microbatches of the global batch `tensors` (`pack_batch`), as the model gets them:
+    `(plan, widths, microbatches)`. By count (`trainer.micro_batch_size` rows, every row padded to the batch's
+    longest) or by token budget (`trainer.max_tokens_per_microbatch`: each microbatch cut to its longest row, the
+    widths rounded up to `multiple` and counted so in the budget); with `trainer.pack_sequences` each microbatch's
+    rows also packed into one (microbatch k as long on every rank; the losses still see `[b, S]`)."""
+    lengths, padded = tensors["lengths"].tolist(), tensors["tokens"].shape[1]
+    plan = microbatch_plan(lengths, dp_size, t.micro_batch_size, t.max_tokens_per_microbatch, t.pack_sequences,
+                           multiple)
+    if t.pack_sequences or t.max_tokens_per_microbatch is not None:
+        widths = microbatch_widths(lengths, plan, t.pack_sequences, multiple)
+    else:  # count-based microbatches: every row padded to the global batch's longest (rounded up)
+        widths = [padded] * len(plan[dp_rank])
+    rows = [i for mb in plan[dp_rank] for i in mb]
+    share = {k: v[torch.tensor(rows, dtype=torch.long)] for k, v in tensors.items()}
+    offsets = [0]
+    for mb in plan[dp_rank]:
+        offsets.append(offsets[-1] + len(mb))
+    mbs = [select_microbatch(share, list(range(lo, hi)), padded if t.pack_sequences else w)
+           for lo, hi, w in zip(offsets[:-1], offsets[1:], widths, strict=True)]
+    if t.pack_sequences:
+        mbs = [pack_microbatch(mb, w, pad_id) for mb, w in zip(mbs, widths, strict=True)]
+    return plan, widths, mbs
+
+
+def recompute_old_logprobs(policy, mbs: list[dict[str, torch.Tensor]]) -> None:
+    """`algorithm.old_logprobs=trainer`: each microbatch's `old_logprobs` (response positions; 0 elsewhere) become
+    the policy's own log-probs before the update, computed over the training microbatches themselves (forward only),
+    so the recompute is cut by the same token budget, widths and packing as the step."""
+    for mb, (logprobs, _) in zip(mbs, policy.microbatch_logprobs(mbs), strict=True):
+        mb["old_logprobs"] = logprobs * mb["mask"]
+
+
 def train_on_batch(
     policy, batch: RolloutBatch, algorithm: Algorithm, cfg: Config, pad_id: int, dp_rank: int, dp_size: int,
     lag: int,
@@ -44,19 +78,12 @@ def train_on_batch(
     tensors["seq_mask"] = algorithm.sequence_mask(batch.rewards, cfg.algorithm).expand_as(batch.rewards).reshape(-1)
     num_tokens = float(tensors["mask"].sum())  # response tokens of the GLOBAL batch
     t = cfg.trainer
-    lengths, padded = tensors["lengths"].tolist(), tensors["tokens"].shape[1]
-    # this rank's microbatches (global rows): by count, or by token budget from the length-sorted batch
-    plan = microbatch_plan(lengths, dp_size, t.micro_batch_size, t.max_tokens_per_microbatch, t.pack_sequences)
-    if t.pack_sequences or t.max_tokens_per_microbatch is not None:
-        widths = microbatch_widths(lengths, plan, t.pack_sequences, multiple)
-    else:  # today's count-based microbatches: every row padded to the global batch's longest (rounded up)
-        widths = [padded] * len(plan[dp_rank])
-    rows = [i for mb in plan[dp_rank] for i in mb]
-    share = {k: v[torch.tensor(rows, dtype=torch.long)] for k, v in tensors.items()}
-    share["engine_logprobs"] = share["old_logprobs"]
+    lengths = tensors["lengths"].tolist()
+    plan, widths, mbs = rank_microbatches(tensors, t, dp_rank, dp_size, multiple, pad_id)
+    for mb in mbs:
+        mb["engine_logprobs"] = mb["old_logprobs"]
     if cfg.algorithm.old_logprobs == "trainer":  # decoupled-PPO proximal policy: recompute before updating
-        share["old_logprobs"] = policy.compute_logprobs(share["tokens"], share["targets"],
-                                                        routed_experts=share.get("routed_experts"))[0] * share["mask"]
+        recompute_old_logprobs(policy, mbs)
 
     def loss_fn(logprobs: torch.Tensor, entropy: torch.Tensor, mb: dict[str, torch.Tensor]):
         mask = mb["mask"]
@@ -75,13 +102,6 @@ def train_on_batch(
         metrics.update(mismatch.token_contributions(logprobs, mb["engine_logprobs"], mask, num_tokens))
         return loss, metrics
 
-    offsets = [0]
-    for mb in plan[dp_rank]:
-        offsets.append(offsets[-1] + len(mb))
-    mbs = [select_microbatch(share, list(range(lo, hi)), padded if t.pack_sequences else w)
-           for lo, hi, w in zip(offsets[:-1], offsets[1:], widths, strict=True)]
-    if t.pack_sequences:  # one row per microbatch for the model (microbatch k as long on every rank); the losses
-        mbs = [pack_microbatch(mb, w, pad_id) for mb, w in zip(mbs, widths, strict=True)]  # still see [b, S]
     metrics = policy.train_step(mbs, loss_fn)
     metrics.update(plan_padding(lengths, plan, widths, t.pack_sequences))
     metrics.setdefault("clip_frac", 0.0)  # algorithms without clipping clip nothing
