@@ -276,13 +276,18 @@ def local_script(job: Job, topo: Topology, torchrun: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def check_local_fits(topo: Topology) -> None:
+    """The local job runs every role on one machine: the ranks' and the replicas' GPUs must fit its GPUs."""
+    if topo.gpus_per_node and topo.world_size + topo.replicas * topo.rollout_tp > topo.gpus_per_node:
+        raise ConfigError(f"trainer.world_size={topo.world_size} + rollout.replicas={topo.replicas} x rollout.tp="
+                          f"{topo.rollout_tp} GPUs exceed --gpus-per-node={topo.gpus_per_node}")
+
+
 def add_local_job(exp: run.Experiment, job: Job, topo: Topology, torchrun: list[str]) -> None:
     """The whole job as one script on this machine (LocalExecutor)."""
     import nemo_run as run
 
-    if topo.gpus_per_node and topo.world_size + topo.replicas * topo.rollout_tp > topo.gpus_per_node:
-        raise ConfigError(f"trainer.world_size={topo.world_size} + rollout.replicas={topo.replicas} x rollout.tp="
-                          f"{topo.rollout_tp} GPUs exceed --gpus-per-node={topo.gpus_per_node}")
+    check_local_fits(topo)
     exp.add(run.Script(inline=local_script(job, topo, torchrun)), executor=run.LocalExecutor(), name=job.name)
 
 
@@ -350,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_recipe(recipe, args.overrides)
         topo = Topology.of(cfg, gpus, args.trainer_tasks_per_node, args.replicas_per_node)
+        if local:  # before nemo-run is imported (seconds): a refused job builds nothing
+            check_local_fits(topo)
     except ConfigError as err:
         print(f"megarl_nemo: {err}", file=sys.stderr)
         return 2

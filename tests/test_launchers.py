@@ -89,8 +89,10 @@ def step_options(line: str) -> list[str]:
 
 
 def test_launch_env_has_nemo_run_and_no_training_stack(launch_python: Path) -> None:
-    probe = ("import importlib.util, nemo_run; "
-             "print(nemo_run.__version__, [m for m in ('torch', 'vllm') if importlib.util.find_spec(m)])")
+    """nemo-run 0.11.1 installed (read from its metadata: that it imports and works, every dry run below shows), and
+    neither torch nor vLLM importable."""
+    probe = ("import importlib.metadata, importlib.util; print(importlib.metadata.version('nemo_run'), "
+             "[m for m in ('torch', 'vllm') if importlib.util.find_spec(m)])")
     proc = subprocess.run([str(launch_python), "-c", probe], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     version, stack = proc.stdout.split(maxsplit=1)
@@ -187,12 +189,17 @@ def test_slurm_dryrun_overrides_container_and_options(launch_python: Path, tmp_p
     (["--trainer-tasks-per-node", "16"], "16 trainer ranks per node exceed --gpus-per-node=8"),
     (["trainer.bogus=1"], "trainer.bogus: unknown key"),
     (["algorithm.name=ppo"], "algorithm.name: 'ppo' is not a registered algorithm"),  # no torch needed for names
+    # the local executor: 2 ranks + 4 replicas x tp 2 = 10 GPUs on one machine of 8
+    (["--executor", "local", "--gpus-per-node", "8", "--config", "configs/demo_moe.yaml", "rollout.replicas=4"],
+     "trainer.world_size=2 + rollout.replicas=4 x rollout.tp=2 GPUs exceed --gpus-per-node=8"),
 ])
 def test_bad_config_is_refused_before_anything_is_built(launch_python: Path, tmp_path: Path, args: list[str],
                                                         message: str) -> None:
+    """Refused with code 2 and the fix, before nemo-run is imported (no experiment directory is made)."""
     proc = launcher(launch_python, tmp_path, "--config", "configs/qwen2.5_7b_guru.yaml", "--dryrun", *args)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert message in proc.stderr and proc.stdout == ""
+    assert not (tmp_path / "nemo_home").exists(), "nemo-run was reached"
 
 
 def test_local_dryrun(launch_python: Path, tmp_path: Path) -> None:
@@ -213,16 +220,13 @@ def test_local_dryrun(launch_python: Path, tmp_path: Path) -> None:
     assert lines[torchrun + 1:torchrun + 3] == ["status=$?", 'kill -TERM "${serve_pids[@]}" 2>/dev/null']
     assert_shell_ok(script, tmp_path)
 
-    too_many = launcher(launch_python, tmp_path, "--config", "configs/demo_moe.yaml", "rollout.replicas=4",
-                        "--executor", "local", "--gpus-per-node", "8", "--dryrun")
-    assert too_many.returncode == 2 and "exceed --gpus-per-node=8" in too_many.stderr
-
 
 FAKE_MEGARL = r"""#!/bin/bash
-# Stands in for megarl on the emulated nodes: records each role's start in $LOG, one line of KEY=VALUE fields: its
+# Stands in for megarl on the emulated nodes: records each role's start in $LOG ($FAKE_LOG where the job's environment
+# sets it), one line of KEY=VALUE fields: its
 # node, SLURM step, the GPUs SLURM gave the step (CUDA_VISIBLE_DEVICES) and the step's resources as slurmctld
 # accounts them (scontrol show step: TRES, TresPerNode).
-LOG=__LOG__
+LOG=${FAKE_LOG:-__LOG__}
 role=$1
 shift
 step() {  # step HET_GROUP: the step's own job id is its het group's (SLURM_JOB_ID is the het job's)
@@ -374,28 +378,29 @@ def test_nemo_run_places_the_30b_job_on_slurm(launch_python: Path, slurm_cluster
     check_serve_logs(run_dir, cfg.rollout.replicas, why)
 
 
-@pytest.mark.parametrize("outcome", ["rank_fails", "prepare_fails"])
-def test_sbatch_script_fails_the_job(launch_python: Path, slurm_cluster: SlurmCluster, tmp_path: Path,
-                                     outcome: str) -> None:
-    """The dry run's sbatch script, run by `sbatch --wait`: a failed rank fails the job (code 1), a failed prepare
-    ends it (code 2) before any other role starts."""
-    fake, log = fake_megarl(tmp_path, replicas=2)
+def test_sbatch_script_fails_the_job(launch_python: Path, slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    """The dry run's sbatch script, run by `sbatch --wait` twice (one dry run: nemo-run takes seconds to import): a
+    failed rank fails the job (code 1), a failed prepare ends it (code 2) before any other role starts."""
+    fake, _ = fake_megarl(tmp_path, replicas=2)
     run_dir = tmp_path / "run"
     script = dryrun(launch_python, tmp_path, *demo_2x2(run_dir), env={"MEGARL": str(fake), "GPUS_PER_NODE": "2"})
     for path in re.findall(r"--chdir (\S+)", script) + [Path(p).parent for p in re.findall(r"--output=(\S+)", script)]:
         Path(path).mkdir(parents=True, exist_ok=True)  # what nemo-run makes before it submits
     (tmp_path / "job.sh").write_text(script)
-    env = {"RANK_EXIT": "1"} if outcome == "rank_fails" else {"FAIL_PREPARE": "1"}
-    result = slurm_cluster.sbatch_wait(tmp_path / "job.sh", env_extra=env, timeout_s=120)
-    records = log.read_text().splitlines()
-    output = "\n".join(p.read_text() for p in sorted((tmp_path / "nemo_home").rglob("*.out")))
-    why = f"{slurm_cluster.describe(result)}\nroles:\n" + "\n".join(records) + f"\njob files:\n{output[-4000:]}"
-    if outcome == "prepare_fails":
-        assert records[0].startswith("prepare ") and len(records) == 1 and result.returncode == 2, why
-    else:
-        check_roles(records, run_dir, why)
-        assert result.returncode == 1, why
-    slurm_cluster.wait_idle(timeout_s=30)  # the replicas' steps end with the job
+    for outcome, env in (("rank_fails", {"RANK_EXIT": "1"}), ("prepare_fails", {"FAIL_PREPARE": "1"})):
+        log = tmp_path / f"roles-{outcome}.log"  # each job's records apart (the fake writes to $FAKE_LOG)
+        result = slurm_cluster.sbatch_wait(tmp_path / "job.sh", env_extra={**env, "FAKE_LOG": str(log)},
+                                           timeout_s=120)
+        records = log.read_text().splitlines()
+        output = "\n".join(p.read_text() for p in sorted((tmp_path / "nemo_home").rglob("*.out")))
+        why = (f"{outcome}: {slurm_cluster.describe(result)}\nroles:\n" + "\n".join(records)
+               + f"\njob files:\n{output[-4000:]}")
+        if outcome == "prepare_fails":
+            assert records[0].startswith("prepare ") and len(records) == 1 and result.returncode == 2, why
+        else:
+            check_roles(records, run_dir, why)
+            assert result.returncode == 1, why
+        slurm_cluster.wait_idle(timeout_s=30)  # the replicas' steps end with the job
 
 
 @pytest.mark.slow
