@@ -1,6 +1,8 @@
 """Rollout replicas killed under `sbatch slurm/guru_moe.sh` on the emulated SLURM cluster (the shipped script at CPU
-scale, as tests/test_slurm_job.py runs it: two trainer ranks on node1 and node2, two TP-1 replicas sharing node3).
-One run of 16 steps, two jobs:
+scale, as tests/test_slurm_job.py runs it: two trainer ranks on node1 and node2, two TP-1 replicas sharing node3),
+with each role run from its own environment: the trainer ranks (and `megarl prepare`) from `.venv-trainer`
+(`make trainer-env`: torch, megatron-core, no vLLM; MEGARL_TRAINER_ENV), the replicas from this venv
+(MEGARL_FLEET_ENV). One run of 16 steps, two jobs:
 
 1. rollout.min_replicas=2, ROLLOUT_RESTARTS=0: replica 0's step is killed after the first checkpoint. The trainer
    cannot go on without it: the job exits 1 naming replica 0 as the likely cause, restarts nothing, stops replica 1
@@ -12,7 +14,10 @@ One run of 16 steps, two jobs:
    push, then the restarted step is killed too and, with no restart left, stays down. The job still trains every
    remaining step: exit code 0, every step of the run once at the schedule's exact lag, prompts x K samples and
    finite metrics in every step, every push's bytes received in full by each replica it reached, the restarted
-   replica reporting the version just pushed, the roles where the script placed them, a clean end."""
+   replica reporting the version just pushed, the roles where the script placed them, a clean end.
+
+Each role's environment is checked from the processes themselves (the interpreter each rank and vLLM server runs,
+the `environment` each step logged) and `import vllm` fails in the trainer's."""
 
 from __future__ import annotations
 
@@ -22,12 +27,15 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from itertools import groupby
 from pathlib import Path
+
+import pytest
 
 from megarl.checkpoint import open_checkpoint
 from megarl.config.load import load_config
@@ -36,6 +44,7 @@ from megarl.metrics.timeline import load_spans
 from tests.slurm_cluster import SlurmCluster
 from tests.test_slurm_job import (
     JOB_TIMEOUT_S,
+    REPO,
     _describe,
     _expected_lag,
     _job_env,
@@ -51,6 +60,17 @@ from tests.test_slurm_job import (
 
 PROMPTS, K = 32, 8  # configs/demo_moe.yaml's data.prompts_per_step and rollout.samples_per_prompt
 STEPS, M, N = 16, 2, 1  # the run's steps; configs/demo_moe.yaml's sync.interval and sync.offset
+FLEET_ENV = Path(sys.prefix)  # this venv: vLLM and megarl
+
+
+@pytest.fixture(scope="session")
+def trainer_env() -> Path:
+    """The trainer role's venv without vLLM (`make trainer-env`, a no-op when it is up to date)."""
+    proc = subprocess.run(["make", "-C", str(REPO), "trainer-env"], capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    venv = REPO / ".venv-trainer"
+    assert (venv / "bin" / "megarl").is_file(), "make trainer-env did not install megarl into .venv-trainer"
+    return venv
 
 
 def _wait_for(what: str, ready, job: object, timeout_s: float = JOB_TIMEOUT_S):
@@ -93,6 +113,13 @@ def _interpreter(pid: int) -> Path | None:
         return None
 
 
+def _env_of(pid: int) -> Path:
+    """The environment (venv) whose python process `pid` runs."""
+    program = _interpreter(pid)
+    assert program is not None and program.name.startswith("python"), (pid, program)
+    return program.parent.parent.resolve()
+
+
 @contextmanager
 def _trainer_frozen(run_dir: Path) -> Iterator[list[int]]:
     """The job's trainer ranks stopped (SIGSTOP) inside the block, so a restart that takes longer than the rest of
@@ -122,6 +149,19 @@ def _registered_pid(run_dir: Path, replica: int) -> int | None:
     return (_registered(run_dir, replica) or {}).get("pid")
 
 
+def _logged_envs(logs: Path, name: str) -> set[Path]:
+    """The environments a step's log says it ran from (`...; environment PREFIX)` in its start line)."""
+    return {Path(p).resolve() for p in re.findall(r"; environment (\S+?)\)?$", (logs / name).read_text(), re.M)}
+
+
+def _check_role_envs(logs: Path, trainer_env: Path, why: str) -> None:
+    """Each trainer rank said it ran from the trainer's venv, each replica (every start) from the fleet's."""
+    for rank in (0, 1):
+        assert _logged_envs(logs, f"trainer_rank{rank}.log") == {trainer_env.resolve()}, why
+    for replica in (0, 1):
+        assert _logged_envs(logs, f"serve_replica{replica}.log") == {FLEET_ENV.resolve()}, why
+
+
 def _check_placement(logs: Path, why: str) -> None:
     """Each role where the script placed it: the pipeline's two stages on two nodes with one GPU each, both
     replicas on node3 with one GPU each, disjoint (a job's first start of each step truncates that step's log)."""
@@ -137,9 +177,22 @@ def _check_placement(logs: Path, why: str) -> None:
 
 
 def test_killed_replicas_fail_or_rejoin_and_the_resubmission_loses_no_step(slurm_cluster: SlurmCluster,
-                                                                            tmp_path: Path) -> None:
+                                                                            tmp_path: Path, trainer_env: Path) -> None:
     run_dir, logs = tmp_path / "run", tmp_path / "run" / "logs"
     base = _job_env(tmp_path, f"run.steps={STEPS} checkpoint.interval=2 eval.interval=0")
+    base |= {"MEGARL_TRAINER_ENV": str(trainer_env), "MEGARL_FLEET_ENV": str(FLEET_ENV)}
+    # the trainer's environment has no vLLM (the fleet's has): its ranks never import it
+    no_vllm = subprocess.run([str(trainer_env / "bin" / "python"), "-c", "import vllm"], capture_output=True,
+                             text=True, timeout=120)
+    assert no_vllm.returncode == 1 and "No module named 'vllm'" in no_vllm.stderr, no_vllm.stderr
+    has_vllm = subprocess.run([str(FLEET_ENV / "bin" / "python"), "-c",
+                               "import importlib.util; print(importlib.util.find_spec('vllm') is not None)"],
+                              capture_output=True, text=True, timeout=120)
+    assert has_vllm.stdout.strip() == "True", has_vllm.stderr
+    # and it is the cpu lock's trainer (torch, megatron-core), as `megarl preflight versions` judges a rank's
+    versions = subprocess.run([str(trainer_env / "bin" / "megarl"), "preflight", "versions", "--stack", "cpu",
+                               "--role", "rank"], capture_output=True, text=True, timeout=120)
+    assert versions.returncode == 0 and "versions OK: cpu stack" in versions.stdout, versions.stdout + versions.stderr
 
     # --- job 1: with rollout.min_replicas=2 the trainer cannot go on without the killed replica, and
     # ROLLOUT_RESTARTS=0 does not restart it: the trainer fails, and the job names the replica as the likely cause
@@ -169,6 +222,7 @@ def test_killed_replicas_fail_or_rejoin_and_the_resubmission_loses_no_step(slurm
     # the replica that was not killed was stopped by the job (SIGTERM), not killed
     assert "rollout replica 1: SIGTERM received, stopping" in (logs / "serve_replica1.log").read_text(), why
     _check_placement(logs, why)
+    _check_role_envs(logs, trainer_env, why)
     latest = max(int(p.name.removeprefix("step_")) for p in saved)
     before = _records(run_dir)[:latest + 1]
     first_metrics = (run_dir / "metrics.jsonl").stat().st_ino  # the resumed run rewrites the file (a new inode)
@@ -198,7 +252,10 @@ def test_killed_replicas_fail_or_rejoin_and_the_resubmission_loses_no_step(slurm
         # the trainer goes on with replica 0 alone: a push point leaves replica 1 out of the sync
         _wait_for("replica 1 out of the sync",
                   lambda: any(r["fleet/replicas_in_sync"] == 1 for r in _records_now(run_dir)), job)
-        with _trainer_frozen(run_dir):  # until the restarted replica has registered (healthy and guarded)
+        with _trainer_frozen(run_dir) as ranks:  # until the restarted replica has registered (healthy and guarded)
+            # each role runs from its environment: the ranks' interpreter is the trainer venv's, vLLM's the fleet's
+            assert {_env_of(pid) for pid in ranks} == {trainer_env.resolve()}, ranks
+            assert _env_of(_server_pid(_registered(run_dir, 0)["url"])) == FLEET_ENV.resolve()  # type: ignore[index]
             _wait_for("replica 1 registered again", lambda: _registered_pid(run_dir, 1) not in (None, first_pid), job)
         # the restarted replica is back in the sync, reporting the version just pushed
         rejoined = _wait_for(
@@ -239,6 +296,7 @@ def test_killed_replicas_fail_or_rejoin_and_the_resubmission_loses_no_step(slurm
     assert len(restarts) == 1 and "vLLM" in first_server, why
     assert (logs / "megarl-serve-1.srun").read_text().count("restart 1 of 1") == 1, why
     _check_placement(logs, why)
+    _check_role_envs(logs, trainer_env, why)
     # a clean end: replica 0 was stopped by SIGTERM (not killed) and deregistered; the job's secret is gone
     assert "rollout replica 0: SIGTERM received, stopping" in (logs / "serve_replica0.log").read_text(), why
     assert _registered(run_dir, 0) is None, why

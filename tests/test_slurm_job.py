@@ -1,10 +1,10 @@
 """`sbatch slurm/guru_moe.sh` on a real SLURM cluster of emulated GPU nodes (tests/slurm_cluster.py): the same
 script users submit, at CPU scale through its environment variables (the tiny MoE recipe, a pipeline of two trainer
 ranks on node1 and node2, two vLLM replicas sharing node3 with their own GPUs each, as the shipped scripts place
-them). Here: a step SLURM cannot start, named within seconds, and a replica step without room for its pinned shards,
-refused before anything starts; the helpers every job test shares. Replicas killed mid-run (the job fails below
-rollout.min_replicas; the resubmission resumes, restarts a replica, lets it back in, and finishes the run):
-tests/test_slurm_failover.py."""
+them). Here: a step SLURM cannot start, named within seconds; a replica step without room for its pinned shards and
+a role environment without megarl, each refused before anything starts; the helpers every job test shares. Replicas
+killed mid-run (the job fails below rollout.min_replicas; the resubmission resumes, restarts a replica, lets it back
+in, and finishes the run), each role from its own environment: tests/test_slurm_failover.py."""
 
 from __future__ import annotations
 
@@ -153,3 +153,15 @@ def test_a_replica_step_without_room_for_its_pinned_shards_is_refused(slurm_clus
     assert not (tmp_path / "run" / "logs" / "serve_replica0.log").exists()  # nothing was started
     slurm_cluster.wait_idle()
 
+
+def test_a_role_environment_without_megarl_is_refused(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    # each role's environment is a venv every node sees (MEGARL_TRAINER_ENV, MEGARL_FLEET_ENV): one without
+    # bin/megarl is named, with the fix, before any step starts (prepare included)
+    env = {**_job_env(tmp_path, "run.steps=2"), "MEGARL_FLEET_ENV": str(tmp_path / "no-such-venv")}
+    result = _submit(slurm_cluster, tmp_path, env)
+    output = _job_output(tmp_path, result)
+    assert result.returncode == 2, _describe(slurm_cluster, tmp_path, result)
+    assert f"MEGARL_FLEET_ENV={tmp_path / 'no-such-venv'} has no bin/megarl on this node: point it at a venv with " \
+           "megarl installed" in output, output
+    assert "preparing" not in output and not (tmp_path / "run").exists(), output  # nothing was started
+    slurm_cluster.wait_idle()
