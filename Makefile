@@ -9,7 +9,7 @@ STAMP := $(VENV)/.megarl-installed
 # cluster each role runs from its own environment, installed from its lock: docs/gpu.md.
 EXTRA ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo gpu-fleet,gpu-trainer || echo cpu)
 
-.PHONY: demo test test-all test-gpu lint env clean-env slurm-deps launch-env locks
+.PHONY: demo test test-all test-gpu lint env clean-env slurm-deps launch-env trainer-env locks
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -25,10 +25,10 @@ env: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/megarl train --config configs/demo_moe.yaml
 
-test: $(STAMP) slurm-deps launch-env
+test: $(STAMP) slurm-deps launch-env trainer-env
 	$(PY) -m pytest
 
-test-all: $(STAMP) slurm-deps launch-env
+test-all: $(STAMP) slurm-deps launch-env trainer-env
 	$(PY) -m pytest -m 'not gpu'
 
 test-gpu: $(STAMP)
@@ -68,6 +68,27 @@ $(LAUNCH_STAMP): pyproject.toml
 	touch $(LAUNCH_STAMP)
 
 launch-env: $(LAUNCH_STAMP)
+
+# The trainer role's own environment on CPU nodes, without vLLM (extra cpu-trainer: torch 2.13.0+cpu, megatron-core
+# 0.16.1, transformers), pinned to the cpu lock's versions: tests/test_slurm_failover.py runs the SLURM job's trainer
+# ranks from it and the fleet from $(VENV), as a cluster runs each role from its own environment (docs/cluster.md).
+# Installed with $(VENV)'s uv (its dev extra; `make test` builds $(VENV) first): 20-45 s where pip takes minutes;
+# torch's +cpu wheel from the find-links pip is configured with, else PyTorch's CPU index (as megarl/stacks.py
+# resolves the cpu lock).
+TRAINER_VENV ?= .venv-trainer
+TRAINER_STAMP := $(TRAINER_VENV)/.megarl-installed
+PIP_LINKS = $(or $(PIP_FIND_LINKS),$(shell $(PY) -m pip config get global.find-links 2>/dev/null))
+TORCH_CPU_WHEELS = $(if $(PIP_LINKS),$(foreach link,$(PIP_LINKS),--find-links $(link)),\
+	--extra-index-url https://download.pytorch.org/whl/cpu --index-strategy unsafe-best-match)
+
+$(TRAINER_STAMP): pyproject.toml locks/cpu.txt
+	@test -x $(VENV)/bin/uv || { echo "make trainer-env: $(VENV)/bin/uv is missing: run make env first" >&2; exit 1; }
+	test -x $(TRAINER_VENV)/bin/python || python3 -m venv $(TRAINER_VENV)
+	$(VENV)/bin/uv pip install -q --python $(TRAINER_VENV)/bin/python -c locks/cpu.txt $(TORCH_CPU_WHEELS) \
+	  -e '.[cpu-trainer]'
+	touch $(TRAINER_STAMP)
+
+trainer-env: $(TRAINER_STAMP)
 
 # The lock file of each stack (locks/README.md): pyproject.toml's extras resolved with uv from wheels only; pins
 # already in a lock are kept where pyproject.toml allows them (delete the lock to re-resolve it from scratch).

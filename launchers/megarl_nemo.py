@@ -13,7 +13,9 @@ on one node); `megarl rank` per trainer rank (trainer.world_size of them, placed
   local  one machine: prepare, the replicas in the background, `torchrun --nproc-per-node=trainer.world_size`
          for the ranks; the replicas are stopped (SIGTERM) when the ranks end.
 Runs in the launch environment (`make launch-env`, launchers/README.md): nemo-run and megarl's base dependencies,
-no torch or vLLM; the nodes (or, for local, --venv) run the training stack.
+no torch or vLLM; the nodes (or, for local, --venv) run the training stack. Each role may run from its own
+environment: --trainer-venv / --fleet-venv (a venv each: prepare and the ranks run the trainer's megarl, the replicas
+the fleet's) and, on slurm, --trainer-container-image / --fleet-container-image.
 """
 
 from __future__ import annotations
@@ -86,7 +88,8 @@ class Job:
     recipe: str  # as the nodes see it (relative to workdir when it lies in it)
     overrides: list[str]
     workdir: Path  # the megarl checkout on the nodes: the roles run there, so relative paths mean the same
-    megarl: list[str]  # how to run megarl on the nodes
+    megarl: list[str]  # how the trainer's environment runs megarl on the nodes (prepare and the ranks)
+    fleet_megarl: list[str]  # how the fleet's environment runs it (the replicas)
 
     @property
     def name(self) -> str:
@@ -105,7 +108,7 @@ class Job:
         return str(self.workdir / self.cfg.run.dir / "logs" / f"serve_replica{replica}.log")
 
     def serve(self, replica: int) -> list[str]:
-        return [*self.megarl, "serve", "--config", self.run_config, "--replica", str(replica)]
+        return [*self.fleet_megarl, "serve", "--config", self.run_config, "--replica", str(replica)]
 
     def rank(self) -> list[str]:
         return [*self.megarl, "rank", "--config", self.run_config]
@@ -209,23 +212,25 @@ def add_slurm_job(exp: run.Experiment, job: Job, topo: Topology, args: argparse.
         return run.LocalTunnel(job_dir="")  # nemo-run's own experiment directory, $NEMORUN_HOME/experiments
 
     mounts = [m for m in args.container_mounts.split(",") if m]
+    trainer_image = args.trainer_container_image or args.container_image
+    fleet_image = args.fleet_container_image or args.container_image
 
-    def executor(nodes: int, tasks_per_node: int, srun_args: list[str]) -> run.SlurmExecutor:
+    def executor(nodes: int, tasks_per_node: int, srun_args: list[str], image: str) -> run.SlurmExecutor:
         # nemo-run writes srun_args unquoted after its own `--wait=60 --kill-on-bad-exit=1`: the shares expand there
         return run.SlurmExecutor(
             account=args.account or None, partition=args.partition or None, time=args.time,
             job_name_prefix="megarl-", nodes=nodes, ntasks_per_node=tasks_per_node, gpus_per_node=gpus,
-            exclusive=True, container_image=args.container_image or None, container_mounts=mounts,
+            exclusive=True, container_image=image or None, container_mounts=mounts,
             heterogeneous=True, srun_args=srun_args, tunnel=tunnel(), packager=run.Packager(),
             wait_time_for_group_job=0, monitor_group_job_wait_time=args.poll_s)
 
-    trainer = executor(topo.trainer_nodes, topo.trainer_tasks_per_node, trainer_step_options(topo))
-    replicas = [executor(topo.rollout_nodes, topo.replicas_per_node, replica_step_options(job, topo, i))
+    trainer = executor(topo.trainer_nodes, topo.trainer_tasks_per_node, trainer_step_options(topo), trainer_image)
+    replicas = [executor(topo.rollout_nodes, topo.replicas_per_node, replica_step_options(job, topo, i), fleet_image)
                 for i in range(topo.replicas)]
     trainer.het_group_indices = [0] + [1] * topo.replicas
-    container = []
-    if args.container_image:
-        container = [f"--container-image={args.container_image}"]
+    container = []  # prepare's: the trainer's image (it runs on the first trainer node)
+    if trainer_image:
+        container = [f"--container-image={trainer_image}"]
         container += [f"--container-mounts={','.join(mounts)}"] if mounts else []
     prepare = " ".join(["srun", "--het-group=0", *prepare_step_options(topo), "--job-name=megarl-prepare"])
     prepare += " " + _sh([*container, "env", f"--chdir={job.workdir}", *job.prepare()])
@@ -276,13 +281,18 @@ def local_script(job: Job, topo: Topology, torchrun: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def check_local_fits(topo: Topology) -> None:
+    """The local job runs every role on one machine: the ranks' and the replicas' GPUs must fit its GPUs."""
+    if topo.gpus_per_node and topo.world_size + topo.replicas * topo.rollout_tp > topo.gpus_per_node:
+        raise ConfigError(f"trainer.world_size={topo.world_size} + rollout.replicas={topo.replicas} x rollout.tp="
+                          f"{topo.rollout_tp} GPUs exceed --gpus-per-node={topo.gpus_per_node}")
+
+
 def add_local_job(exp: run.Experiment, job: Job, topo: Topology, torchrun: list[str]) -> None:
     """The whole job as one script on this machine (LocalExecutor)."""
     import nemo_run as run
 
-    if topo.gpus_per_node and topo.world_size + topo.replicas * topo.rollout_tp > topo.gpus_per_node:
-        raise ConfigError(f"trainer.world_size={topo.world_size} + rollout.replicas={topo.replicas} x rollout.tp="
-                          f"{topo.rollout_tp} GPUs exceed --gpus-per-node={topo.gpus_per_node}")
+    check_local_fits(topo)
     exp.add(run.Script(inline=local_script(job, topo, torchrun)), executor=run.LocalExecutor(), name=job.name)
 
 
@@ -317,12 +327,23 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--venv", type=Path, default=None,
                    help="environment with megarl's training stack (its bin/megarl, bin/torchrun); default: "
                    "$MEGARL (else `megarl`) on the nodes for slurm, WORKDIR/.venv for local")
+    p.add_argument("--trainer-venv", type=Path, default=env("MEGARL_TRAINER_ENV") or None,
+                   help="the trainer's own environment (a venv: prepare and the ranks run its bin/megarl, local its "
+                   "bin/torchrun; $MEGARL_TRAINER_ENV; default: --venv)")
+    p.add_argument("--fleet-venv", type=Path, default=env("MEGARL_FLEET_ENV") or None,
+                   help="the fleet's own environment (a venv: the replicas run its bin/megarl; $MEGARL_FLEET_ENV; "
+                   "default: --venv)")
     s = p.add_argument_group("slurm")
     s.add_argument("--account", default=env("SBATCH_ACCOUNT", ""), help="($SBATCH_ACCOUNT)")
     s.add_argument("--partition", default=env("SBATCH_PARTITION", ""), help="($SBATCH_PARTITION)")
     s.add_argument("--time", default=env("SBATCH_TIMELIMIT", "48:00:00"), help="($SBATCH_TIMELIMIT; 48:00:00)")
     s.add_argument("--container-image", default=env("CONTAINER_IMAGE", ""),
                    help="pyxis/enroot image for every step ($CONTAINER_IMAGE; default: run on the host)")
+    s.add_argument("--trainer-container-image", default=env("TRAINER_CONTAINER_IMAGE", ""),
+                   help="the trainer's steps' image, prepare's included ($TRAINER_CONTAINER_IMAGE; default: "
+                   "--container-image)")
+    s.add_argument("--fleet-container-image", default=env("FLEET_CONTAINER_IMAGE", ""),
+                   help="the replicas' image ($FLEET_CONTAINER_IMAGE; default: --container-image)")
     s.add_argument("--container-mounts", default=env("CONTAINER_MOUNTS", ""),
                    help="comma-separated pyxis mounts; workdir and run.dir must be visible ($CONTAINER_MOUNTS)")
     s.add_argument("--ssh", default="", help="USER@HOST of a login node to submit through (default: sbatch here, "
@@ -350,12 +371,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_recipe(recipe, args.overrides)
         topo = Topology.of(cfg, gpus, args.trainer_tasks_per_node, args.replicas_per_node)
+        if local:  # before nemo-run is imported (seconds): a refused job builds nothing
+            check_local_fits(topo)
     except ConfigError as err:
         print(f"megarl_nemo: {err}", file=sys.stderr)
         return 2
     venv = args.venv or (workdir / ".venv" if local else None)
-    megarl = [str(venv / "bin" / "megarl")] if venv else shlex.split(os.environ.get("MEGARL", "megarl"))
-    job = Job(cfg, recipe_arg, args.overrides, workdir, megarl)
+    trainer_venv, fleet_venv = args.trainer_venv or venv, args.fleet_venv or venv
+
+    def megarl(role_venv: Path | None) -> list[str]:
+        return [str(role_venv / "bin" / "megarl")] if role_venv else shlex.split(os.environ.get("MEGARL", "megarl"))
+
+    job = Job(cfg, recipe_arg, args.overrides, workdir, megarl(trainer_venv), megarl(fleet_venv))
     print(f"megarl_nemo: trainer {topo.world_size} rank(s) on {topo.trainer_nodes} node(s); fleet {topo.replicas} "
           f"replica(s) x tp {topo.rollout_tp} on {topo.rollout_nodes} node(s) ({args.executor})", file=sys.stderr)
     if not local and cfg.rollout.restarts:
@@ -369,7 +396,8 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.redirect_stdout(sys.stderr), run.Experiment(f"megarl-{job.name}") as exp:
         try:
             if local:
-                add_local_job(exp, job, topo, [str(venv / "bin" / "torchrun")] if venv else ["torchrun"])
+                torchrun = [str(trainer_venv / "bin" / "torchrun")] if trainer_venv else ["torchrun"]
+                add_local_job(exp, job, topo, torchrun)
             else:
                 args.job_dir = args.job_dir or str(workdir / "runs" / "nemo-experiments")
                 add_slurm_job(exp, job, topo, args)

@@ -166,7 +166,7 @@ def serve(cfg: Config, replica: int, host: str | None = None, restart: bool = Fa
         fleet = launch(spec, restart=restart)
         register_replica(cfg.run.dir, replica, fleet.urls[0], secret)
         _say(f"rollout replica {replica} on {node_name()} serving at {fleet.urls[0]} ({visible_gpus()}; log "
-             f"{fleet.logs[0]})")
+             f"{fleet.logs[0]}; environment {sys.prefix})")
         liveness = Liveness(fleet.urls[0], cfg.rollout.health_timeout_s)
         while (code := fleet.procs[0].poll()) is None:
             time.sleep(liveness.every_s)
@@ -213,7 +213,7 @@ def rank(cfg: Config) -> int:
     sync_port = int(os.environ.get(SYNC_PORT_ENV) or place.master_port + 1)
     _say(f"trainer rank {place.rank}/{place.world_size} on {node_name()} ({place.launcher}, local rank "
          f"{place.local_rank}, {visible_gpus()}): master {place.master_addr}:{place.master_port}, weight-sync store "
-         f"port {sync_port}")
+         f"port {sync_port}; environment {sys.prefix}")
     secret_file = job_secret_file(cfg)
     os.environ[SECRET_ENV] = str(secret_file)  # the rollout clients send it
 

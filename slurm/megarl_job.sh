@@ -26,11 +26,15 @@ set -euo pipefail
 : "${MEGARL_CONFIG:?the job script sets it: the recipe}" "${TRAINER_NODES:?the job script sets it: nodes for the trainer}"
 MEGARL_HOME=${MEGARL_HOME:-${SLURM_SUBMIT_DIR:-$PWD}}  # the megarl checkout: recipes are read relative to it
 MEGARL=${MEGARL:-megarl}                   # how to run megarl on the nodes, e.g. "/opt/venv/bin/megarl"
+MEGARL_TRAINER_ENV=${MEGARL_TRAINER_ENV:-} # a venv on the nodes for the trainer's steps (prepare, ranks): its megarl
+MEGARL_FLEET_ENV=${MEGARL_FLEET_ENV:-}     # a venv on the nodes for the replicas' steps; either empty: $MEGARL
 MEGARL_OVERRIDES=${MEGARL_OVERRIDES:-}     # extra section.field=value overrides, space separated
 RUN_DIR=${RUN_DIR:-}                       # run.dir override (a shared filesystem); empty: the recipe's run.dir
 GPUS_PER_NODE=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-0}}  # GPUs per node (default: the job's); 0: CPU nodes
 TRAINER_TASKS_PER_NODE=${TRAINER_TASKS_PER_NODE:-$(( GPUS_PER_NODE > 0 ? GPUS_PER_NODE : 1 ))}  # ranks per trainer node
 CONTAINER_IMAGE=${CONTAINER_IMAGE:-}       # pyxis/enroot image for every step; empty: run on the host
+TRAINER_CONTAINER_IMAGE=${TRAINER_CONTAINER_IMAGE:-$CONTAINER_IMAGE}  # the trainer's steps' image (and prepare's)
+FLEET_CONTAINER_IMAGE=${FLEET_CONTAINER_IMAGE:-$CONTAINER_IMAGE}      # the replicas' image
 CONTAINER_MOUNTS=${CONTAINER_MOUNTS:-}     # pyxis mounts, e.g. /lustre:/lustre (the run dir must be visible)
 STOP_GRACE_S=${STOP_GRACE_S:-60}           # how long a stopping step may take before it is killed
 STEP_START_S=${STEP_START_S:-45}           # a step SLURM has not started after this long fails the job
@@ -57,11 +61,30 @@ unset SLURM_GPUS_PER_NODE SLURM_GPUS_PER_TASK SLURM_GPUS_PER_SOCKET SLURM_GPUS S
 read -r -a megarl_cmd <<< "$MEGARL"
 read -r -a overrides <<< "$MEGARL_OVERRIDES"
 if [[ -n $RUN_DIR ]]; then overrides+=("run.dir=$RUN_DIR"); fi
-container=()
-if [[ -n $CONTAINER_IMAGE ]]; then
-    container=(--container-image="$CONTAINER_IMAGE" --container-workdir="$MEGARL_HOME")
-    if [[ -n $CONTAINER_MOUNTS ]]; then container+=(--container-mounts="$CONTAINER_MOUNTS"); fi
-fi
+# Each role runs from its own environment: the trainer's steps (prepare, the ranks, the preflight report) and the
+# replicas' steps each from a venv (MEGARL_TRAINER_ENV / MEGARL_FLEET_ENV: its bin/megarl) and/or a container image
+# (TRAINER_CONTAINER_IMAGE / FLEET_CONTAINER_IMAGE); unset, both run $MEGARL in CONTAINER_IMAGE (or on the host).
+role_megarl() {  # role_megarl VAR IMAGE: the command of a role whose environment variable VAR names a venv, or $MEGARL
+    local venv=${!1}
+    if [[ -z $venv ]]; then printf '%s\n' "${megarl_cmd[@]}"; return 0; fi
+    if [[ -z $2 && ! -x $venv/bin/megarl ]]; then  # in a container the venv is the image's: not checked here
+        say "$1=$venv has no bin/megarl on this node: point it at a venv with megarl installed, on a filesystem" \
+            "every node mounts (docs/cluster.md, \"Each role's environment\")"
+        return 1
+    fi
+    echo "$venv/bin/megarl"
+}
+mapfile -t trainer_megarl < <(role_megarl MEGARL_TRAINER_ENV "$TRAINER_CONTAINER_IMAGE") && (( ${#trainer_megarl[@]} )) \
+    || exit 2
+mapfile -t fleet_megarl < <(role_megarl MEGARL_FLEET_ENV "$FLEET_CONTAINER_IMAGE") && (( ${#fleet_megarl[@]} )) || exit 2
+container_options() {  # container_options IMAGE: srun's pyxis options for a step in IMAGE; none for the host
+    if [[ -n $1 ]]; then
+        printf '%s\n' --container-image="$1" --container-workdir="$MEGARL_HOME"
+        if [[ -n $CONTAINER_MOUNTS ]]; then echo "--container-mounts=$CONTAINER_MOUNTS"; fi
+    fi
+}
+mapfile -t trainer_container < <(container_options "$TRAINER_CONTAINER_IMAGE")
+mapfile -t fleet_container < <(container_options "$FLEET_CONTAINER_IMAGE")
 mapfile -t nodes < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
 if (( TRAINER_NODES < 1 || TRAINER_NODES >= ${#nodes[@]} )); then
     say "TRAINER_NODES=$TRAINER_NODES but the job has ${#nodes[@]} node(s): the trainer needs at least one and" \
@@ -98,8 +121,8 @@ fi
 say "preparing ${MEGARL_CONFIG} ${overrides[*]}${prepare_args[*]:+ (${prepare_args[*]})}"
 # shellcheck disable=SC2046  # mem_option/gpu_option print one option or none
 topology=$(srun --nodes=1 --ntasks=1 --cpus-per-task=1 --nodelist="${nodes[0]}" --job-name=megarl-prepare \
-    $(gpu_option 0) $(mem_option "${node_mem_mb[${nodes[0]}]:-0}") "${container[@]}" \
-    "${megarl_cmd[@]}" prepare "${prepare_args[@]}" --config "$MEGARL_CONFIG" "${overrides[@]}") || {
+    $(gpu_option 0) $(mem_option "${node_mem_mb[${nodes[0]}]:-0}") "${trainer_container[@]}" \
+    "${trainer_megarl[@]}" prepare "${prepare_args[@]}" --config "$MEGARL_CONFIG" "${overrides[@]}") || {
     say "megarl prepare failed (its message is above): nothing was started"
     exit 2
 }
@@ -298,8 +321,8 @@ start_replica() {  # start_replica I [RESTART]: replica I's step on its node; a 
     # shellcheck disable=SC2046
     run_step "$i" "megarl-serve-$i" "$host" --nodes=1 --ntasks=1 --cpus-per-task="$cpus_per_replica" --exact \
         $(gpu_option "$rollout_tp") $(mem_option "$replica_mem") --nodelist="$host" \
-        --output="$logs/serve_replica$i.log" "${open[@]}" "${container[@]}" \
-        "${megarl_cmd[@]}" "${serve_cmd[@]}" --config "$config" --replica "$i" "${again[@]}"
+        --output="$logs/serve_replica$i.log" "${open[@]}" "${fleet_container[@]}" \
+        "${fleet_megarl[@]}" "${serve_cmd[@]}" --config "$config" --replica "$i" "${again[@]}"
 }
 for (( i = 0; i < replicas; i++ )); do
     : > "$logs/megarl-serve-$i.srun"
@@ -312,8 +335,8 @@ trainer_hosts=$(IFS=,; echo "${trainer_hosts_list[*]}")
 run_step "$trainer" megarl-rank "$trainer_hosts" --nodes="$TRAINER_NODES" --ntasks="$world_size" \
     --ntasks-per-node="$TRAINER_TASKS_PER_NODE" --cpus-per-task="$cpus_per_rank" --exact \
     $(gpu_option "$TRAINER_TASKS_PER_NODE") $(mem_option "$trainer_mem") --nodelist="$trainer_hosts" \
-    --kill-on-bad-exit=1 --output="$logs/trainer_rank%t.log" "${container[@]}" \
-    "${megarl_cmd[@]}" "${rank_cmd[@]}" --config "$config"
+    --kill-on-bad-exit=1 --output="$logs/trainer_rank%t.log" "${trainer_container[@]}" \
+    "${trainer_megarl[@]}" "${rank_cmd[@]}" --config "$config"
 say "fleet: $replicas replica(s) on ${rollout_hosts[*]}; trainer: $world_size rank(s) on ${trainer_hosts_list[*]};" \
     "logs in $logs"
 wait_for_steps_to_start
@@ -328,8 +351,8 @@ if (( MEGARL_PREFLIGHT )); then
     scontrol show job --details "$SLURM_JOB_ID" > "$logs/allocation.txt" || true
     # shellcheck disable=SC2046
     srun --job-name=megarl-preflight-report --nodes=1 --ntasks=1 --cpus-per-task=1 --nodelist="${nodes[0]}" \
-        $(gpu_option 0) $(mem_option "${node_mem_mb[${nodes[0]}]:-0}") "${container[@]}" \
-        "${megarl_cmd[@]}" preflight report --config "$config" --allocation "$logs/allocation.txt" || status=$?
+        $(gpu_option 0) $(mem_option "${node_mem_mb[${nodes[0]}]:-0}") "${trainer_container[@]}" \
+        "${trainer_megarl[@]}" preflight report --config "$config" --allocation "$logs/allocation.txt" || status=$?
     exit "$status"
 fi
 

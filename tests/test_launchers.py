@@ -41,7 +41,8 @@ def launcher(python: Path, tmp_path: Path, *args: str, env: dict[str, str] | Non
              ) -> subprocess.CompletedProcess[str]:
     full_env = {**os.environ, "NEMORUN_HOME": str(tmp_path / "nemo_home"), **(env or {})}
     for name in ("SBATCH_ACCOUNT", "SBATCH_PARTITION", "SBATCH_TIMELIMIT", "GPUS_PER_NODE", "CONTAINER_IMAGE",
-                 "CONTAINER_MOUNTS", "MEGARL", "MEGARL_HOME", "TRAINER_TASKS_PER_NODE", "ROLLOUT_REPLICAS_PER_NODE"):
+                 "CONTAINER_MOUNTS", "MEGARL", "MEGARL_HOME", "TRAINER_TASKS_PER_NODE", "ROLLOUT_REPLICAS_PER_NODE",
+                 "MEGARL_TRAINER_ENV", "MEGARL_FLEET_ENV", "TRAINER_CONTAINER_IMAGE", "FLEET_CONTAINER_IMAGE"):
         if name not in (env or {}):
             full_env.pop(name, None)
     return subprocess.run([str(python), str(LAUNCHER), *args], capture_output=True, text=True, timeout=600,
@@ -89,8 +90,10 @@ def step_options(line: str) -> list[str]:
 
 
 def test_launch_env_has_nemo_run_and_no_training_stack(launch_python: Path) -> None:
-    probe = ("import importlib.util, nemo_run; "
-             "print(nemo_run.__version__, [m for m in ('torch', 'vllm') if importlib.util.find_spec(m)])")
+    """nemo-run 0.11.1 installed (read from its metadata: that it imports and works, every dry run below shows), and
+    neither torch nor vLLM importable."""
+    probe = ("import importlib.metadata, importlib.util; print(importlib.metadata.version('nemo_run'), "
+             "[m for m in ('torch', 'vllm') if importlib.util.find_spec(m)])")
     proc = subprocess.run([str(launch_python), "-c", probe], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     version, stack = proc.stdout.split(maxsplit=1)
@@ -153,6 +156,7 @@ def test_slurm_dryrun_overrides_container_and_options(launch_python: Path, tmp_p
     overrides = ["trainer.world_size=16", "rollout.replicas=3", "run.dir=/shared/runs/guru 7b"]
     script = dryrun(launch_python, tmp_path, "--config", "configs/qwen2.5_7b_guru.yaml", *overrides,
                     "--partition", "batch", "--time", "01:00:00", "--container-image", "nvcr.io/x/megarl:1",
+                    "--fleet-container-image", "nvcr.io/x/fleet:1",
                     "--container-mounts", "/lustre:/lustre,/shared:/shared",
                     env={"MEGARL": "/opt/venv/bin/python -m megarl.cli", "GPUS_PER_NODE": "4"})
     trainer, rollout = het_components(script)
@@ -172,8 +176,11 @@ def test_slurm_dryrun_overrides_container_and_options(launch_python: Path, tmp_p
     serves = [line for line in script.splitlines() if f"{megarl} serve" in line]
     assert len(ranks) == 1 and "--ntasks=16" in ranks[0] and f"rank --config {config} &" in ranks[0]
     assert [f"--replica {i} &" in line for i, line in enumerate(serves)] == [True] * 3
+    # each role in its image: the trainer's steps in --container-image's (no --trainer-container-image), the
+    # replicas' in --fleet-container-image's
     for line in ranks + serves:
-        assert "--container-image nvcr.io/x/megarl:1" in line and "/lustre:/lustre,/shared:/shared" in line
+        image = "nvcr.io/x/fleet:1" if line in serves else "nvcr.io/x/megarl:1"
+        assert f"--container-image {image} " in line and "/lustre:/lustre,/shared:/shared" in line
     assert "--nodelist=${rollout_nodes[1]}" in serves[2]
     assert [step_options(line)[4] for line in ranks + serves] == ["--gpus-per-node=4"] + ["--gpus-per-node=2"] * 3
     assert [f"'--output=/shared/runs/guru 7b/logs/serve_replica{i}.log' env " in line
@@ -187,25 +194,31 @@ def test_slurm_dryrun_overrides_container_and_options(launch_python: Path, tmp_p
     (["--trainer-tasks-per-node", "16"], "16 trainer ranks per node exceed --gpus-per-node=8"),
     (["trainer.bogus=1"], "trainer.bogus: unknown key"),
     (["algorithm.name=ppo"], "algorithm.name: 'ppo' is not a registered algorithm"),  # no torch needed for names
+    # the local executor: 2 ranks + 4 replicas x tp 2 = 10 GPUs on one machine of 8
+    (["--executor", "local", "--gpus-per-node", "8", "--config", "configs/demo_moe.yaml", "rollout.replicas=4"],
+     "trainer.world_size=2 + rollout.replicas=4 x rollout.tp=2 GPUs exceed --gpus-per-node=8"),
 ])
 def test_bad_config_is_refused_before_anything_is_built(launch_python: Path, tmp_path: Path, args: list[str],
                                                         message: str) -> None:
+    """Refused with code 2 and the fix, before nemo-run is imported (no experiment directory is made)."""
     proc = launcher(launch_python, tmp_path, "--config", "configs/qwen2.5_7b_guru.yaml", "--dryrun", *args)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert message in proc.stderr and proc.stdout == ""
+    assert not (tmp_path / "nemo_home").exists(), "nemo-run was reached"
 
 
 def test_local_dryrun(launch_python: Path, tmp_path: Path) -> None:
     cfg = load_config(ROOT / "configs/demo_moe.yaml", ["rollout.replicas=2"])
+    # the replicas from their own environment (--fleet-venv); prepare and the trainer from the default one
     script = dryrun(launch_python, tmp_path, "--config", "configs/demo_moe.yaml", "rollout.replicas=2",
-                    "--executor", "local", "--gpus-per-node", "8")
+                    "--executor", "local", "--gpus-per-node", "8", "--fleet-venv", "/opt/fleet")
     lines = script.splitlines()
     venv = ROOT / ".venv" / "bin"
     prepare = lines.index(f"{venv}/megarl prepare --config configs/demo_moe.yaml rollout.replicas=2 || "
                           '{ echo "megarl prepare failed: nothing was started" >&2; exit 2; }')
     serves = [i for i, line in enumerate(lines) if " serve --config " in line]
     assert [lines[i] for i in serves] == [
-        f"CUDA_VISIBLE_DEVICES={2 + 2 * r},{3 + 2 * r} {venv}/megarl serve --config {cfg.run.dir}/config.yaml "
+        f"CUDA_VISIBLE_DEVICES={2 + 2 * r},{3 + 2 * r} /opt/fleet/bin/megarl serve --config {cfg.run.dir}/config.yaml "
         f"--replica {r} > {cfg.run.dir}/logs/serve_replica{r}.log 2>&1 &" for r in range(2)]
     torchrun = lines.index(f"CUDA_VISIBLE_DEVICES=0,1 {venv}/torchrun --standalone --nproc-per-node=2 --no-python "
                            f"{venv}/megarl rank --config {cfg.run.dir}/config.yaml")
@@ -213,23 +226,20 @@ def test_local_dryrun(launch_python: Path, tmp_path: Path) -> None:
     assert lines[torchrun + 1:torchrun + 3] == ["status=$?", 'kill -TERM "${serve_pids[@]}" 2>/dev/null']
     assert_shell_ok(script, tmp_path)
 
-    too_many = launcher(launch_python, tmp_path, "--config", "configs/demo_moe.yaml", "rollout.replicas=4",
-                        "--executor", "local", "--gpus-per-node", "8", "--dryrun")
-    assert too_many.returncode == 2 and "exceed --gpus-per-node=8" in too_many.stderr
-
 
 FAKE_MEGARL = r"""#!/bin/bash
-# Stands in for megarl on the emulated nodes: records each role's start in $LOG, one line of KEY=VALUE fields: its
-# node, SLURM step, the GPUs SLURM gave the step (CUDA_VISIBLE_DEVICES) and the step's resources as slurmctld
-# accounts them (scontrol show step: TRES, TresPerNode).
-LOG=__LOG__
+# Stands in for megarl on the emulated nodes: records each role's start in $LOG ($FAKE_LOG where the job's environment
+# sets it), one line of KEY=VALUE fields: its node, SLURM step, the GPUs SLURM gave the step (CUDA_VISIBLE_DEVICES),
+# the environment it was run from (bin/megarl's venv: the directory above the path it was called by) and the step's
+# resources as slurmctld accounts them (scontrol show step: TRES, TresPerNode).
+LOG=${FAKE_LOG:-__LOG__}
 role=$1
 shift
 step() {  # step HET_GROUP: the step's own job id is its het group's (SLURM_JOB_ID is the het job's)
     local job_id="SLURM_JOB_ID_HET_GROUP_$1" id resources
     id="${!job_id}.$SLURM_STEP_ID"
     resources=$(scontrol show step "$id" | grep -o 'TRES=[^ ]*\|TresPerNode=[^ ]*' | paste -sd ' ')
-    echo "node=$SLURMD_NODENAME step=$id gpus=${CUDA_VISIBLE_DEVICES-unset} $resources"
+    echo "node=$SLURMD_NODENAME step=$id gpus=${CUDA_VISIBLE_DEVICES-unset} env=$(dirname "$(dirname "$0")") $resources"
 }
 case $role in
     prepare)
@@ -322,10 +332,16 @@ def demo_2x2(run_dir: Path) -> list[str]:
             "--time", "00:05:00", "--poll-s", "1"]
 
 
-def check_roles(lines: list[str], run_dir: Path, why: str) -> None:
+def check_roles(lines: list[str], run_dir: Path, why: str, envs: tuple[Path, Path] | None = None) -> None:
     """The demo job: prepare first (with the recipe and overrides), then 2 ranks of one step on that node, 2 replicas
-    with one GPU each on another node."""
+    with one GPU each on another node; with `envs` (trainer's, fleet's), prepare and the ranks ran the trainer
+    environment's megarl, the replicas the fleet's."""
     records = [parse_record(line) for line in lines]
+    if envs is not None:
+        assert {r["role"]: r["env"] for r in records if r["role"] != "running"} == {
+            "prepare": str(envs[0]), "rank": str(envs[0]), "serve": str(envs[1])}, why
+        assert len({r["env"] for r in records if r["role"] == "rank"}) == 1, why
+        assert len({r["env"] for r in records if r["role"] == "serve"}) == 1, why
     args = f"--config configs/demo_moe.yaml rollout.replicas=2 rollout.tp=1 run.dir={run_dir}"
     assert records and records[0].get("args") == args, why
     assert {r["config"] for r in records if r["role"] == "rank"} == {f"{run_dir}/config.yaml"}, why
@@ -334,12 +350,26 @@ def check_roles(lines: list[str], run_dir: Path, why: str) -> None:
     assert len(records) == 6, why
 
 
+def role_envs(tmp_path: Path, fake: Path) -> tuple[Path, Path]:
+    """A trainer and a fleet environment (venv-shaped: bin/megarl, the fake), as MEGARL_TRAINER_ENV and
+    MEGARL_FLEET_ENV name them."""
+    envs = (tmp_path / "trainer-env", tmp_path / "fleet-env")
+    for env in envs:
+        (env / "bin").mkdir(parents=True)
+        (env / "bin" / "megarl").symlink_to(fake)
+    return envs
+
+
 def submit(python: Path, cluster: SlurmCluster, tmp_path: Path, args: list[str], replicas: int,
-           gpus_per_node: int) -> tuple[list[str], str]:
+           gpus_per_node: int, split_envs: bool = False) -> tuple[list[str], str, tuple[Path, Path] | None]:
     """nemo-run itself submits the job (sbatch on this machine, LocalTunnel) to the emulated cluster, with the fake
-    megarl; returns the roles' records and what to show when a check fails. The job must end with code 0."""
+    megarl (`split_envs`: each role's from its own environment, MEGARL_TRAINER_ENV and MEGARL_FLEET_ENV); returns
+    the roles' records, what to show when a check fails and the environments. The job must end with code 0."""
     fake, log = fake_megarl(tmp_path, replicas)
     env = {"MEGARL": str(fake), "GPUS_PER_NODE": str(gpus_per_node), "SLURM_CONF": cluster.env["SLURM_CONF"]}
+    envs = role_envs(tmp_path, fake) if split_envs else None
+    if envs is not None:
+        env |= {"MEGARL_TRAINER_ENV": str(envs[0]), "MEGARL_FLEET_ENV": str(envs[1])}
     proc = launcher(python, tmp_path, *args, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     cluster.wait_idle(timeout_s=120)
@@ -348,14 +378,16 @@ def submit(python: Path, cluster: SlurmCluster, tmp_path: Path, args: list[str],
     records = log.read_text().splitlines() if log.exists() else []
     why = f"launcher: {proc.stderr[-3000:]}\nroles:\n" + "\n".join(records) + f"\njob output:\n{job_output[-4000:]}"
     assert "job exited with code 0" in job_output, why
-    return records, why
+    return records, why, envs
 
 
 def test_nemo_run_submits_the_job_to_slurm(launch_python: Path, slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
-    """The demo job, two replicas on one node: every role runs where the config puts it and the job ends with 0."""
+    """The demo job, two replicas on one node, each role from its own environment: every role runs where the config
+    puts it, from its environment, and the job ends with 0."""
     run_dir = tmp_path / "run"
-    records, why = submit(launch_python, slurm_cluster, tmp_path, demo_2x2(run_dir), replicas=2, gpus_per_node=2)
-    check_roles(records, run_dir, why)
+    records, why, envs = submit(launch_python, slurm_cluster, tmp_path, demo_2x2(run_dir), replicas=2,
+                                gpus_per_node=2, split_envs=True)
+    check_roles(records, run_dir, why, envs)
 
 
 def test_nemo_run_places_the_30b_job_on_slurm(launch_python: Path, slurm_cluster: SlurmCluster,
@@ -365,7 +397,7 @@ def test_nemo_run_places_the_30b_job_on_slurm(launch_python: Path, slurm_cluster
     and half of its node's CPUs and memory."""
     recipe, run_dir = "configs/qwen3_30b_a3b_guru.yaml", tmp_path / "run"
     cfg = load_config(ROOT / recipe)
-    records, why = submit(launch_python, slurm_cluster, tmp_path, ["--config", recipe, f"run.dir={run_dir}",
+    records, why, _ = submit(launch_python, slurm_cluster, tmp_path, ["--config", recipe, f"run.dir={run_dir}",
                           "--time", "00:05:00", "--poll-s", "1"], replicas=cfg.rollout.replicas, gpus_per_node=8)
     parsed = [parse_record(line) for line in records]
     assert parsed and parsed[0].get("args") == f"--config {recipe} run.dir={run_dir}", why
@@ -374,28 +406,29 @@ def test_nemo_run_places_the_30b_job_on_slurm(launch_python: Path, slurm_cluster
     check_serve_logs(run_dir, cfg.rollout.replicas, why)
 
 
-@pytest.mark.parametrize("outcome", ["rank_fails", "prepare_fails"])
-def test_sbatch_script_fails_the_job(launch_python: Path, slurm_cluster: SlurmCluster, tmp_path: Path,
-                                     outcome: str) -> None:
-    """The dry run's sbatch script, run by `sbatch --wait`: a failed rank fails the job (code 1), a failed prepare
-    ends it (code 2) before any other role starts."""
-    fake, log = fake_megarl(tmp_path, replicas=2)
+def test_sbatch_script_fails_the_job(launch_python: Path, slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    """The dry run's sbatch script, run by `sbatch --wait` twice (one dry run: nemo-run takes seconds to import): a
+    failed rank fails the job (code 1), a failed prepare ends it (code 2) before any other role starts."""
+    fake, _ = fake_megarl(tmp_path, replicas=2)
     run_dir = tmp_path / "run"
     script = dryrun(launch_python, tmp_path, *demo_2x2(run_dir), env={"MEGARL": str(fake), "GPUS_PER_NODE": "2"})
     for path in re.findall(r"--chdir (\S+)", script) + [Path(p).parent for p in re.findall(r"--output=(\S+)", script)]:
         Path(path).mkdir(parents=True, exist_ok=True)  # what nemo-run makes before it submits
     (tmp_path / "job.sh").write_text(script)
-    env = {"RANK_EXIT": "1"} if outcome == "rank_fails" else {"FAIL_PREPARE": "1"}
-    result = slurm_cluster.sbatch_wait(tmp_path / "job.sh", env_extra=env, timeout_s=120)
-    records = log.read_text().splitlines()
-    output = "\n".join(p.read_text() for p in sorted((tmp_path / "nemo_home").rglob("*.out")))
-    why = f"{slurm_cluster.describe(result)}\nroles:\n" + "\n".join(records) + f"\njob files:\n{output[-4000:]}"
-    if outcome == "prepare_fails":
-        assert records[0].startswith("prepare ") and len(records) == 1 and result.returncode == 2, why
-    else:
-        check_roles(records, run_dir, why)
-        assert result.returncode == 1, why
-    slurm_cluster.wait_idle(timeout_s=30)  # the replicas' steps end with the job
+    for outcome, env in (("rank_fails", {"RANK_EXIT": "1"}), ("prepare_fails", {"FAIL_PREPARE": "1"})):
+        log = tmp_path / f"roles-{outcome}.log"  # each job's records apart (the fake writes to $FAKE_LOG)
+        result = slurm_cluster.sbatch_wait(tmp_path / "job.sh", env_extra={**env, "FAKE_LOG": str(log)},
+                                           timeout_s=120)
+        records = log.read_text().splitlines()
+        output = "\n".join(p.read_text() for p in sorted((tmp_path / "nemo_home").rglob("*.out")))
+        why = (f"{outcome}: {slurm_cluster.describe(result)}\nroles:\n" + "\n".join(records)
+               + f"\njob files:\n{output[-4000:]}")
+        if outcome == "prepare_fails":
+            assert records[0].startswith("prepare ") and len(records) == 1 and result.returncode == 2, why
+        else:
+            check_roles(records, run_dir, why)
+            assert result.returncode == 1, why
+        slurm_cluster.wait_idle(timeout_s=30)  # the replicas' steps end with the job
 
 
 @pytest.mark.slow

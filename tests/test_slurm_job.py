@@ -1,11 +1,10 @@
 """`sbatch slurm/guru_moe.sh` on a real SLURM cluster of emulated GPU nodes (tests/slurm_cluster.py): the same
 script users submit, at CPU scale through its environment variables (the tiny MoE recipe, a pipeline of two trainer
 ranks on node1 and node2, two vLLM replicas sharing node3 with their own GPUs each, as the shipped scripts place
-them). A killed replica the trainer cannot do without (rollout.min_replicas) fails the job, and the resubmission
-resumes the run from its last checkpoint and finishes it, checked as any finished run (every step at the schedule's
-lags, whole pushes, each role where the script put it, a clean end); and a step SLURM cannot start, named within
-seconds. A replica killed mid-run, restarted, let back in and killed again (the run goes on):
-tests/test_slurm_failover.py."""
+them). Here: a step SLURM cannot start, named within seconds; a replica step without room for its pinned shards and
+a role environment without megarl, each refused before anything starts; the helpers every job test shares. Replicas
+killed mid-run (the job fails below rollout.min_replicas; the resubmission resumes, restarts a replica, lets it back
+in, and finishes the run), each role from its own environment: tests/test_slurm_failover.py."""
 
 from __future__ import annotations
 
@@ -15,15 +14,10 @@ import re
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from safetensors import safe_open
 
-from megarl.checkpoint import open_checkpoint
-from megarl.config.load import load_config
-from megarl.loop import checkpoint_identity
-from megarl.metrics.timeline import load_spans
 from tests.slurm_cluster import SlurmCluster
 
 REPO = Path(__file__).resolve().parents[1]
@@ -95,57 +89,6 @@ def _step_gpus(log: str) -> set[int]:
     return {int(g) for g in match.group(1).split(",")}
 
 
-def _check_finished_run(cluster: SlurmCluster, tmp_path: Path, result: subprocess.CompletedProcess[str],
-                        steps: int) -> None:
-    """A job that trained every step of the run: every step's metrics, at the schedule's exact lags; every push
-    sent the whole model to both replicas; each role ran where the script placed it; a clean end."""
-    m, n = 2, 1  # configs/demo_moe.yaml's sync.interval and sync.offset
-    assert result.returncode == 0, _describe(cluster, tmp_path, result)
-    run_dir, logs = tmp_path / "run", tmp_path / "run" / "logs"
-    records = _records(run_dir)
-    assert [r["step"] for r in records] == list(range(steps))
-    for r in records:
-        for key in ("loss", "entropy", "reward/mean", "grad_norm"):
-            assert math.isfinite(r[key]), (key, r)
-    assert [r["batch_lag"] for r in records] == [_expected_lag(b, m, n) for b in range(steps)]
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == steps
-    # every push sent the whole model to each of the two TP-1 replicas, and the fleet received every byte sent
-    model_bytes = _model_bytes(tmp_path / "tiny-moe")
-    assert summary["sync/pushes"] >= 1
-    assert summary["sync/bytes_per_push"] == 2 * model_bytes
-    assert summary["sync/bytes_received_total"] == summary["sync/bytes_sent_total"]
-    assert summary["sync/bytes_sent_total"] == summary["sync/pushes"] * 2 * model_bytes
-    # each role ran where the script placed it: the pipeline's two stages on two nodes, both replicas on node3,
-    # each with one GPU of its own (a job's first start of each step truncates that step's log: this job's own)
-    for rank, node in ((0, "node1"), (1, "node2")):  # one rank per node, each holding one GPU of it
-        log = (logs / f"trainer_rank{rank}.log").read_text()
-        assert f"trainer rank {rank}/2 on {node} (slurm, local rank 0, GPUs " in log, log
-        assert len(_step_gpus(log)) == 1, log
-    serve_logs = [(logs / f"serve_replica{i}.log").read_text() for i in range(2)]
-    for i, log in enumerate(serve_logs):
-        assert f"rollout replica {i} on node3 serving at http://127.0.0.1:" in log, log
-    gpus = [_step_gpus(log) for log in serve_logs]
-    assert all(len(g) == 1 for g in gpus) and not gpus[0] & gpus[1], gpus
-    # a clean end: the replicas were stopped by SIGTERM (not killed), deregistered, and the job's secret is gone
-    for log in serve_logs:
-        assert "SIGTERM received, stopping" in log, log
-    assert not list((run_dir / "fleet").glob("replica*.json"))
-    assert not (run_dir / "private").exists()
-    assert "trainer finished" in _job_output(tmp_path, result)
-
-
-def _wait_for_checkpoint(run_dir: Path, job: object, timeout_s: float) -> Path:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        done = sorted(p for p in (run_dir / "checkpoints").glob("step_*") if (p / "meta.json").is_file())
-        if done:
-            return done[0]
-        assert not job.done(), "the job ended before its first checkpoint"  # type: ignore[attr-defined]
-        time.sleep(0.2)
-    raise AssertionError(f"no checkpoint in {run_dir} after {timeout_s}s")
-
-
 def _step_id(cluster: SlurmCluster, name: str) -> str:
     out = cluster.run("squeue", "--noheader", "--steps", "--format=%i %j").stdout
     ids = [line.split()[0] for line in out.splitlines() if line.split()[1:] == [name]]
@@ -153,11 +96,13 @@ def _step_id(cluster: SlurmCluster, name: str) -> str:
     return ids[0]
 
 
-def _wait_for_line(tmp_path: Path, job: object, pattern: str, timeout_s: float) -> str:
-    """The first line of the running job's output (tmp_path/job-<id>.out) that matches `pattern`."""
+def _wait_for_line(tmp_path: Path, job: object, pattern: str, timeout_s: float,
+                   skip: frozenset[Path] = frozenset()) -> str:
+    """The first line of the running job's output (tmp_path/job-<id>.out, not an earlier job's in `skip`) that
+    matches `pattern`."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        for path in tmp_path.glob("job-*.out"):
+        for path in set(tmp_path.glob("job-*.out")) - skip:
             for line in path.read_text(errors="replace").splitlines():
                 if re.search(pattern, line):
                     return line
@@ -171,51 +116,6 @@ def _step_placement(cluster: SlurmCluster, step: str) -> tuple[str, str, str]:
     fields = dict(item.split("=", 1) for item in
                   cluster.run("scontrol", "--oneliner", "show", "step", step).stdout.split() if "=" in item)
     return fields["NodeList"], fields["TRES"], fields.get("TresPerNode", "")
-
-
-def test_killed_rollout_step_fails_the_job_and_resubmission_trains_the_rest_across_nodes(
-        slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
-    # with rollout.min_replicas=2 the trainer cannot go on without the killed replica, and ROLLOUT_RESTARTS=0 does
-    # not restart it: the trainer fails, and the job names the replica as the likely cause
-    steps = 16
-    env = {**_job_env(tmp_path, f"run.steps={steps} checkpoint.interval=2 rollout.min_replicas=2"),
-           "ROLLOUT_RESTARTS": "0"}
-    run_dir = tmp_path / "run"
-    with ThreadPoolExecutor(1) as pool:
-        job = pool.submit(_submit, slurm_cluster, tmp_path, env)
-        _wait_for_checkpoint(run_dir, job, timeout_s=JOB_TIMEOUT_S)
-        slurm_cluster.run("scancel", "--signal=KILL", _step_id(slurm_cluster, "megarl-serve-0"))
-        result = job.result()
-
-    output = _job_output(tmp_path, result)
-    assert result.returncode == 1, _describe(slurm_cluster, tmp_path, result)
-    assert re.search(r"FAILED: the trainer ranks exited with code \d+ ", output), output
-    assert re.search(r"rollout replica\(s\) that died before it, the likely cause: replica 0 \(exit code 137; "
-                     r"restarted 0 of 0 time\(s\); (down|not restarted); see \S+/serve_replica0\.log", output), output
-    assert "restarting it" not in output and "replica 1 (" not in output, output
-    trained = [r["step"] for r in _records(run_dir)]
-    assert trained and trained[-1] < steps - 1, f"the run was not interrupted: {trained}"
-    # every checkpoint that looks complete is complete (files present, sizes as recorded, identity matching)
-    cfg = load_config(str(run_dir / "config.yaml"), [])
-    saved = [p for p in (run_dir / "checkpoints").glob("step_*")]
-    assert saved and all((p / "meta.json").is_file() for p in saved), saved
-    for path in saved:
-        open_checkpoint(path, checkpoint_identity(cfg))
-    assert not (run_dir / "private").exists()
-    latest = max(int(p.name.removeprefix("step_")) for p in saved)
-    before = _records(run_dir)[:latest + 1]
-
-    # the resubmission is a whole job that finishes the run: every step, exact lags, whole pushes, placement, a
-    # clean end (the checks of a job run from scratch; one job less than a separate run of its own)
-    resumed = _submit(slurm_cluster, tmp_path, {**env, "MEGARL_OVERRIDES": env["MEGARL_OVERRIDES"]
-                                                + " checkpoint.resume=latest"})
-    _check_finished_run(slurm_cluster, tmp_path, resumed, steps)
-    records = _records(run_dir)
-    # it went on from the newest checkpoint: the steps up to it are the first job's, and it trained only the rest
-    assert records[:latest + 1] == before
-    trained_now = sorted({int(s.label.removeprefix("step ")) for s in load_spans(run_dir / "timeline.json")
-                          if s.kind == "train"})
-    assert trained_now == list(range(latest + 1, steps))
 
 
 def test_a_step_that_cannot_start_fails_the_job_naming_it(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
@@ -251,4 +151,17 @@ def test_a_replica_step_without_room_for_its_pinned_shards_is_refused(slurm_clus
     need = math.ceil((8 * 10**9 + _model_bytes(tmp_path / "tiny-moe")) / 2**20)
     assert (f"rollout replica 0 on node3 would get --mem=7000M but needs {need}M of host memory" in output), output
     assert not (tmp_path / "run" / "logs" / "serve_replica0.log").exists()  # nothing was started
+    slurm_cluster.wait_idle()
+
+
+def test_a_role_environment_without_megarl_is_refused(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    # each role's environment is a venv every node sees (MEGARL_TRAINER_ENV, MEGARL_FLEET_ENV): one without
+    # bin/megarl is named, with the fix, before any step starts (prepare included)
+    env = {**_job_env(tmp_path, "run.steps=2"), "MEGARL_FLEET_ENV": str(tmp_path / "no-such-venv")}
+    result = _submit(slurm_cluster, tmp_path, env)
+    output = _job_output(tmp_path, result)
+    assert result.returncode == 2, _describe(slurm_cluster, tmp_path, result)
+    assert f"MEGARL_FLEET_ENV={tmp_path / 'no-such-venv'} has no bin/megarl on this node: point it at a venv with " \
+           "megarl installed" in output, output
+    assert "preparing" not in output and not (tmp_path / "run").exists(), output  # nothing was started
     slurm_cluster.wait_idle()

@@ -39,13 +39,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     v.add_argument("--stack", choices=list(STACKS), required=True,
                    help="cpu (both roles on a CPU machine), gpu-trainer (inside its container), gpu-fleet, or "
                    "gpu-single (both roles in one venv on one GPU machine)")
+    v.add_argument("--role", choices=("rank", "serve"), default=None,
+                   help="the role this environment runs: rank (a trainer's own environment: its vLLM, the fleet's, is "
+                   "not judged, e.g. `make trainer-env` against --stack cpu); default: every package the stack pins")
 
 
-def run_versions(stack: str) -> int:
+def run_versions(stack: str, role: str | None = None) -> int:
     """One line per checked package, then every problem; exit 0 or 1."""
     from megarl.preflight.versions import check_versions
 
-    result = check_versions(stack)
+    result = check_versions(stack, role=role)
     for name, found in result["packages"].items():
         pinned = f"{found['pinned']} ({found['source']})" if found["pinned"] else "not pinned"
         print(f"{name}: {found['installed'] or 'not installed'}, {stack} stack: {pinned}")
@@ -57,7 +60,7 @@ def run_versions(stack: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     if args.command == "versions":
-        return run_versions(args.stack)
+        return run_versions(args.stack, args.role)
     try:
         cfg = load_config(args.config, args.overrides)
         if args.command == "report":

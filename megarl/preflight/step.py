@@ -84,7 +84,7 @@ def run_step(cfg: Config, me: dict[str, Any], listeners: Listeners, plan: Plan, 
             gpus = {"driver": True, "usable": False, "reason": None, "devices": [],
                     "problems": [f"the GPU check failed: {type(err).__name__}: {err}"]}
         try:  # the role's lock, on a GPU node or a CPU node, or the one $MEGARL_STACK names
-            versions = check_versions(stack_for(me["role"], gpus["driver"]))
+            versions = check_versions(stack_for(me["role"], gpus["driver"]), role=me["role"])
         except ValueError as err:
             versions = {"stack": None, "lock": None, "packages": {}, "problems": [str(err)]}
         others = [k for k in files.expected_keys(cfg) if k != key]

