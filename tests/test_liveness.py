@@ -27,6 +27,7 @@ from megarl.rollout.fleet import FleetHandle, FleetSpec
 from megarl.rollout.fleet_auth import new_fleet_secret
 from megarl.rollout.liveness import Liveness
 from megarl.rollout.restarts import ReplicaWatcher
+from tests.blackhole_proxy import blackhole_proxy
 from tests.dist_utils import process_group_members
 
 SLACK_S = 15.0  # a loaded 2-core machine: thread start-up, probe intervals
@@ -155,6 +156,30 @@ def test_a_server_that_refuses_connections_is_dead_after_the_bound() -> None:
         assert time.monotonic() - started < 0.5 + SLACK_S
         time.sleep(0.05)
     assert "/health did not answer: ConnectionError" in live.why()
+
+
+
+def test_a_call_gives_up_on_a_replica_behind_a_black_holed_network(replica: _Replica) -> None:
+    """The network to a replica black-holed 2 s into a push's `/update_weights` (a TCP proxy that then accepts and
+    reads but forwards and answers nothing: no refusal, no reset): the call raises `RolloutServerLost` within the
+    bound plus slack, each probe giving up after its own timeout (bound / 2 here); once the network forwards again,
+    one answered probe ends the run of failures."""
+    bound = 3.0
+    replica.call_s = 300.0
+    with blackhole_proxy("127.0.0.1", replica.server_address[1]) as proxy:
+        client = RolloutClient(proxy.url, timeout_s=300.0, health_timeout_s=bound)
+        assert client.healthy()
+        _later(2.0, proxy.blackhole)
+        started = time.monotonic()
+        with pytest.raises(RolloutServerLost) as err:
+            client.update_weights({"names": []})
+        took = time.monotonic() - started
+        print(f"network black-holed from 2 s: the call gave up after {took:.1f} s (bound {bound:g} s)")
+        assert 2.0 + bound <= took < 2.0 + bound + SLACK_S
+        assert "/health did not answer: ReadTimeout" in str(err.value), str(err.value)
+        proxy.restore()
+        live = Liveness(proxy.url, bound_s=bound, every_s=0.1)
+        assert live.probe() and not live.dead()
 
 
 _SERVER = """
