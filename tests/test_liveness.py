@@ -196,7 +196,8 @@ HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
 
 def test_the_watcher_kills_the_group_of_a_replica_that_hangs(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     """`megarl train`'s watcher with a bound of 2 s: a replica's server (a real process serving /health, with a child
-    in its process group) is stopped with SIGSTOP: alive, its pid unchanged, not answering. The watcher finds it dead
+    in its process group) stopped for 0.8 s, then continued (SIGCONT), is left alone; then it is stopped for good
+    (SIGSTOP): alive, its pid unchanged, not answering. The watcher finds it dead
     after the bound, kills its whole process group, removes its registration and says so (no restarts here:
     rollout.restarts=0, so no vLLM starts; the restart itself is the exited-server path of test_fleet_restarts)."""
     port = free_port("127.0.0.1")
@@ -217,6 +218,13 @@ def test_the_watcher_kills_the_group_of_a_replica_that_hangs(tmp_path: Path, cap
                                  restarts=0, poll_s=0.2, health_timeout_s=2.0).start()
         try:
             assert (run_dir / "fleet" / "replica0.json").exists()
+            # hung for less than the bound, then continued (SIGCONT): it answers again and is left alone
+            os.kill(proc.pid, signal.SIGSTOP)
+            time.sleep(0.8)
+            os.kill(proc.pid, signal.SIGCONT)
+            time.sleep(2.0 + 1.0)  # past the bound, counted from the stop
+            assert (run_dir / "fleet" / "replica0.json").exists() and len(process_group_members(proc.pid)) == 2
+            assert "is dead" not in capfd.readouterr().err
             os.kill(proc.pid, signal.SIGSTOP)
             stopped = time.monotonic()
             while process_group_members(proc.pid) or (run_dir / "fleet" / "replica0.json").exists():
