@@ -133,7 +133,10 @@ def _send_to_a_receiver_that_dies(tmp: Path, watch: bool) -> dict[int, dict]:
     for proc in procs:
         if proc.is_alive():
             proc.kill()
-    return {r: torch.load(tmp / f"rank{r}.pt") for r in range(3) if (tmp / f"rank{r}.pt").exists()}
+    seen = {r: torch.load(tmp / f"rank{r}.pt") for r in range(3) if (tmp / f"rank{r}.pt").exists()}
+    for r in seen:
+        seen[r]["exitcode"] = procs[r].exitcode
+    return seen
 
 
 def test_a_receiver_that_dies_mid_transfer_is_given_up_within_a_slice(tmp_path):
@@ -146,6 +149,7 @@ def test_a_receiver_that_dies_mid_transfer_is_given_up_within_a_slice(tmp_path):
     for rank in (0, 1):
         assert set(seen[rank]["failed"]) == {3}, seen[rank]  # ReceiverGone, or gloo's own error when it has one
         assert seen[rank]["seconds"] < DEAD_TIMEOUT_S / 2, seen[rank]  # 5-13 s of sending on a loaded 2-core box
+        assert seen[rank]["exitcode"] == 0, seen[rank]  # a send left behind does not crash the process at its exit
     assert seen[2]["received"] == 2 * BUCKETS * BIG * 4, seen[2]  # the live worker got every bucket
     print(f"receiver died mid-transfer, watched: senders done in {[round(seen[r]['seconds'], 1) for r in (0, 1)]} s: "
           f"{[seen[r]['failed'][3][-60:] for r in (0, 1)]}")
