@@ -23,10 +23,11 @@ A sender that dies (or closes its connections after failing) fails only its own 
 before the receiver posts them: the receiver still takes every other sender's, then raises `SenderFailed` naming
 the failed senders (senders are the trainer ranks: sync-group rank = trainer rank).
 
-A receiver that dies is not always seen by the sender's transport: gloo never fails a send posted to a peer that had
-already posted the matching receive and then died (the send waits for the group's timeout, 600 s and more; measured:
-two senders, 64 MiB buckets, a receiver SIGKILLed after its first bucket, both senders then waited on its next
-bucket until the timeout; with buckets small enough that every send completes before the kill lands, nothing waits).
+A receiver that dies is not always seen by the sender's transport: gloo does not fail every send to a peer that
+died mid-transfer; such a send waits for the group's timeout, 600 s and more (measured: two senders, 64 MiB buckets,
+a receiver that had posted all its receives SIGKILLed after its first bucket: a sender then waited on its next bucket
+until the timeout in every run; with buckets small enough that every send completes before the kill lands, or with
+one sender and one receiver, gloo failed the sends at once).
 gloo's own timed wait cannot be used to look around: a timed-out wait closes the pair for good. So a sender given
 `gone` (receiver -> why it is gone, or None) waits for each send in a thread of its own and asks `gone` every
 `slice_s` while it waits (`wait_watching`): a receiver that is gone is recorded as failed within one slice, and its
