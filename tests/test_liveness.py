@@ -27,6 +27,7 @@ from megarl.rollout.fleet import FleetHandle, FleetSpec
 from megarl.rollout.fleet_auth import new_fleet_secret
 from megarl.rollout.liveness import Liveness
 from megarl.rollout.restarts import ReplicaWatcher
+from tests.blackhole_proxy import blackhole_proxy
 from tests.dist_utils import process_group_members
 
 SLACK_S = 15.0  # a loaded 2-core machine: thread start-up, probe intervals
@@ -157,6 +158,30 @@ def test_a_server_that_refuses_connections_is_dead_after_the_bound() -> None:
     assert "/health did not answer: ConnectionError" in live.why()
 
 
+
+def test_a_call_gives_up_on_a_replica_behind_a_black_holed_network(replica: _Replica) -> None:
+    """The network to a replica black-holed 2 s into a push's `/update_weights` (a TCP proxy that then accepts and
+    reads but forwards and answers nothing: no refusal, no reset): the call raises `RolloutServerLost` within the
+    bound plus slack, each probe giving up after its own timeout (bound / 2 here); once the network forwards again,
+    one answered probe ends the run of failures."""
+    bound = 3.0
+    replica.call_s = 300.0
+    with blackhole_proxy("127.0.0.1", replica.server_address[1]) as proxy:
+        client = RolloutClient(proxy.url, timeout_s=300.0, health_timeout_s=bound)
+        assert client.healthy()
+        _later(2.0, proxy.blackhole)
+        started = time.monotonic()
+        with pytest.raises(RolloutServerLost) as err:
+            client.update_weights({"names": []})
+        took = time.monotonic() - started
+        print(f"network black-holed from 2 s: the call gave up after {took:.1f} s (bound {bound:g} s)")
+        assert 2.0 + bound <= took < 2.0 + bound + SLACK_S
+        assert "/health did not answer: ReadTimeout" in str(err.value), str(err.value)
+        proxy.restore()
+        live = Liveness(proxy.url, bound_s=bound, every_s=0.1)
+        assert live.probe() and not live.dead()
+
+
 _SERVER = """
 import subprocess, sys
 from http.server import BaseHTTPRequestHandler, HTTPServer
@@ -171,7 +196,8 @@ HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
 
 def test_the_watcher_kills_the_group_of_a_replica_that_hangs(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     """`megarl train`'s watcher with a bound of 2 s: a replica's server (a real process serving /health, with a child
-    in its process group) is stopped with SIGSTOP: alive, its pid unchanged, not answering. The watcher finds it dead
+    in its process group) stopped for 0.8 s, then continued (SIGCONT), is left alone; then it is stopped for good
+    (SIGSTOP): alive, its pid unchanged, not answering. The watcher finds it dead
     after the bound, kills its whole process group, removes its registration and says so (no restarts here:
     rollout.restarts=0, so no vLLM starts; the restart itself is the exited-server path of test_fleet_restarts)."""
     port = free_port("127.0.0.1")
@@ -192,6 +218,13 @@ def test_the_watcher_kills_the_group_of_a_replica_that_hangs(tmp_path: Path, cap
                                  restarts=0, poll_s=0.2, health_timeout_s=2.0).start()
         try:
             assert (run_dir / "fleet" / "replica0.json").exists()
+            # hung for less than the bound, then continued (SIGCONT): it answers again and is left alone
+            os.kill(proc.pid, signal.SIGSTOP)
+            time.sleep(0.8)
+            os.kill(proc.pid, signal.SIGCONT)
+            time.sleep(2.0 + 1.0)  # past the bound, counted from the stop
+            assert (run_dir / "fleet" / "replica0.json").exists() and len(process_group_members(proc.pid)) == 2
+            assert "is dead" not in capfd.readouterr().err
             os.kill(proc.pid, signal.SIGSTOP)
             stopped = time.monotonic()
             while process_group_members(proc.pid) or (run_dir / "fleet" / "replica0.json").exists():

@@ -42,8 +42,8 @@ def _kill_replica_mid_update(sync, pid):
     `/update_weights` calls are under way (once: the next push is left alone)."""
     start = sync.fleet.start_updates
 
-    def start_then_kill(infos):
-        threads = start(infos)
+    def start_then_kill(infos, **kwargs):
+        threads = start(infos, **kwargs)
         os.killpg(pid, signal.SIGKILL)
         sync.fleet.start_updates = start
         return threads

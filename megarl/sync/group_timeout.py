@@ -13,7 +13,8 @@ receives) and a trainer rank's even share of every replica's shards (what it sen
 blocks over their holders). A delta push moves no more than a full one. The fixed part is also the floor: a push
 of a few bytes still gets it. The store rendezvous of a join keeps `trainer.collective_timeout_s` (or
 `sync.rejoin_timeout_s`): workers may arrive late, and that wait is not a transfer. On gloo nothing changes (a
-dead peer fails gloo's operations at once, docs/sync.md).
+dead peer fails most of gloo's operations at once; a send it does not fail is given up by the senders' watch,
+`megarl.sync.stream.wait_watching`, docs/sync.md).
 """
 
 from __future__ import annotations

@@ -15,12 +15,15 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from typing import Any
 
 from megarl.rollout.client import RolloutClient, RolloutServerError, RolloutServerLost
 from megarl.sync.needs import RolloutNeeds, recorded_by_fleet
+
+logger = logging.getLogger(__name__)
 
 LABEL_TIMEOUT_S = 30.0  # how long `served()` waits for one replica's label (a cheap GET; a live server answers at once)
 
@@ -168,12 +171,29 @@ class FleetLifecycle:
                 _best_effort(lambda c=client: c.finish_weight_update(None))
                 _best_effort(client.resume)
 
-    def start_updates(self, infos: dict[int, list[dict[str, Any]]]) -> dict[int, ResultThread]:
+    def start_updates(self, infos: dict[int, list[dict[str, Any]]],
+                      on_fail: Callable[[int, str], None] | None = None) -> dict[int, ResultThread]:
         """One `/update_weights` call per replica, each in a thread (it returns once its workers have received,
-        checked and loaded their blocks); `infos[i]` holds replica i's update info per TP rank."""
+        checked and loaded their blocks); `infos[i]` holds replica i's update info per TP rank. `on_fail(replica,
+        why)` is called from a replica's thread as soon as its call fails (its workers receive nothing more: the
+        trainer ranks stop waiting on sends to them, `megarl.sync.weight_sync`)."""
+
+        def update(rep: int, info: list[dict[str, Any]]) -> None:
+            try:
+                self.clients[rep].update_weights(info)
+            except BaseException as err:
+                if on_fail is not None:
+                    try:
+                        on_fail(rep, f"replica {rep} ({self.clients[rep].url}): its update call failed: "
+                                     f"{type(err).__name__}: {err}")
+                    except Exception as fail:  # noqa: BLE001 - the call's own error is the one reported
+                        logger.warning("could not tell the trainer ranks that replica %d's update failed: %s", rep,
+                                       fail)
+                raise
+
         threads = {}
         for rep, info in infos.items():
-            threads[rep] = ResultThread(lambda c=self.clients[rep], info=info: c.update_weights(info))
+            threads[rep] = ResultThread(lambda rep=rep, info=info: update(rep, info))
             threads[rep].start()
         return threads
 

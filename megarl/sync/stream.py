@@ -22,10 +22,23 @@ posting never allocates the shard. The buckets together are exactly this rank's 
 A sender that dies (or closes its connections after failing) fails only its own buckets, even when it is gone
 before the receiver posts them: the receiver still takes every other sender's, then raises `SenderFailed` naming
 the failed senders (senders are the trainer ranks: sync-group rank = trainer rank).
+
+A receiver that dies is not always seen by the sender's transport: gloo does not fail every send to a peer that
+died mid-transfer; such a send waits for the group's timeout, 600 s and more (measured: two senders, 64 MiB buckets,
+a receiver that had posted all its receives SIGKILLed after its first bucket: a sender then waited on its next bucket
+until the timeout in every run; with buckets small enough that every send completes before the kill lands, or with
+one sender and one receiver, gloo failed the sends at once).
+gloo's own timed wait cannot be used to look around: a timed-out wait closes the pair for good. So a sender given
+`gone` (receiver -> why it is gone, or None) waits for each send in a thread of its own and asks `gone` every
+`slice_s` while it waits (`wait_watching`): a receiver that is gone is recorded as failed within one slice, and its
+later buckets are skipped. The trainer's `gone` is its update call to the receiver's replica having failed
+(`megarl.sync.weight_sync`), which itself gives up within `rollout.health_timeout_s`.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -59,18 +72,56 @@ def cut(by_name: dict[str, list[tuple[HFSlice, torch.Tensor]]], block: HFSlice) 
     raise ValueError(f"the sync plan asks this rank for {block.name} {block.box}, which it does not hold")
 
 
+WAIT_SLICE_S = 1.0  # how often a sender waiting on a send asks whether its receiver is gone (`wait_watching`)
+
+
+class ReceiverGone(RuntimeError):
+    """A send was abandoned: its receiver is gone (`send_buckets`' `gone` said why)."""
+
+
+def wait_watching(work, buf: torch.Tensor, gone: Callable[[], str | None] | None,
+                  slice_s: float = WAIT_SLICE_S) -> None:
+    """`wait_on_host(work, buf)`, asking `gone()` every `slice_s` while it waits: once it says why the peer is gone,
+    raise `ReceiverGone` and leave the send behind (a thread keeps waiting on it, holding `buf`, until its group
+    fails it or is dropped). The wait runs in a thread because gloo's own timed wait closes the pair when it times
+    out. `gone=None`: a plain wait."""
+    if gone is None:
+        wait_on_host(work, buf)
+        return
+    done, errors = threading.Event(), []
+
+    def waiter() -> None:
+        try:
+            wait_on_host(work, buf)
+        except BaseException as err:  # noqa: BLE001 - raised by the caller below
+            errors.append(err)
+        finally:
+            done.set()
+
+    threading.Thread(target=waiter, name="megarl-send-wait", daemon=True).start()
+    while not done.wait(slice_s):
+        why = gone()
+        if why is not None:
+            raise ReceiverGone(why)
+    if errors:
+        raise errors[0]
+
+
 def raw_bytes(entry: WireEntry, block: torch.Tensor) -> torch.Tensor:
     """A block's bytes as a full push sends them."""
     return to_bytes(block)
 
 
 def send_buckets(group, rank: int, entries: list[WireEntry], local: list[tuple[HFSlice, torch.Tensor]],
-                 window: int = 2, pack: Callable[[WireEntry, torch.Tensor], torch.Tensor] = raw_bytes) -> SendResult:
+                 window: int = 2, pack: Callable[[WireEntry, torch.Tensor], torch.Tensor] = raw_bytes,
+                 gone: Callable[[int], str | None] | None = None, slice_s: float = WAIT_SLICE_S) -> SendResult:
     """Send every bucket `entries` assigns to sender `rank`, at most `window` in flight; returns the accounting.
     A receiver whose send fails (its process died) is recorded in `SendResult.failed` and skipped from then on;
     the other receivers still get all their buckets. `pack(entry, block)` gives an entry's `entry.nbytes` bytes
     from its block of this rank's tensors (a delta push encodes it, `megarl.sync.delta`); a bucket of 0 bytes (a
-    delta where nothing changed) is not sent."""
+    delta where nothing changed) is not sent. `gone(receiver)`: why that receiver is gone, or None; asked every
+    `slice_s` while a send to it waits and before each bucket to it is packed (see the module docstring): a gone
+    receiver is recorded as failed, its send left behind (None: sends wait until they complete or fail)."""
     if window < 1:
         raise ValueError(f"window={window}: at least one bucket must be in flight")
     mine: dict[tuple[int, int], list[WireEntry]] = {}
@@ -93,15 +144,20 @@ def send_buckets(group, rank: int, entries: list[WireEntry], local: list[tuple[H
         """Wait for one send; a failure marks its receiver (a dead peer fails only its own pair: gloo keeps the
         other pairs working, so the other receivers still get everything). Returns the bytes sent."""
         try:
-            wait_on_host(work, buf)
+            wait_watching(work, buf, None if gone is None else lambda: gone(receiver), slice_s)
         except Exception as err:  # noqa: BLE001 - recorded per receiver, reported by the caller
             failed.setdefault(receiver, f"{type(err).__name__}: {err}")
             return 0
         return buf.numel()
 
     sent_buckets = 0
+    asked: dict[int, float] = {}  # receiver -> when `gone` was last asked about it before packing
     for receiver, bucket in sorted(mine, key=order):
         items = mine[(receiver, bucket)]
+        if receiver not in failed and gone is not None and time.monotonic() - asked.get(receiver, -slice_s) >= slice_s:
+            asked[receiver] = time.monotonic()  # at most once a slice: `gone` may be a round trip to a store
+            if (why := gone(receiver)) is not None:
+                failed[receiver] = f"{ReceiverGone.__name__}: {why}"
         if receiver in failed or bucket_nbytes(items) == 0:
             continue
         sent_buckets += 1

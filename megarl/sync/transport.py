@@ -42,13 +42,15 @@ from megarl.sync.wire import WireEntry, staged, staged_ahead
 
 Pack = Callable[[WireEntry, torch.Tensor], torch.Tensor]  # (entry, its block) -> the entry's wire bytes
 Decode = Callable[[WireEntry, torch.Tensor], torch.Tensor]  # (delta entry, its wire bytes) -> the block
+Gone = Callable[[int], str | None]  # (fleet-wide worker rank) -> why it is gone, or None
 
 
 class Transport(Protocol):
     def send(self, entries: list[WireEntry], local: list[tuple[HFSlice, torch.Tensor]],
-             pack: Pack = raw_bytes) -> SendResult:
+             pack: Pack = raw_bytes, gone: Gone | None = None) -> SendResult:
         """Trainer rank: send every bucket `entries` assigns to this rank, cut from its `local` tensors (each
-        entry's bytes made by `pack`: raw, or delta-encoded by `megarl.sync.delta`)."""
+        entry's bytes made by `pack`: raw, or delta-encoded by `megarl.sync.delta`); a send to a receiver that
+        `gone` names is given up (`megarl.sync.stream.send_buckets`)."""
         ...
 
     def receive(self, entries: list[WireEntry],
@@ -132,8 +134,8 @@ class TorchGroupTransport:
                                                  trainers)
 
     def send(self, entries: list[WireEntry], local: list[tuple[HFSlice, torch.Tensor]],
-             pack: Pack = raw_bytes) -> SendResult:
-        return send_buckets(self.group, self.rank, entries, local, window=self.window, pack=pack)
+             pack: Pack = raw_bytes, gone: Gone | None = None) -> SendResult:
+        return send_buckets(self.group, self.rank, entries, local, window=self.window, pack=pack, gone=gone)
 
     def receive(self, entries: list[WireEntry],
                 decode: Decode | None = None) -> tuple[dict[str, tuple[HFSlice, torch.Tensor]], int]:
@@ -216,8 +218,8 @@ class ReplicaGroupsTransport:
         return sorted(self.groups.groups)
 
     def send(self, entries: list[WireEntry], local: list[tuple[HFSlice, torch.Tensor]],
-             pack: Pack = raw_bytes) -> SendResult:
-        return send_buckets(self.group, self.rank, entries, local, window=self.window, pack=pack)
+             pack: Pack = raw_bytes, gone: Gone | None = None) -> SendResult:
+        return send_buckets(self.group, self.rank, entries, local, window=self.window, pack=pack, gone=gone)
 
     def receive(self, entries: list[WireEntry],
                 decode: Decode | None = None) -> tuple[dict[str, tuple[HFSlice, torch.Tensor]], int]:

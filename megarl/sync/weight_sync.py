@@ -140,6 +140,7 @@ class PartitionedWeightSync:
         self.lost: dict[int, str] = {}  # replicas left out since they stopped answering -> why (every trainer rank)
         self.entries: list[WireEntry] | None = None
         self.bytes_needed: dict[int, int] = {}
+        self.pushes = 0  # pushes that reached the byte moving, counted on every trainer rank alike
         self.fleet = FleetLifecycle(clients, rollout_tp) if rank == 0 else None
         if self.fleet is not None and len(clients) != rollout_replicas:
             raise ValueError(f"{len(clients)} rollout clients for {rollout_replicas} replicas")
@@ -339,10 +340,14 @@ class PartitionedWeightSync:
         phases["delta_count_s"] = lap()
         update_id = uuid.uuid4().hex
         infos = self._update_infos(version, update_id, entries, receivers, delta_base)
-        updates = self.fleet.start_updates(infos) if self.fleet else {}
+        self.pushes += 1  # every trainer rank: this push's keys in the sync store (`_failed_key`)
+        store, push = self.transport.store, self.pushes
+        updates = self.fleet.start_updates(
+            infos, on_fail=lambda rep, why: store.set(_failed_key(push, rep), why)) if self.fleet else {}
         send_error = None
         try:
-            sent = self.transport.send(entries, local, self._pack)
+            sent = self.transport.send(entries, local, self._pack,
+                                       gone=lambda worker: _update_failed(store, push, self.replica_of(worker)))
         except Exception as err:  # noqa: BLE001 - this rank still reports it and takes part in the collectives
             sent, send_error = SendResult(bytes_sent=0, buckets=0, peak_staging_bytes=0), f"{type(err).__name__}: {err}"
             logger.error("trainer rank %d failed while sending the weight sync to version %d: %s", self.rank,
@@ -527,6 +532,23 @@ class PartitionedWeightSync:
     def close(self) -> None:
         """Leave the sync group (the store closes with the last handle)."""
         self.transport.close()
+
+
+def _failed_key(push: int, replica: int) -> str:
+    """The sync-store key trainer rank 0 sets, during the byte moving of push number `push`, once replica
+    `replica`'s update call has failed: its workers take nothing more, so every sender stops waiting on them."""
+    return f"megarl_push/{push}/replica{replica}/failed"
+
+
+def _update_failed(store, push: int, replica: int) -> str | None:
+    """Why replica `replica`'s update call in push `push` failed (rank 0 said so in the sync store), or None while
+    it has not; a store that no longer answers (trainer rank 0, its host, is gone) counts as failed: the sends
+    cannot be reported anyway."""
+    key = _failed_key(push, replica)
+    try:
+        return store.get(key).decode() if store.check([key]) else None
+    except Exception as err:  # noqa: BLE001 - the store's host is gone
+        return f"the sync store (hosted by trainer rank 0) no longer answers: {type(err).__name__}: {err}"
 
 
 def _answers(host: str, port: int, timeout_s: float = 5.0) -> bool:
