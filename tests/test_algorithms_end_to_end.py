@@ -1,34 +1,79 @@
 """Every registered algorithm runs in the real job by changing one config key (`algorithm.name`):
 the demo recipe, shrunk to 3 steps, with the megatron trainer on 2 gloo ranks (EP=2) and the session's
 vLLM fleet (TP=2), a lagged schedule (sync (1, 1): every batch is one version behind, so importance
-ratios, clip masks and engine-vs-trainer differences are live)."""
+ratios, clip masks and engine-vs-trainer differences are live).
+
+All the algorithms' runs share ONE set of trainer ranks (`_every_run`): each rank runs the jobs one after another
+exactly as `megarl train` runs one (`megarl.launch`'s rank entry point: its own trainer groups, policy, weight sync
+and rollout worker per job), so the ranks' start (imports, forkserver) is paid once instead of per algorithm.
+The parent does what `train` does after the ranks, minus the plots (their files are checked by
+tests/test_end_to_end.py)."""
+
+from __future__ import annotations
 
 import json
 import math
+import os
+from pathlib import Path
+from typing import Any
 
 import pytest
 
 from megarl.algorithms.registry import ALGORITHMS
-from megarl.launch import prepare, train
+from megarl.config.schema import Config
+from megarl.launch import TrainerError, prepare, sync_savings
 from megarl.metrics import mismatch
+from megarl.parallel.spawn import RankError, free_ports, run_ranks
 
 STEPS = 3
+NAMES = sorted(ALGORITHMS)
 
 
-@pytest.mark.parametrize("name", sorted(ALGORITHMS))
-def test_every_algorithm_trains_in_the_demo_job(moe_fleet, tiny_moe_dir, tmp_path, name):
-    run_dir = tmp_path / "run"
-    cfg = prepare("configs/demo_moe.yaml", [
-        f"algorithm.name={name}",  # the one key that selects the algorithm; the rest shrinks the demo
-        f"model.hf_dir={tiny_moe_dir}", f"run.dir={run_dir}", f"run.steps={STEPS}", "rollout.samples_per_prompt=8",
-        "data.prompts_per_step=8", "sync.interval=1", "sync.offset=1", "sync.push_initial=true",
-        # single-token answers (the untrained model is right 1 time in ~25, so batch 0 has reward variance for
-        # every algorithm); the demo's multi-token answers run in tests/test_end_to_end.py
-        "data.answer_digits=false", "data.max_operand=4", "rollout.max_new_tokens=1", "optimizer.lr=0.002",
-        "eval.interval=0",
-    ])
-    train(cfg, fleet_urls=moe_fleet.urls)
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+def _every_run(rank: int, jobs: list[tuple[dict[str, Any], dict[str, int]]], fleet_urls: list[str]) -> None:
+    """One trainer rank: each job in turn (a config and its ports), as `megarl.launch.run_trainers` runs it."""
+    from megarl.launch import _trainer_rank
+
+    for cfg_data, ports in jobs:
+        try:
+            _trainer_rank(rank, cfg_data, fleet_urls, ports)
+        except Exception as err:
+            err.add_note(f"while training algorithm.name={cfg_data['algorithm']['name']}")
+            raise
+
+
+@pytest.fixture(scope="module")
+def runs(moe_fleet, tiny_moe_dir, tmp_path_factory) -> dict[str, tuple[list[dict[str, Any]], dict[str, Any]]]:
+    """Per algorithm: its run's metrics records and its summary's sync counts."""
+    root = tmp_path_factory.mktemp("algorithms")
+    cfgs: dict[str, Config] = {}
+    for name in NAMES:
+        cfgs[name] = prepare("configs/demo_moe.yaml", [
+            f"algorithm.name={name}",  # the one key that selects the algorithm; the rest shrinks the demo
+            f"model.hf_dir={tiny_moe_dir}", f"run.dir={root / name}", f"run.steps={STEPS}",
+            "rollout.samples_per_prompt=8", "data.prompts_per_step=8", "sync.interval=1", "sync.offset=1",
+            "sync.push_initial=true",
+            # single-token answers (the untrained model is right 1 time in ~25, so batch 0 has reward variance for
+            # every algorithm); the demo's multi-token answers run in tests/test_end_to_end.py
+            "data.answer_digits=false", "data.max_operand=4", "rollout.max_new_tokens=1", "optimizer.lr=0.002",
+            "eval.interval=0",
+        ])
+    ports = iter(free_ports(2 * len(NAMES)))  # each job its own trainer store and weight-sync store
+    jobs = [(cfgs[name].model_dump(mode="json"), {"master": next(ports), "sync": next(ports)}) for name in NAMES]
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        run_ranks(_every_run, 2, jobs, moe_fleet.urls, role="trainer", log_dir=root)
+    except RankError as err:
+        raise TrainerError.from_rank_error(err) from None
+    out = {}
+    for name, cfg in cfgs.items():
+        records = [json.loads(line) for line in (Path(cfg.run.dir) / "metrics.jsonl").read_text().splitlines()]
+        out[name] = (records, sync_savings(cfg, records))
+    return out
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_algorithm_trains_in_the_demo_job(runs, name):
+    records, summary = runs[name]
     assert [r["policy_version"] for r in records] == list(range(STEPS))
     assert [r["batch_lag"] for r in records] == [0, 1, 1]  # batch 0 from the initial push, then (l mod 1) + 1
     for r in records:
@@ -53,6 +98,5 @@ def test_every_algorithm_trains_in_the_demo_job(moe_fleet, tiny_moe_dir, tmp_pat
     assert records[1]["mismatch/k3_kl"] > first["mismatch/k3_kl"]
     if name == "off_policy_grpo":
         assert all(math.isfinite(r["kl"]) for r in records)
-    summary = json.loads((run_dir / "summary.json").read_text())
     # the initial push, then one before each of batches 2..STEPS-1 (none for a batch the run never trains on)
     assert summary["sync/pushes"] == 1 + (STEPS - 2)
