@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from megarl.batch import RolloutBatch
+from megarl.bench.trainer import held_bytes
 from megarl.config.schema import Config, DataConfig, ModelConfig, OptimizerConfig, RolloutConfig, TrainerConfig
 from megarl.models.qwen_provider import read_hf_config
 from megarl.models.tiny import make_tiny_checkpoint
@@ -181,38 +182,6 @@ HELD_CASES = [
 ]
 
 
-def _held_bytes(policy) -> dict[str, int]:
-    """Bytes of the distinct storages a trained policy holds, by what reaches them first: DDP's gradient buffers,
-    then the model's parameters (views into DDP's parameter buffer with the distributed optimizer), then the tensors
-    the optimizer steps (the parameters themselves, or views of them, in fp32: already counted), then its state.
-    What is counted is what was allocated (storage sizes, megatron's padding included), not a formula."""
-    held = {"grads": 0, "weights": 0, "main_params": 0, "optimizer": 0}
-    seen: set[int] = set()
-
-    def add(kind: str, t: torch.Tensor) -> None:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in seen:
-            seen.add(storage.data_ptr())
-            held[kind] += storage.nbytes()
-
-    ddp = policy.ddp_model
-    for buffer in ddp.buffers + ddp.expert_parallel_buffers:
-        add("grads", buffer.grad_data)
-    for p in policy.model.parameters():
-        add("weights", p)
-    for sub in policy.optimizer.chained_optimizers:
-        if sub.optimizer is None:
-            continue
-        for group in sub.optimizer.param_groups:
-            for p in group["params"]:
-                add("main_params", p)
-        for state in sub.optimizer.state.values():
-            for value in state.values():
-                if torch.is_tensor(value):
-                    add("optimizer", value)
-    return held
-
-
 def _held_rank(rank, world, hf_dirs, port):
     from megatron.core import parallel_state
 
@@ -235,7 +204,7 @@ def _held_rank(rank, world, hf_dirs, port):
             tokens = torch.randint(3, hf["vocab_size"], (2, 8), generator=g)
             mb = {"tokens": tokens, "targets": torch.roll(tokens, -1, 1)}
             policy.train_step([mb], lambda lp, ent, m: (lp.sum() / 32, {}))  # Adam's state exists after a step
-            out[label] = _held_bytes(policy)
+            out[label] = held_bytes(policy)
             del policy
     finally:
         destroy_trainer_groups()
@@ -245,7 +214,7 @@ def _held_rank(rank, world, hf_dirs, port):
 def test_fixed_terms_match_what_a_training_step_allocates(tmp_path):
     """Per rank, the plan's weights (4 or 2 B/param), fp32 gradient buffers, fp32 main parameters (bf16 only) and
     Adam moments (sharded over DP with the distributed optimizer, experts over expert DP) against the storages a real
-    CPU training step of the tiny models holds (`_held_bytes`), in fp32 and bf16, with and without the distributed
+    CPU training step of the tiny models holds (`held_bytes`), in fp32 and bf16, with and without the distributed
     optimizer. Within 2%: megatron pads every parameter to 64 elements and every bucket to lcm(DP, 128) with the
     distributed optimizer (the plan leaves that out; on a real model it is far below 1%), and each Adam state holds
     a 4-byte step count. A plan that counted bf16 weights at 4 bytes, bf16 gradients, no main copy or unsharded

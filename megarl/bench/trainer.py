@@ -77,9 +77,11 @@ def write_checkpoint(cfg: TrainerBenchConfig, out: Path) -> Path:
 
 
 def held_bytes(policy) -> dict[str, int]:
-    """Bytes of the distinct storages the policy holds, by what reaches them first: DDP's gradient buffers, the
-    model's parameters, the tensors its optimizer steps (fp32: the parameters themselves, already counted), the
-    optimizer's state."""
+    """Bytes of the distinct storages a trained policy holds, by what reaches them first: DDP's gradient buffers,
+    then the model's parameters (views into DDP's parameter buffer with the distributed optimizer), then the tensors
+    the optimizer steps (the parameters themselves, or views of them, in fp32: already counted), then its state.
+    What is counted is what was allocated (storage sizes, megatron's padding included), not the plan's formula:
+    `tests/test_memory_plan.py` holds the plan against it."""
     held = {"grads": 0, "weights": 0, "main_params": 0, "optimizer": 0}
     seen: set[int] = set()
 
