@@ -46,8 +46,8 @@ def _on_cpu(factory: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]
 # sizes, a norm helper in `core.utils` (also the local multi-tensor L2 norm the optimizer falls back to without
 # TE/Apex), the rerun state machine's validation; megatron's optimizers: the loss scale `1.0`, the overflow and
 # found-inf flags, the grad-norm accumulators of `clip_grads`, the grad scaler's state. (Megatron's distributed
-# checkpointing needs none of these: see `apply_dist_ckpt_compat` below for what it needs.) A module missing here fails loudly on the CPU ("Torch not
-# compiled with CUDA enabled"), never silently.
+# checkpointing needs none of these: `apply_dist_ckpt_compat` below has what it needs.) A module missing here
+# fails loudly on the CPU ("Torch not compiled with CUDA enabled"), never silently.
 _CUDA_FACTORY_MODULES = (
     "megatron.core.pipeline_parallel.schedules",
     "megatron.core.transformer.utils",
