@@ -4,13 +4,14 @@
 
 The checkpoint's trainer layout (`meta.json`: world_size, tp, pp, ep, expert_tp) is started again as world_size CPU
 processes joined by gloo (no GPU needed, whatever machine trained it). Each builds its megatron-core
-model stage, maps the model state of its rank file into it (memory-mapped, no copy), and cuts it into HF
+model stage, loads its shards of the model from megatron's distributed checkpoint (`model_optim/`, format v4;
+for v1-v3 it maps its rank file into the stage, memory-mapped, no copy), and cuts it into HF
 blocks through the table the importer reads (`megarl.models.hf_layout`), so export is the exact inverse
 of import. Rank 0 writes: HF tensor after HF tensor, it receives each block from ONE rank holding it
 (point-to-point), assembles the tensor, casts it to the dtype the run's model checkpoint stores it in, and
 streams its bytes into the current safetensors shard (whose header is laid out in advance from the
-shapes). No process materialises the model: rank 0 holds one HF tensor at a time, every rank reads from
-its file only the blocks it sends. Files go to `OUT.tmp`, renamed to `OUT` at the end.
+shapes). No process materialises the model: rank 0 holds one HF tensor at a time, every rank holds its own
+stage's shards only. Files go to `OUT.tmp`, renamed to `OUT` at the end.
 
 The result: `config.json`, generation and tokenizer files copied from the run's model directory, and
 `model.safetensors` or `model-0000k-of-0000n.safetensors` + `model.safetensors.index.json`.
