@@ -45,11 +45,11 @@ def _save(cls_name: str, config_name: str, kwargs: dict, out: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[dict, lr.Tensors]]:
-    """kind -> (config.json dict, checkpoint tensor shapes) for the tiny Qwen3 / Qwen3-MoE (megarl.models.tiny),
-    a Qwen2 and a Llama."""
+def models(tmp_path_factory: pytest.TempPathFactory, tiny_moe_dir: Path) -> dict[str, tuple[dict, lr.Tensors]]:
+    """kind -> (config.json dict, checkpoint tensor shapes) for the tiny Qwen3 / Qwen3-MoE (megarl.models.tiny; the
+    MoE is the session's, tests/fleet_fixture.py), a Qwen2 and a Llama."""
     root = tmp_path_factory.mktemp("loader_reads_models")
-    dirs = {kind: make_tiny_checkpoint(root / kind, kind=kind) for kind in ("dense", "moe")}
+    dirs = {"dense": make_tiny_checkpoint(root / "dense", kind="dense"), "moe": tiny_moe_dir}
     dirs["qwen2"] = _save("Qwen2ForCausalLM", "Qwen2Config", QWEN2, root / "qwen2")
     dirs["llama"] = _save("LlamaForCausalLM", "LlamaConfig", LLAMA, root / "llama")
     out = {k: (json.loads((d / "config.json").read_text()), lr.checkpoint_tensors(d)) for k, d in dirs.items()}
