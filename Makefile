@@ -72,12 +72,13 @@ launch-env: $(LAUNCH_STAMP)
 # The trainer role's own environment on CPU nodes, without vLLM (extra cpu-trainer: torch 2.13.0+cpu, megatron-core
 # 0.16.1, transformers), pinned to the cpu lock's versions: tests/test_slurm_failover.py runs the SLURM job's trainer
 # ranks from it and the fleet from $(VENV), as a cluster runs each role from its own environment (docs/cluster.md).
-# Installed with $(VENV)'s uv (its dev extra; `make test` builds $(VENV) first): 20-45 s where pip takes minutes;
-# torch's +cpu wheel from the find-links pip is configured with, else PyTorch's CPU index (as megarl/stacks.py
-# resolves the cpu lock). --compile-bytecode: uv, unlike pip, installs no .pyc files, so every process of the
-# environment (prepare, each trainer rank) compiled torch, megatron-core and transformers again wherever they
-# cannot be cached (PYTHONDONTWRITEBYTECODE, a read-only venv): 28 s of CPU per `import torch, megatron.core,
-# transformers` on the reference machine against 10 s with them compiled once at install.
+# Installed with $(VENV)'s uv (its dev extra; `make test` builds $(VENV) first): about 85 s on the reference machine,
+# 70 s of it compiling the bytecode, where pip takes minutes; torch's +cpu wheel from the find-links pip is
+# configured with, else PyTorch's CPU index (as megarl/stacks.py resolves the cpu lock). --compile-bytecode: uv,
+# unlike pip, installs no .pyc files, so every process of the environment (prepare, each trainer rank) compiled
+# torch, megatron-core and transformers again wherever they cannot be cached (PYTHONDONTWRITEBYTECODE, as CI sets
+# it, or a read-only venv): 28 s of CPU per `import torch, megatron.core, transformers` there against 10 s with
+# them compiled once at install (tests/test_slurm_failover.py starts six such processes).
 TRAINER_VENV ?= .venv-trainer
 TRAINER_STAMP := $(TRAINER_VENV)/.megarl-installed
 PIP_LINKS = $(or $(PIP_FIND_LINKS),$(shell $(PY) -m pip config get global.find-links 2>/dev/null))
