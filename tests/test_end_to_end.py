@@ -4,16 +4,30 @@ trainer's version minus the version the engine reported for the batch's samples,
 happen exactly where the schedule puts them (none of the initial weights); the fleet never runs further ahead
 than the schedule allows and never generates with weights older or newer than the batch's; the sequential
 controller gives the same numbers with no overlap. Every step records the train-inference mismatch statistics
-(`mismatch/*`), finite, and on lag-0 steps equal to the pure-numerics gap `logprob/engine_vs_trainer`."""
+(`mismatch/*`), finite, and on lag-0 steps equal to the pure-numerics gap `logprob/engine_vs_trainer`.
+
+All the module's runs share ONE set of 2 trainer ranks (the `runs` fixture): each rank runs the jobs one after
+another exactly as `megarl train` runs one (`megarl.launch`'s rank entry point: its own trainer groups, policy,
+weight sync and rollout worker per job); the parent then does what `train` does after the ranks (`finish_run`:
+summary and plots, checked here)."""
+
+from __future__ import annotations
 
 import json
 import math
+import os
+from pathlib import Path
+from typing import Any
 
 import pytest
 
-from megarl.launch import prepare, train
+from megarl.launch import TrainerError, finish_run, prepare
 from megarl.metrics import mismatch
 from megarl.metrics.timeline import load_spans
+from megarl.parallel.spawn import RankError, free_ports, run_ranks
+
+PIPELINES = [(4, 0, 6, "off_policy_grpo", "engine"), (1, 4, 7, "gspo", "engine"), (2, 1, 5, "rec_gspo_nois", "trainer"),
+             (8, 2, 11, "rec_gspo_nois", "engine")]
 
 
 def _expected_lag(batch: int, m: int, n: int) -> int:
@@ -68,17 +82,46 @@ def _overlaps(a, b) -> bool:
     return a.start < b.end and b.start < a.end
 
 
-@pytest.mark.parametrize(
-    ("m", "n", "steps", "algorithm", "old_logprobs"),
-    [(4, 0, 6, "off_policy_grpo", "engine"), (1, 4, 7, "gspo", "engine"), (2, 1, 5, "rec_gspo_nois", "trainer"),
-     (8, 2, 11, "rec_gspo_nois", "engine")],
-)
-def test_pipeline_lags_pushes_and_window(moe_fleet_2x1, tiny_moe_dir, tmp_path, m, n, steps, algorithm,
-                                         old_logprobs):
-    run_dir = tmp_path / "run"
-    cfg = prepare(None, _overrides(tiny_moe_dir, run_dir, m, n, steps, f"algorithm.name={algorithm}",
-                                   f"algorithm.old_logprobs={old_logprobs}"))
-    summary = train(cfg, fleet_urls=moe_fleet_2x1.urls)
+def _every_run(rank: int, jobs: list[tuple[dict[str, Any], dict[str, int]]], fleet_urls: list[str]) -> None:
+    """One trainer rank: each job in turn (a config and its ports), as `megarl.launch.run_trainers` runs it."""
+    from megarl.launch import _trainer_rank
+
+    for cfg_data, ports in jobs:
+        try:
+            _trainer_rank(rank, cfg_data, fleet_urls, ports)
+        except Exception as err:
+            err.add_note(f"while training run.dir={cfg_data['run']['dir']}")
+            raise
+
+
+@pytest.fixture(scope="module")
+def runs(moe_fleet_2x1, tiny_moe_dir, tmp_path_factory) -> dict[Any, tuple[Any, dict[str, Any]]]:
+    """Per job (a PIPELINES tuple, or ("overlap", bool) for the sequential test's two runs): its run directory
+    and its summary (`finish_run`, as `train` returns it)."""
+    root = tmp_path_factory.mktemp("e2e")
+    cfgs = {}
+    for i, (m, n, steps, algorithm, old_logprobs) in enumerate(PIPELINES):
+        cfgs[(m, n, steps, algorithm, old_logprobs)] = prepare(None, _overrides(
+            tiny_moe_dir, root / f"pipeline{i}", m, n, steps, f"algorithm.name={algorithm}",
+            f"algorithm.old_logprobs={old_logprobs}"))
+    for overlap in (True, False):
+        evaluation = ["eval.interval=2", "eval.prompts=4", "eval.samples=2"] if overlap else []
+        cfgs[("overlap", overlap)] = prepare(None, _overrides(
+            tiny_moe_dir, root / f"overlap_{overlap}", 2, 1, 5, f"rollout.overlap={str(overlap).lower()}",
+            *evaluation))
+    ports = iter(free_ports(2 * len(cfgs)))  # each job its own trainer store and weight-sync store
+    jobs = [(cfg.model_dump(mode="json"), {"master": next(ports), "sync": next(ports)}) for cfg in cfgs.values()]
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        run_ranks(_every_run, 2, jobs, moe_fleet_2x1.urls, role="trainer", log_dir=root)
+    except RankError as err:
+        raise TrainerError.from_rank_error(err) from None
+    return {key: (Path(cfg.run.dir), finish_run(cfg)) for key, cfg in cfgs.items()}
+
+
+@pytest.mark.parametrize(("m", "n", "steps", "algorithm", "old_logprobs"), PIPELINES)
+def test_pipeline_lags_pushes_and_window(runs, m, n, steps, algorithm, old_logprobs):
+    run_dir, summary = runs[(m, n, steps, algorithm, old_logprobs)]
     records = _records(run_dir)
     assert [r["step"] for r in records] == list(range(steps))
     assert [r["batch_lag"] for r in records] == [_expected_lag(b, m, n) for b in range(steps)]
@@ -137,20 +180,14 @@ def test_pipeline_lags_pushes_and_window(moe_fleet_2x1, tiny_moe_dir, tmp_path, 
     assert (run_dir / "mismatch.png").exists()
 
 
-def test_sequential_controller_gives_the_same_run_without_overlap(moe_fleet_2x1, tiny_moe_dir, tmp_path):
+def test_sequential_controller_gives_the_same_run_without_overlap(runs):
     """rollout.overlap=false: the same batches, lags, rewards and losses as the pipeline (generation is seeded
     per request and the fleet holds the same weights for the same batch), and no generation overlaps training.
     The pipelined run also evaluates every 2 steps: evaluation changes neither the schedule nor the data, and
     each evaluation reports the version of the fleet's last push."""
-    runs = {}
-    for overlap in (True, False):
-        run_dir = tmp_path / f"overlap_{overlap}"
-        evaluation = ["eval.interval=2", "eval.prompts=4", "eval.samples=2"] if overlap else []
-        train(prepare(None, _overrides(tiny_moe_dir, run_dir, 2, 1, 5, f"rollout.overlap={str(overlap).lower()}",
-                                       *evaluation)),
-              fleet_urls=moe_fleet_2x1.urls)
-        runs[overlap] = (_records(run_dir), load_spans(run_dir / "timeline.json"))
-    (on, on_spans), (off, off_spans) = runs[True], runs[False]
+    dirs = {overlap: runs[("overlap", overlap)][0] for overlap in (True, False)}
+    loaded = {overlap: (_records(d), load_spans(d / "timeline.json")) for overlap, d in dirs.items()}
+    (on, on_spans), (off, off_spans) = loaded[True], loaded[False]
     for a, b in zip(on, off, strict=True):
         assert a["batch_lag"] == b["batch_lag"] and a["sync/versions"] == b["sync/versions"]
         assert a["reward/mean"] == b["reward/mean"]
