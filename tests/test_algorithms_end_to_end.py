@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any
 
@@ -21,24 +20,12 @@ import pytest
 
 from megarl.algorithms.registry import ALGORITHMS
 from megarl.config.schema import Config
-from megarl.launch import TrainerError, prepare, sync_savings
+from megarl.launch import prepare, sync_savings
 from megarl.metrics import mismatch
-from megarl.parallel.spawn import RankError, free_ports, run_ranks
+from tests.shared_ranks import train_jobs_in_one_set_of_ranks
 
 STEPS = 3
 NAMES = sorted(ALGORITHMS)
-
-
-def _every_run(rank: int, jobs: list[tuple[dict[str, Any], dict[str, int]]], fleet_urls: list[str]) -> None:
-    """One trainer rank: each job in turn (a config and its ports), as `megarl.launch.run_trainers` runs it."""
-    from megarl.launch import _trainer_rank
-
-    for cfg_data, ports in jobs:
-        try:
-            _trainer_rank(rank, cfg_data, fleet_urls, ports)
-        except Exception as err:
-            err.add_note(f"while training algorithm.name={cfg_data['algorithm']['name']}")
-            raise
 
 
 @pytest.fixture(scope="module")
@@ -57,13 +44,7 @@ def runs(moe_fleet, tiny_moe_dir, tmp_path_factory) -> dict[str, tuple[list[dict
             "data.answer_digits=false", "data.max_operand=4", "rollout.max_new_tokens=1", "optimizer.lr=0.002",
             "eval.interval=0",
         ])
-    ports = iter(free_ports(2 * len(NAMES)))  # each job its own trainer store and weight-sync store
-    jobs = [(cfgs[name].model_dump(mode="json"), {"master": next(ports), "sync": next(ports)}) for name in NAMES]
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    try:
-        run_ranks(_every_run, 2, jobs, moe_fleet.urls, role="trainer", log_dir=root)
-    except RankError as err:
-        raise TrainerError.from_rank_error(err) from None
+    train_jobs_in_one_set_of_ranks([cfgs[name] for name in NAMES], 2, moe_fleet.urls, root)
     out = {}
     for name, cfg in cfgs.items():
         records = [json.loads(line) for line in (Path(cfg.run.dir) / "metrics.jsonl").read_text().splitlines()]

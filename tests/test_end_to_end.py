@@ -15,16 +15,15 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from megarl.launch import TrainerError, finish_run, prepare
+from megarl.launch import finish_run, prepare
 from megarl.metrics import mismatch
 from megarl.metrics.timeline import load_spans
-from megarl.parallel.spawn import RankError, free_ports, run_ranks
+from tests.shared_ranks import train_jobs_in_one_set_of_ranks
 
 PIPELINES = [(4, 0, 6, "off_policy_grpo", "engine"), (1, 4, 7, "gspo", "engine"), (2, 1, 5, "rec_gspo_nois", "trainer"),
              (8, 2, 11, "rec_gspo_nois", "engine")]
@@ -82,18 +81,6 @@ def _overlaps(a, b) -> bool:
     return a.start < b.end and b.start < a.end
 
 
-def _every_run(rank: int, jobs: list[tuple[dict[str, Any], dict[str, int]]], fleet_urls: list[str]) -> None:
-    """One trainer rank: each job in turn (a config and its ports), as `megarl.launch.run_trainers` runs it."""
-    from megarl.launch import _trainer_rank
-
-    for cfg_data, ports in jobs:
-        try:
-            _trainer_rank(rank, cfg_data, fleet_urls, ports)
-        except Exception as err:
-            err.add_note(f"while training run.dir={cfg_data['run']['dir']}")
-            raise
-
-
 @pytest.fixture(scope="module")
 def runs(moe_fleet_2x1, tiny_moe_dir, tmp_path_factory) -> dict[Any, tuple[Any, dict[str, Any]]]:
     """Per job (a PIPELINES tuple, or ("overlap", bool) for the sequential test's two runs): its run directory
@@ -109,13 +96,7 @@ def runs(moe_fleet_2x1, tiny_moe_dir, tmp_path_factory) -> dict[Any, tuple[Any, 
         cfgs[("overlap", overlap)] = prepare(None, _overrides(
             tiny_moe_dir, root / f"overlap_{overlap}", 2, 1, 5, f"rollout.overlap={str(overlap).lower()}",
             *evaluation))
-    ports = iter(free_ports(2 * len(cfgs)))  # each job its own trainer store and weight-sync store
-    jobs = [(cfg.model_dump(mode="json"), {"master": next(ports), "sync": next(ports)}) for cfg in cfgs.values()]
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    try:
-        run_ranks(_every_run, 2, jobs, moe_fleet_2x1.urls, role="trainer", log_dir=root)
-    except RankError as err:
-        raise TrainerError.from_rank_error(err) from None
+    train_jobs_in_one_set_of_ranks(list(cfgs.values()), 2, moe_fleet_2x1.urls, root)
     return {key: (Path(cfg.run.dir), finish_run(cfg)) for key, cfg in cfgs.items()}
 
 
