@@ -58,7 +58,7 @@ ROOT = Path(__file__).resolve().parent.parent
 BOUND_S = 8.0  # rollout.health_timeout_s of the run
 SLACK_S = 20.0  # a loaded 2-core machine: the server's own shutdown, the push's other steps
 GONE_S = 30.0  # the watcher's kill_group waits this long for a process group to die
-M, N, STEPS, PROMPTS, K, EVAL_EVERY = 3, 1, 33, 16, 8, 6  # eval steps 0, 6, 12, ...: never a push step (m=3, n=1)
+M, N, STEPS, PROMPTS, K, EVAL_EVERY = 3, 1, 36, 16, 8, 6  # eval steps 0, 6, 12, ...: never a push step (m=3, n=1)
 RESTARTS = 3  # replica 0 is killed three times (A, D, C), replica 1 once (B)
 ORDER = ("A", "D", "C", "B")
 
