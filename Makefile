@@ -72,9 +72,13 @@ launch-env: $(LAUNCH_STAMP)
 # The trainer role's own environment on CPU nodes, without vLLM (extra cpu-trainer: torch 2.13.0+cpu, megatron-core
 # 0.16.1, transformers), pinned to the cpu lock's versions: tests/test_slurm_failover.py runs the SLURM job's trainer
 # ranks from it and the fleet from $(VENV), as a cluster runs each role from its own environment (docs/cluster.md).
-# Installed with $(VENV)'s uv (its dev extra; `make test` builds $(VENV) first): 20-45 s where pip takes minutes;
-# torch's +cpu wheel from the find-links pip is configured with, else PyTorch's CPU index (as megarl/stacks.py
-# resolves the cpu lock).
+# Installed with $(VENV)'s uv (its dev extra; `make test` builds $(VENV) first): about 85 s on the reference machine,
+# 70 s of it compiling the bytecode, where pip takes minutes; torch's +cpu wheel from the find-links pip is
+# configured with, else PyTorch's CPU index (as megarl/stacks.py resolves the cpu lock). --compile-bytecode: uv,
+# unlike pip, installs no .pyc files, so every process of the environment (prepare, each trainer rank) compiled
+# torch, megatron-core and transformers again wherever they cannot be cached (PYTHONDONTWRITEBYTECODE, as CI sets
+# it, or a read-only venv): 28 s of CPU per `import torch, megatron.core, transformers` there against 10 s with
+# them compiled once at install (tests/test_slurm_failover.py starts six such processes).
 TRAINER_VENV ?= .venv-trainer
 TRAINER_STAMP := $(TRAINER_VENV)/.megarl-installed
 PIP_LINKS = $(or $(PIP_FIND_LINKS),$(shell $(PY) -m pip config get global.find-links 2>/dev/null))
@@ -84,8 +88,8 @@ TORCH_CPU_WHEELS = $(if $(PIP_LINKS),$(foreach link,$(PIP_LINKS),--find-links $(
 $(TRAINER_STAMP): pyproject.toml locks/cpu.txt
 	@test -x $(VENV)/bin/uv || { echo "make trainer-env: $(VENV)/bin/uv is missing: run make env first" >&2; exit 1; }
 	test -x $(TRAINER_VENV)/bin/python || python3 -m venv $(TRAINER_VENV)
-	$(VENV)/bin/uv pip install -q --python $(TRAINER_VENV)/bin/python -c locks/cpu.txt $(TORCH_CPU_WHEELS) \
-	  -e '.[cpu-trainer]'
+	$(VENV)/bin/uv pip install -q --compile-bytecode --python $(TRAINER_VENV)/bin/python -c locks/cpu.txt \
+	  $(TORCH_CPU_WHEELS) -e '.[cpu-trainer]'
 	touch $(TRAINER_STAMP)
 
 trainer-env: $(TRAINER_STAMP)

@@ -22,7 +22,7 @@ from megarl.metrics.timeline import load_spans, overlap_summary
 from megarl.metrics.writer import summarize, write_json_atomic
 from megarl.models.hf_config import read_hf_config
 from megarl.parallel.launcher_env import ProcessPlace
-from megarl.parallel.spawn import RankError, free_port, run_ranks
+from megarl.parallel.spawn import RankError, free_port, prestart, run_ranks
 from megarl.sync.schedule import SyncSchedule
 
 
@@ -138,6 +138,7 @@ def train(cfg: Config, fleet_urls: list[str] | None = None) -> dict[str, Any]:
 
     run_dir = Path(cfg.run.dir)
     if fleet_urls is None:
+        prestart()  # the trainer's forkserver imports torch and megatron-core while the fleet starts
         with start_fleet(cfg, log_dir=run_dir, run_dir=run_dir) as fleet:
             run_trainers(cfg, fleet.urls, hint=f"fleet logs: {', '.join(str(p) for p in fleet.logs)}")
     else:

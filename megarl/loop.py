@@ -84,11 +84,13 @@ def _sync_metrics(stats: list[SyncStats]) -> dict[str, float]:
 
 
 def checkpoint_identity(cfg: Config) -> dict[str, Any]:
-    """What a checkpoint must share with the config that resumes it (recorded in its meta.json)."""
+    """What a checkpoint records in its meta.json and must share with the config that resumes it, except the
+    trainer layout (`megarl.checkpoint.LAYOUT_KEYS`: recorded for the exporter; resume reshards)."""
     t = cfg.trainer
     model = hashlib.sha256((Path(cfg.model.hf_dir) / "config.json").read_bytes()).hexdigest()
     return {"world_size": t.world_size, "tp": t.tp, "pp": t.pp, "ep": t.ep, "expert_tp": t.expert_tp,
-            "distributed_optimizer": t.distributed_optimizer,  # each rank's optimizer file holds its own shard
+            # megatron names the distributed optimizer's fp32 main parameters in its checkpoint, the plain one's not
+            "distributed_optimizer": t.distributed_optimizer,
             "precision": t.precision,  # the model's dtype and whether the optimizer holds fp32 main copies
             "sync_interval": cfg.sync.interval, "sync_offset": cfg.sync.offset, "algorithm": cfg.algorithm.name,
             "model_config_sha256": model,
@@ -145,7 +147,8 @@ def run_loop(cfg: Config, rank: int, policy, weight_sync,
     resumed = resume_point(cfg)
     if resumed is not None:  # trainer state, then (rank 0) the batches generated ahead and the estimator state
         state = resumed.rank_state(rank)
-        policy.load_state_dict(state["policy"])
+        policy.load_sharded_state_dict(resumed.load_sharded(policy.sharded_state_dict(is_loading=True)),
+                                       state["version"])
         set_rng_state(state["rng"])
         start = resumed.step + 1
         if rank == 0:
@@ -239,8 +242,8 @@ def run_loop(cfg: Config, rank: int, policy, weight_sync,
                         loop_state = {"pending": rollout.pending(), "algorithm": _algorithm_state(algorithm),
                                       "data": rollout.data_position(step + 1)}  # where the data continues
                     save_checkpoint(Path(cfg.run.dir) / "checkpoints", step, rank, world,
-                                    {"policy": policy.state_dict(), "rng": rng_state()}, loop_state,
-                                    checkpoint_identity(cfg), cfg.checkpoint.keep_last)
+                                    {"version": policy.version, "rng": rng_state()}, loop_state,
+                                    checkpoint_identity(cfg), cfg.checkpoint.keep_last, policy.sharded_state_dict())
                 last_saved = step
     finally:
         if rollout is not None:

@@ -73,15 +73,17 @@ def test_atomic_multi_rank_save_and_pruning(tmp_path):
 def test_damaged_or_mismatched_checkpoints_are_refused(tmp_path):
     root = tmp_path / "checkpoints"
     run_distributed(_save_ranks, 2, root)
-    with pytest.raises(CheckpointError, match=r"written by a run that differs.*tp: checkpoint 1, config 2"):
-        open_checkpoint(step_dir(root, 7), {"tp": 2})
+    with pytest.raises(CheckpointError, match=r"written by a run that differs.*seed: checkpoint None, config 1"):
+        open_checkpoint(step_dir(root, 7), {"seed": 1})
+    assert open_checkpoint(step_dir(root, 7), {"tp": 2, "world_size": 4}).step == 7  # the layout may differ
     with pytest.raises(CheckpointError, match="no meta.json"):
         open_checkpoint(root / ".step_00000005.tmp", {})
-    meta_file = step_dir(root, 6) / "meta.json"  # earlier formats: drawn advantages (v1), megarl's own AdamW (v2)
-    for old in ("megarl-checkpoint-v1", "megarl-checkpoint-v2"):
+    # earlier formats: drawn advantages (v1), megarl's own AdamW (v2), one torch file per rank (v3)
+    meta_file = step_dir(root, 6) / "meta.json"
+    for old in ("megarl-checkpoint-v1", "megarl-checkpoint-v2", "megarl-checkpoint-v3"):
         meta_file.write_text(json.dumps({**json.loads(meta_file.read_text()), "format": old}))
-        with pytest.raises(CheckpointError, match=rf"format '{old}', expected 'megarl-checkpoint-v3'.*"
-                                                  r"cannot resume here"):
+        with pytest.raises(CheckpointError, match=rf"format '{old}', expected 'megarl-checkpoint-v4'.*"
+                                                  r"cannot resume here.*`megarl export` still reads it"):
             open_checkpoint(step_dir(root, 6), {})
     shard = step_dir(root, 7) / "rank_00001.pt"
     shard.write_bytes(shard.read_bytes()[:-10])  # a truncated shard

@@ -92,8 +92,9 @@ def _train_rank(rank, world, hf_dir, layout, run_dir, dtype, port):
         root = Path(run_dir) / "checkpoints"
 
         def save(step):
-            save_checkpoint(root, step, rank, world, {"policy": policy.state_dict(), "rng": rng_state()},
-                            {"pending": {}, "algorithm": None}, meta, keep_last=0)
+            save_checkpoint(root, step, rank, world, {"version": policy.version, "rng": rng_state()},
+                            {"pending": {}, "algorithm": None}, meta, keep_last=0,
+                            sharded_state=policy.sharded_state_dict())
 
         save(0)
         layout_map = layout_for(policy.model, hf)  # every copy: a tied embedding's last-stage copy too

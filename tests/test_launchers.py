@@ -1,5 +1,6 @@
 """launchers/megarl_nemo.py: the nemo-run experiments of a recipe, rendered by the launcher in its own environment
-(`.venv-launch`, `make launch-env`; nemo-run cannot live in this venv) and checked against the typed config:
+(`.venv-launch`, `make launch-env`; nemo-run cannot live in this venv; one interpreter of it imports nemo-run once
+and runs each call in a child forked from it, tests/launcher_driver.py) and checked against the typed config:
 node and task counts, `megarl prepare` before the roles, one serve command per replica, the rank command; the
 rendered scripts pass `bash -n` and `shellcheck -S error`; each step's own srun options (every resource stated:
 nodes, tasks, CPUs, GPUs, memory); and the sbatch script runs as a real heterogeneous job on the emulated SLURM
@@ -16,6 +17,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,6 +27,7 @@ from tests.slurm_cluster import CPUS_PER_NODE, MEMORY_MB_PER_NODE, SlurmCluster
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCHER = ROOT / "launchers" / "megarl_nemo.py"
+DRIVER = ROOT / "tests" / "launcher_driver.py"
 SHELLCHECK = shutil.which("shellcheck") or "/usr/bin/shellcheck"
 
 
@@ -37,20 +40,52 @@ def launch_python() -> Path:
     return python
 
 
-def launcher(python: Path, tmp_path: Path, *args: str, env: dict[str, str] | None = None,
+class LaunchDriver:
+    """ONE interpreter of the launch environment that runs the launcher for every call (tests/launcher_driver.py:
+    nemo-run is imported once, each run is a child forked from it, in its own environment and working directory,
+    its output and exit code as a subprocess's would be)."""
+
+    def __init__(self, python: Path) -> None:
+        self.proc = subprocess.Popen([str(python), str(DRIVER), str(LAUNCHER)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, cwd=ROOT)
+
+    def run(self, argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps({"argv": argv, "env": env, "cwd": str(ROOT)}) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        assert line, f"the launcher driver ended (code {self.proc.wait()})"
+        done = json.loads(line)
+        return subprocess.CompletedProcess([str(LAUNCHER), *argv], done["returncode"], done["stdout"], done["stderr"])
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+@pytest.fixture(scope="session")
+def launch_driver(launch_python: Path) -> Iterator[LaunchDriver]:
+    driver = LaunchDriver(launch_python)
+    yield driver
+    driver.close()
+
+
+def launcher(driver: LaunchDriver, tmp_path: Path, *args: str, env: dict[str, str] | None = None,
              ) -> subprocess.CompletedProcess[str]:
+    """`python launchers/megarl_nemo.py ARGS` in the launch environment, from the repository, with NEMORUN_HOME in
+    `tmp_path` and this process's environment less the launcher's own variables (but those in `env`)."""
     full_env = {**os.environ, "NEMORUN_HOME": str(tmp_path / "nemo_home"), **(env or {})}
     for name in ("SBATCH_ACCOUNT", "SBATCH_PARTITION", "SBATCH_TIMELIMIT", "GPUS_PER_NODE", "CONTAINER_IMAGE",
                  "CONTAINER_MOUNTS", "MEGARL", "MEGARL_HOME", "TRAINER_TASKS_PER_NODE", "ROLLOUT_REPLICAS_PER_NODE",
                  "MEGARL_TRAINER_ENV", "MEGARL_FLEET_ENV", "TRAINER_CONTAINER_IMAGE", "FLEET_CONTAINER_IMAGE"):
         if name not in (env or {}):
             full_env.pop(name, None)
-    return subprocess.run([str(python), str(LAUNCHER), *args], capture_output=True, text=True, timeout=600,
-                          cwd=ROOT, env=full_env)
+    return driver.run(list(args), full_env)
 
 
-def dryrun(python: Path, tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> str:
-    proc = launcher(python, tmp_path, "--dryrun", *args, env=env)
+def dryrun(driver: LaunchDriver, tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> str:
+    proc = launcher(driver, tmp_path, "--dryrun", *args, env=env)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("#!"), proc.stdout[:500]
     return proc.stdout
@@ -101,12 +136,12 @@ def test_launch_env_has_nemo_run_and_no_training_stack(launch_python: Path) -> N
     assert stack.strip() == "[]", f"the launch environment must stay light: {stack}"
 
 
-def test_slurm_dryrun_30b_topology_from_config(launch_python: Path, tmp_path: Path) -> None:
+def test_slurm_dryrun_30b_topology_from_config(launch_driver: LaunchDriver, tmp_path: Path) -> None:
     recipe = "configs/qwen3_30b_a3b_guru.yaml"
     cfg = load_config(ROOT / recipe)
     world, replicas, tp = cfg.trainer.world_size, cfg.rollout.replicas, cfg.rollout.tp
     assert (world, replicas, tp) == (32, 8, 4)  # the recipe this test was written against
-    script = dryrun(launch_python, tmp_path, "--config", recipe, "--executor", "slurm", "--account", "acct")
+    script = dryrun(launch_driver, tmp_path, "--config", recipe, "--executor", "slurm", "--account", "acct")
 
     trainer, rollout = het_components(script)
     assert (trainer["nodes"], trainer["ntasks-per-node"], trainer["gpus-per-node"]) == (str(world // 8), "8", "8")
@@ -152,9 +187,9 @@ def test_slurm_dryrun_30b_topology_from_config(launch_python: Path, tmp_path: Pa
     assert_shell_ok(script, tmp_path)
 
 
-def test_slurm_dryrun_overrides_container_and_options(launch_python: Path, tmp_path: Path) -> None:
+def test_slurm_dryrun_overrides_container_and_options(launch_driver: LaunchDriver, tmp_path: Path) -> None:
     overrides = ["trainer.world_size=16", "rollout.replicas=3", "run.dir=/shared/runs/guru 7b"]
-    script = dryrun(launch_python, tmp_path, "--config", "configs/qwen2.5_7b_guru.yaml", *overrides,
+    script = dryrun(launch_driver, tmp_path, "--config", "configs/qwen2.5_7b_guru.yaml", *overrides,
                     "--partition", "batch", "--time", "01:00:00", "--container-image", "nvcr.io/x/megarl:1",
                     "--fleet-container-image", "nvcr.io/x/fleet:1",
                     "--container-mounts", "/lustre:/lustre,/shared:/shared",
@@ -198,19 +233,19 @@ def test_slurm_dryrun_overrides_container_and_options(launch_python: Path, tmp_p
     (["--executor", "local", "--gpus-per-node", "8", "--config", "configs/demo_moe.yaml", "rollout.replicas=4"],
      "trainer.world_size=2 + rollout.replicas=4 x rollout.tp=2 GPUs exceed --gpus-per-node=8"),
 ])
-def test_bad_config_is_refused_before_anything_is_built(launch_python: Path, tmp_path: Path, args: list[str],
+def test_bad_config_is_refused_before_anything_is_built(launch_driver: LaunchDriver, tmp_path: Path, args: list[str],
                                                         message: str) -> None:
     """Refused with code 2 and the fix, before nemo-run is imported (no experiment directory is made)."""
-    proc = launcher(launch_python, tmp_path, "--config", "configs/qwen2.5_7b_guru.yaml", "--dryrun", *args)
+    proc = launcher(launch_driver, tmp_path, "--config", "configs/qwen2.5_7b_guru.yaml", "--dryrun", *args)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert message in proc.stderr and proc.stdout == ""
     assert not (tmp_path / "nemo_home").exists(), "nemo-run was reached"
 
 
-def test_local_dryrun(launch_python: Path, tmp_path: Path) -> None:
+def test_local_dryrun(launch_driver: LaunchDriver, tmp_path: Path) -> None:
     cfg = load_config(ROOT / "configs/demo_moe.yaml", ["rollout.replicas=2"])
     # the replicas from their own environment (--fleet-venv); prepare and the trainer from the default one
-    script = dryrun(launch_python, tmp_path, "--config", "configs/demo_moe.yaml", "rollout.replicas=2",
+    script = dryrun(launch_driver, tmp_path, "--config", "configs/demo_moe.yaml", "rollout.replicas=2",
                     "--executor", "local", "--gpus-per-node", "8", "--fleet-venv", "/opt/fleet")
     lines = script.splitlines()
     venv = ROOT / ".venv" / "bin"
@@ -360,7 +395,7 @@ def role_envs(tmp_path: Path, fake: Path) -> tuple[Path, Path]:
     return envs
 
 
-def submit(python: Path, cluster: SlurmCluster, tmp_path: Path, args: list[str], replicas: int,
+def submit(driver: LaunchDriver, cluster: SlurmCluster, tmp_path: Path, args: list[str], replicas: int,
            gpus_per_node: int, split_envs: bool = False) -> tuple[list[str], str, tuple[Path, Path] | None]:
     """nemo-run itself submits the job (sbatch on this machine, LocalTunnel) to the emulated cluster, with the fake
     megarl (`split_envs`: each role's from its own environment, MEGARL_TRAINER_ENV and MEGARL_FLEET_ENV); returns
@@ -370,7 +405,7 @@ def submit(python: Path, cluster: SlurmCluster, tmp_path: Path, args: list[str],
     envs = role_envs(tmp_path, fake) if split_envs else None
     if envs is not None:
         env |= {"MEGARL_TRAINER_ENV": str(envs[0]), "MEGARL_FLEET_ENV": str(envs[1])}
-    proc = launcher(python, tmp_path, *args, env=env)
+    proc = launcher(driver, tmp_path, *args, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     cluster.wait_idle(timeout_s=120)
     outputs = sorted((tmp_path / "nemo_home" / "experiments").rglob("sbatch_*.out"))
@@ -381,23 +416,24 @@ def submit(python: Path, cluster: SlurmCluster, tmp_path: Path, args: list[str],
     return records, why, envs
 
 
-def test_nemo_run_submits_the_job_to_slurm(launch_python: Path, slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+def test_nemo_run_submits_the_job_to_slurm(launch_driver: LaunchDriver, slurm_cluster: SlurmCluster,
+                                           tmp_path: Path) -> None:
     """The demo job, two replicas on one node, each role from its own environment: every role runs where the config
     puts it, from its environment, and the job ends with 0."""
     run_dir = tmp_path / "run"
-    records, why, envs = submit(launch_python, slurm_cluster, tmp_path, demo_2x2(run_dir), replicas=2,
+    records, why, envs = submit(launch_driver, slurm_cluster, tmp_path, demo_2x2(run_dir), replicas=2,
                                 gpus_per_node=2, split_envs=True)
     check_roles(records, run_dir, why, envs)
 
 
-def test_nemo_run_places_the_30b_job_on_slurm(launch_python: Path, slurm_cluster: SlurmCluster,
+def test_nemo_run_places_the_30b_job_on_slurm(launch_driver: LaunchDriver, slurm_cluster: SlurmCluster,
                                               tmp_path: Path) -> None:
     """The shipped 30B recipe's shape on the emulated 8-node cluster (8 GPUs a node): 32 ranks on 4 nodes in one
     step; 8 replicas x tp 4, two to each of the other 4 nodes, all running at once, each with 4 GPUs of its own
     and half of its node's CPUs and memory."""
     recipe, run_dir = "configs/qwen3_30b_a3b_guru.yaml", tmp_path / "run"
     cfg = load_config(ROOT / recipe)
-    records, why, _ = submit(launch_python, slurm_cluster, tmp_path, ["--config", recipe, f"run.dir={run_dir}",
+    records, why, _ = submit(launch_driver, slurm_cluster, tmp_path, ["--config", recipe, f"run.dir={run_dir}",
                           "--time", "00:05:00", "--poll-s", "1"], replicas=cfg.rollout.replicas, gpus_per_node=8)
     parsed = [parse_record(line) for line in records]
     assert parsed and parsed[0].get("args") == f"--config {recipe} run.dir={run_dir}", why
@@ -406,12 +442,12 @@ def test_nemo_run_places_the_30b_job_on_slurm(launch_python: Path, slurm_cluster
     check_serve_logs(run_dir, cfg.rollout.replicas, why)
 
 
-def test_sbatch_script_fails_the_job(launch_python: Path, slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+def test_sbatch_script_fails_the_job(launch_driver: LaunchDriver, slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
     """The dry run's sbatch script, run by `sbatch --wait` twice (one dry run: nemo-run takes seconds to import): a
     failed rank fails the job (code 1), a failed prepare ends it (code 2) before any other role starts."""
     fake, _ = fake_megarl(tmp_path, replicas=2)
     run_dir = tmp_path / "run"
-    script = dryrun(launch_python, tmp_path, *demo_2x2(run_dir), env={"MEGARL": str(fake), "GPUS_PER_NODE": "2"})
+    script = dryrun(launch_driver, tmp_path, *demo_2x2(run_dir), env={"MEGARL": str(fake), "GPUS_PER_NODE": "2"})
     for path in re.findall(r"--chdir (\S+)", script) + [Path(p).parent for p in re.findall(r"--output=(\S+)", script)]:
         Path(path).mkdir(parents=True, exist_ok=True)  # what nemo-run makes before it submits
     (tmp_path / "job.sh").write_text(script)
@@ -432,11 +468,11 @@ def test_sbatch_script_fails_the_job(launch_python: Path, slurm_cluster: SlurmCl
 
 
 @pytest.mark.slow
-def test_local_executor_trains_the_demo(launch_python: Path, tmp_path: Path) -> None:
+def test_local_executor_trains_the_demo(launch_driver: LaunchDriver, tmp_path: Path) -> None:
     """nemo-run's LocalExecutor runs the whole job on this machine: prepare, one vLLM replica, torchrun with two
     trainer ranks (this venv's training stack); the replica is stopped when the ranks end."""
     run_dir = tmp_path / "run"
-    proc = launcher(launch_python, tmp_path, "--config", "configs/demo_moe.yaml", "run.steps=2", f"run.dir={run_dir}",
+    proc = launcher(launch_driver, tmp_path, "--config", "configs/demo_moe.yaml", "run.steps=2", f"run.dir={run_dir}",
                     "--executor", "local", "--venv", sys.prefix)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "SUCCEEDED" in proc.stdout + proc.stderr

@@ -8,8 +8,9 @@ vLLM's parallel state (one gloo process per TP rank, models on the meta device, 
 2. Llama, a family megarl has no trainer side for, at TP 1 and 2 equals the expectation derived below by hand
    from how tensor parallelism splits a Llama block.
 3. Qwen3-MoE at TP 2 with vLLM expert parallel: each rank reads only its own experts, whole.
-One process group per TP size records all models and layouts (a vLLM import per process dominates); the file cache is
-exercised by reading a layout back in a fresh memory cache.
+One group of 4 processes records all models, layouts and TP sizes (a vLLM import per process dominates; at TP 1 and 2
+the other processes only take part in building vLLM's groups); the file cache is exercised by reading a layout back
+in a fresh memory cache.
 """
 
 from __future__ import annotations
@@ -44,11 +45,11 @@ def _save(cls_name: str, config_name: str, kwargs: dict, out: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[dict, lr.Tensors]]:
-    """kind -> (config.json dict, checkpoint tensor shapes) for the tiny Qwen3 / Qwen3-MoE (megarl.models.tiny),
-    a Qwen2 and a Llama."""
+def models(tmp_path_factory: pytest.TempPathFactory, tiny_moe_dir: Path) -> dict[str, tuple[dict, lr.Tensors]]:
+    """kind -> (config.json dict, checkpoint tensor shapes) for the tiny Qwen3 / Qwen3-MoE (megarl.models.tiny; the
+    MoE is the session's, tests/fleet_fixture.py), a Qwen2 and a Llama."""
     root = tmp_path_factory.mktemp("loader_reads_models")
-    dirs = {kind: make_tiny_checkpoint(root / kind, kind=kind) for kind in ("dense", "moe")}
+    dirs = {"dense": make_tiny_checkpoint(root / "dense", kind="dense"), "moe": tiny_moe_dir}
     dirs["qwen2"] = _save("Qwen2ForCausalLM", "Qwen2Config", QWEN2, root / "qwen2")
     dirs["llama"] = _save("LlamaForCausalLM", "LlamaConfig", LLAMA, root / "llama")
     out = {k: (json.loads((d / "config.json").read_text()), lr.checkpoint_tensors(d)) for k, d in dirs.items()}
@@ -62,12 +63,14 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("loader_reads_cache")
 
 
-def _record(models, cache_dir: Path, tp: int) -> dict[tuple[str, bool], lr.RankReads]:
-    """Every model of this test at TP `tp` (Llama up to TP 2, Qwen3-MoE with expert parallel at TP 2, the 30B
-    recipe's Qwen3-30B-A3B at its TP 4), recorded by one group of processes; (kind, ep) -> reads."""
-    kinds = FAMILIES + (("llama",) if tp <= 2 else ("qwen3-30b-a3b",))
-    wanted = [(k, False) for k in kinds] + ([("moe", True)] if tp == 2 else [])
-    reads = lr.record_layouts([(*models[k], ep) for k, ep in wanted], tp, cache_dir)
+@pytest.fixture(scope="module")
+def recorded(models, cache_dir: Path) -> dict[tuple[str, int, bool], lr.RankReads]:
+    """Every model of this test at TP 1, 2 and 4 (Llama up to TP 2, Qwen3-MoE with expert parallel at TP 2, the 30B
+    recipe's Qwen3-30B-A3B at its TP 4), recorded by ONE group of 4 processes (one vLLM import each, for all the
+    TP sizes); (kind, tp, ep) -> reads."""
+    wanted = [(k, tp, False) for tp in (1, 2, 4) for k in FAMILIES + (("llama",) if tp <= 2 else ("qwen3-30b-a3b",))]
+    wanted.append(("moe", 2, True))
+    reads = lr.record_layouts([(*models[k], tp, ep) for k, tp, ep in wanted], cache_dir)
     return dict(zip(wanted, reads, strict=True))
 
 
@@ -76,14 +79,14 @@ def _boxes(slices: list[HFSlice]) -> dict[str, tuple]:
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
-def test_recorded_reads_equal_the_table(models, cache_dir, tp):
-    recorded = _record(models, cache_dir, tp)
+def test_recorded_reads_equal_the_table(models, recorded, tp):
     for kind in FAMILIES + (("qwen3-30b-a3b",) if tp == 4 else ()):
         hf, tensors = models[kind]
-        assert {s.name for r in range(tp) for s in recorded[kind, False][r]} == set(tensors)  # all read somewhere
+        assert sorted(recorded[kind, tp, False]) == list(range(tp))  # every rank of this TP size, no other
+        assert {s.name for r in range(tp) for s in recorded[kind, tp, False][r]} == set(tensors)  # all read somewhere
         for rank in range(tp):
             want = _boxes(vllm_rank_slices(hf, tp, rank))
-            assert _boxes(recorded[kind, False][rank]) == want, (kind, tp, rank)
+            assert _boxes(recorded[kind, tp, False][rank]) == want, (kind, tp, rank)
 
 
 def _llama_expected(tp: int, rank: int) -> dict[str, tuple]:
@@ -109,15 +112,13 @@ def _llama_expected(tp: int, rank: int) -> dict[str, tuple]:
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-def test_llama_reads_equal_a_hand_derived_layout(models, cache_dir, tp):
-    recorded = _record(models, cache_dir, tp)["llama", False]
+def test_llama_reads_equal_a_hand_derived_layout(models, recorded, tp):
     assert set(_llama_expected(1, 0)) == set(models["llama"][1])  # every checkpoint tensor is accounted for
     for rank in range(tp):
-        assert _boxes(recorded[rank]) == _llama_expected(tp, rank), (tp, rank)
+        assert _boxes(recorded["llama", tp, False][rank]) == _llama_expected(tp, rank), (tp, rank)
 
 
-def test_file_cache_serves_a_recorded_layout(models, cache_dir, monkeypatch):
-    _record(models, cache_dir, 2)
+def test_file_cache_serves_a_recorded_layout(models, recorded, cache_dir, monkeypatch):
     monkeypatch.setattr(lr, "_MEMORY", {})  # a fresh process: only the file cache is left
 
     def no_recording(*args, **kwargs):
@@ -134,14 +135,13 @@ def _expert(name: str) -> int | None:
     return int(name.split(".experts.")[1].split(".")[0]) if ".experts." in name else None
 
 
-def test_expert_parallel_ranks_read_only_their_experts_whole(models, cache_dir):
+def test_expert_parallel_ranks_read_only_their_experts_whole(models, recorded):
     """vLLM expert parallel over the TP ranks (`--enable-expert-parallel`, EP size = TP = 2): with vLLM's default
     linear placement rank r owns experts [4r, 4r + 4) of 8 and reads each of their tensors whole, no other
     expert; attention, norms, router and vocabulary keep the TP 2 layout of the table."""
     hf, tensors = models["moe"]
-    recorded = _record(models, cache_dir, 2)["moe", True]
     for rank in range(2):
-        got = _boxes(recorded[rank])
+        got = _boxes(recorded["moe", 2, True][rank])
         experts = {_expert(n) for n in got} - {None}
         assert experts == set(range(4 * rank, 4 * rank + 4)), rank
         for name, box in got.items():

@@ -11,9 +11,11 @@
 """
 
 import argparse
+import io
 import json
 import math
 import re
+from contextlib import redirect_stdout
 from pathlib import Path
 
 import pytest
@@ -79,9 +81,10 @@ def _save_variant(out: Path, kind: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny(tmp_path_factory, tiny_moe_dir):
+    """The session's tiny MoE (tests/fleet_fixture.py), a tiny dense Qwen3 and the two variants of it."""
     root = tmp_path_factory.mktemp("plan")
-    dirs = {kind: make_tiny_checkpoint(root / kind, kind=kind) for kind in ("moe", "dense")}
+    dirs = {"moe": tiny_moe_dir, "dense": make_tiny_checkpoint(root / "dense", kind="dense")}
     dirs |= {kind: _save_variant(root / kind, kind) for kind in ("qwen2", "tied")}
     return dirs
 
@@ -158,10 +161,19 @@ def _args(config, *overrides, dtype="bf16", needs="table"):
     return argparse.Namespace(config=str(config), overrides=list(overrides), dtype=dtype, link_gbps=50.0, needs=needs)
 
 
-def test_plan_command_on_the_30b_recipe(capsys):
+@pytest.fixture(scope="module")
+def table_30b() -> str:
+    """What `megarl plan` prints for the 30B recipe as shipped (bf16, the hand-written table's needs): planned once
+    for the two tests that read it (seconds of pure Python for 18,867 tensors)."""
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert run(_args(ROOT / "configs" / "qwen3_30b_a3b_guru.yaml", f"model.hf_dir={MODELS / 'qwen3-30b-a3b'}")) == 0
+    return out.getvalue()
+
+
+def test_plan_command_on_the_30b_recipe(capsys, table_30b):
     recipe = ROOT / "configs" / "qwen3_30b_a3b_guru.yaml"
-    assert run(_args(recipe, f"model.hf_dir={MODELS / 'qwen3-30b-a3b'}")) == 0
-    out = capsys.readouterr().out
+    out = table_30b
     assert "30,532,122,624 (30.53 B) parameters = 61,064,245,248 bytes = 61.06 GB in bf16" in out
     assert "checked as for a GPU job" in out
     # vLLM's backends: `nccl` sends each of the 4 TP ranks the whole model; `nccl_m2n` reshards only o_proj
@@ -189,15 +201,14 @@ def test_plan_command_on_the_30b_recipe(capsys):
     assert "122,128,490,496 bytes = 122.13 GB in fp32" in capsys.readouterr().out
 
 
-def test_plan_from_vllms_own_loaders_equals_the_table(capsys, tmp_path, monkeypatch):
+def test_plan_from_vllms_own_loaders_equals_the_table(capsys, tmp_path, monkeypatch, table_30b):
     """`--needs recorded` on the 30B recipe: vLLM's own loaders (its 4 TP ranks, recorded here with no weights; in a
     whole-suite run test_loader_reads has recorded this layout already, in this process) give every vLLM rank the
     same blocks' bytes as the hand-written table, and so the same comparison with vLLM's backends."""
     monkeypatch.setenv("MEGARL_LOADER_READS_CACHE", str(tmp_path))  # no record left by an earlier run of the suite
     recipe = ROOT / "configs" / "qwen3_30b_a3b_guru.yaml"
     hf_dir = f"model.hf_dir={MODELS / 'qwen3-30b-a3b'}"
-    assert run(_args(recipe, hf_dir)) == 0
-    table = capsys.readouterr().out
+    table = table_30b
     assert run(_args(recipe, hf_dir, needs="recorded")) == 0
     recorded = capsys.readouterr().out
     assert "recorded from vLLM's own loaders" in recorded and "recorded from" not in table

@@ -1,17 +1,20 @@
 """`megarl preflight`: the check steps run as real processes (`megarl preflight rank|serve`) with the variables srun
 would give them, on emulated nodes that all live on 127.0.0.1, then `megarl preflight report` judges what they
-wrote. Each layout is checked against the placement the test made; the model's size against safetensors' own
+wrote (the report, `megarl prepare` and `megarl preflight versions` run through the CLI's entry point in this
+process). Each layout is checked against the placement the test made; the model's size against safetensors' own
 reader; the allocation parser against text copied from `scontrol show job -d`. (The shipped SLURM scripts running
 a whole preflight job are in tests/test_slurm_job.py.)"""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
 import socket
 import subprocess
 import sys
+from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +22,7 @@ from typing import Any
 import pytest
 import yaml
 
+from megarl.cli import main as cli_main
 from megarl.parallel.spawn import free_port, port_free
 from megarl.preflight.analysis import Expected, judge
 from megarl.preflight.slurm_alloc import parse_job_gpus
@@ -33,8 +37,19 @@ def _clean_env() -> dict[str, str]:
 
 
 def _megarl(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "megarl.cli", *args], capture_output=True, text=True, timeout=300,
-                          cwd=REPO, env={**_clean_env(), **(env or {})})
+    """`megarl ARGS` through the CLI's own entry point in this process (no interpreter and imports of its own to
+    start), from the repository, in the environment `_clean_env` leaves plus `env`: its exit code and what it
+    printed. (The check steps themselves run as processes, `_run_layout`.)"""
+    out, err = io.StringIO(), io.StringIO()
+    with pytest.MonkeyPatch.context() as patch:
+        for name in set(os.environ) - set(_clean_env()):
+            patch.delenv(name)
+        for name, value in (env or {}).items():
+            patch.setenv(name, value)
+        patch.chdir(REPO)
+        with redirect_stdout(out), redirect_stderr(err):
+            code = cli_main(list(args))
+    return subprocess.CompletedProcess(["megarl", *args], code, out.getvalue(), err.getvalue())
 
 
 @pytest.fixture(scope="module")

@@ -2,11 +2,11 @@
 scale, as tests/test_slurm_job.py runs it: two trainer ranks on node1 and node2, two TP-1 replicas sharing node3),
 with each role run from its own environment: the trainer ranks (and `megarl prepare`) from `.venv-trainer`
 (`make trainer-env`: torch, megatron-core, no vLLM; MEGARL_TRAINER_ENV), the replicas from this venv
-(MEGARL_FLEET_ENV). One run of 16 steps, two jobs:
+(MEGARL_FLEET_ENV). One run of 12 steps, two jobs:
 
-1. rollout.min_replicas=2, ROLLOUT_RESTARTS=0: replica 0's step is killed after the first checkpoint. The trainer
-   cannot go on without it: the job exits 1 naming replica 0 as the likely cause, restarts nothing, stops replica 1
-   cleanly, and every checkpoint on disk verifies.
+1. rollout.min_replicas=2, ROLLOUT_RESTARTS=0: replica 0's step is killed after the first checkpoint (step 0's:
+   checkpoint.interval=1). The trainer cannot go on without it: the job exits 1 naming replica 0 as the likely cause,
+   restarts nothing, stops replica 1 cleanly, and every checkpoint on disk verifies.
 2. The resubmission (checkpoint.resume=latest, rollout.min_replicas=1, ROLLOUT_RESTARTS=1) resumes from the newest
    checkpoint. Once it has trained a step, replica 1's vLLM server is SIGKILLed; the job restarts its step on the same
    node with the same resources (the test holds the trainer still while the new vLLM server starts, so the restart
@@ -51,6 +51,7 @@ from tests.test_slurm_job import (
     _job_output,
     _model_bytes,
     _records,
+    _seed_model,
     _step_gpus,
     _step_id,
     _step_placement,
@@ -59,7 +60,9 @@ from tests.test_slurm_job import (
 )
 
 PROMPTS, K = 32, 8  # configs/demo_moe.yaml's data.prompts_per_step and rollout.samples_per_prompt
-STEPS, M, N = 16, 2, 1  # the run's steps; configs/demo_moe.yaml's sync.interval and sync.offset
+# the run's steps (resumed at step 1 or 3, replica 1 rejoins at step 5 or 7: pushes at 9 and 11 are left to leave it
+# out after its second kill); configs/demo_moe.yaml's sync.interval and sync.offset
+STEPS, M, N = 12, 2, 1
 FLEET_ENV = Path(sys.prefix)  # this venv: vLLM and megarl
 
 
@@ -177,9 +180,11 @@ def _check_placement(logs: Path, why: str) -> None:
 
 
 def test_killed_replicas_fail_or_rejoin_and_the_resubmission_loses_no_step(slurm_cluster: SlurmCluster,
-                                                                            tmp_path: Path, trainer_env: Path) -> None:
+                                                                            tmp_path: Path, trainer_env: Path,
+                                                                            tiny_moe_dir: Path) -> None:
     run_dir, logs = tmp_path / "run", tmp_path / "run" / "logs"
-    base = _job_env(tmp_path, f"run.steps={STEPS} checkpoint.interval=2 eval.interval=0")
+    _seed_model(tmp_path, tiny_moe_dir)
+    base = _job_env(tmp_path, f"run.steps={STEPS} checkpoint.interval=1 eval.interval=0")
     base |= {"MEGARL_TRAINER_ENV": str(trainer_env), "MEGARL_FLEET_ENV": str(FLEET_ENV)}
     # the trainer's environment has no vLLM (the fleet's has): its ranks never import it
     no_vllm = subprocess.run([str(trainer_env / "bin" / "python"), "-c", "import vllm"], capture_output=True,

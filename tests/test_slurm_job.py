@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -29,6 +30,13 @@ def _expected_lag(batch: int, m: int, n: int) -> int:
     """REC appendix B.2, written out: (l mod m) + n once data comes from pushed weights (m*floor(l/m) >= n);
     before that the fleet still serves the initial weights (version 0) and the lag is l."""
     return (batch % m) + n if m * (batch // m) >= n else batch
+
+
+def _seed_model(tmp_path: Path, tiny_moe_dir: Path) -> None:
+    """The recipe's tiny MoE (model.tiny=moe, run.seed=0) copied to where `_job_env` points the job: the session's
+    (tests/fleet_fixture.py, the same `make_tiny_checkpoint(kind="moe", seed=0)`), so the job's `megarl prepare`
+    finds it complete instead of making it (torch and transformers in a fresh process: 10-15 s per job)."""
+    shutil.copytree(tiny_moe_dir, tmp_path / "tiny-moe")
 
 
 def _job_env(tmp_path: Path, overrides: str) -> dict[str, str]:
@@ -118,9 +126,11 @@ def _step_placement(cluster: SlurmCluster, step: str) -> tuple[str, str, str]:
     return fields["NodeList"], fields["TRES"], fields.get("TresPerNode", "")
 
 
-def test_a_step_that_cannot_start_fails_the_job_naming_it(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+def test_a_step_that_cannot_start_fails_the_job_naming_it(slurm_cluster: SlurmCluster, tmp_path: Path,
+                                                          tiny_moe_dir: Path) -> None:
     # two replicas on node3, each asking for all 32 CPUs of the node: the second step can never start beside the
     # first. The job must say so within seconds, naming the step, its node and SLURM's reason, and stop the rest.
+    _seed_model(tmp_path, tiny_moe_dir)
     env = {**_job_env(tmp_path, "run.steps=2"), "ROLLOUT_CPUS_PER_REPLICA": "32", "STEP_START_S": "10",
            "STOP_GRACE_S": "10"}
     started = time.monotonic()
@@ -139,11 +149,12 @@ def test_a_step_that_cannot_start_fails_the_job_naming_it(slurm_cluster: SlurmCl
     slurm_cluster.wait_idle()  # nothing left behind: the pending srun gave up, the running steps were stopped
 
 
-def test_a_replica_step_without_room_for_its_pinned_shards_is_refused(slurm_cluster: SlurmCluster,
-                                                                      tmp_path: Path) -> None:
+def test_a_replica_step_without_room_for_its_pinned_shards_is_refused(slurm_cluster: SlurmCluster, tmp_path: Path,
+                                                                      tiny_moe_dir: Path) -> None:
     # GPU nodes: a replica's step must hold its vLLM rank's host memory, 8 GB (assumed) + its whole shard pinned by a
     # staged receive (sync.receive=auto, host memory not given: staged); 7,000 MB cannot, and the job says so before
     # any step starts. The need is prepare's ROLLOUT_HOST_MB: ceil((8e9 + the checkpoint's fp32 bytes) / 2**20).
+    _seed_model(tmp_path, tiny_moe_dir)
     env = {**_job_env(tmp_path, "run.steps=2"), "ROLLOUT_MEM_PER_REPLICA_MB": "7000"}
     result = _submit(slurm_cluster, tmp_path, env)
     output = _job_output(tmp_path, result)

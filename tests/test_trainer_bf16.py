@@ -7,7 +7,8 @@ megatron's distributed optimizer (real megatron-core, no mocks), in one spawned 
   operation order as torch's, so bit for bit), and every bf16 parameter is its fp32 main value rounded to bf16,
   identical on both ranks (the all-gather of the updated shards);
 - the weight sync offers those bf16 parameters as they are, and a checkpoint round trip (`state_dict` into a fresh
-  policy: bf16 model, fp32 main shards, Adam moments) continues the run bit for bit.
+  policy: bf16 model, fp32 main shards, Adam moments), and the same through a v4 checkpoint (megatron's
+  `dist_checkpointing`), continues the run bit for bit.
 
 Log-prob tolerance: both sides round the checkpoint's weights to bf16 alike (round to nearest even) and then
 compute in bf16 with different kernels, fusions and accumulation orders (megatron's fused QKV and gate/up, its
@@ -74,7 +75,8 @@ def _main_shards(policy) -> list[tuple[torch.nn.Parameter, torch.Tensor, slice]]
     return out
 
 
-def _bf16_rank(rank, world, hf_dir, port):
+def _bf16_rank(rank, world, hf_dir, port, root):
+    from megarl.checkpoint import open_checkpoint, save_checkpoint
     from megarl.models.qwen_provider import read_hf_config
     from megarl.parallel.groups import destroy_trainer_groups, dp_rank_and_size, init_trainer_groups
     from megarl.trainer.policy import MegatronPolicy
@@ -105,10 +107,18 @@ def _bf16_rank(rank, world, hf_dir, port):
         out["push_dtypes"] = sorted({str(t.dtype) for _, t in policy.iter_local_hf_slices()})
         # a checkpoint round trip restores the fp32 main parameters exactly: the next step is the same bits
         saved = _round_trip(policy.state_dict())
+        path = save_checkpoint(root, 1, rank, world, {"version": policy.version}, {}, {"world_size": world},
+                               keep_last=1, sharded_state=policy.sharded_state_dict())  # the same as a v4 checkpoint
         _train(policy, 2, dp_rank, dp)
         resumed = MegatronPolicy(hf_dir, hf, OPTIM, distributed_optimizer=True, precision="bf16")
         resumed.load_state_dict(saved)
         _train(resumed, 2, dp_rank, dp)
+        from_ckpt = MegatronPolicy(hf_dir, hf, OPTIM, distributed_optimizer=True, precision="bf16")
+        ckpt = open_checkpoint(path, {})
+        from_ckpt.load_sharded_state_dict(ckpt.load_sharded(from_ckpt.sharded_state_dict(is_loading=True)), 2)
+        _train(from_ckpt, 2, dp_rank, dp)
+        out["resume_ckpt_equal"] = all(torch.equal(a, b) for a, b in zip(policy.model.parameters(),
+                                                                          from_ckpt.model.parameters(), strict=True))
         out["resume_equal"] = all(torch.equal(a, b) for a, b in zip(policy.model.parameters(),
                                                                      resumed.model.parameters(), strict=True))
         return out
@@ -140,7 +150,7 @@ def _hf_logprobs(hf_dir, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor
 
 def test_bf16_trains_as_megatron_mixed_precision(tmp_path):
     hf_dir = make_tiny_checkpoint(tmp_path / "dense", kind="dense")
-    ranks = run_distributed(_bf16_rank, 2, hf_dir, free_port(), init_dist=False)
+    ranks = run_distributed(_bf16_rank, 2, hf_dir, free_port(), tmp_path / "checkpoints", init_dist=False)
 
     ref_lp, ref_ent = _hf_logprobs(hf_dir, torch.bfloat16)
     fp32_lp, _ = _hf_logprobs(hf_dir, torch.float32)
@@ -173,3 +183,4 @@ def test_bf16_trains_as_megatron_mixed_precision(tmp_path):
     for r in ranks:
         assert r["push_dtypes"] == ["torch.bfloat16"]
         assert r["resume_equal"], "a bf16 checkpoint round trip did not continue the run bit for bit"
+        assert r["resume_ckpt_equal"], "a bf16 v4 checkpoint did not continue the run bit for bit"

@@ -82,7 +82,7 @@ def _count_forwards(policy) -> dict[str, int]:
     return counts
 
 
-def _optimizer_cases(hf_dir, resume: bool) -> dict:
+def _optimizer_cases(hf_dir, resume: bool, root=None) -> dict:
     """Plain AdamW vs the distributed optimizer over 2 steps (and with `resume` a third, after a round trip
     of the sharded state into a fresh policy)."""
     from megarl.models.qwen_provider import read_hf_config
@@ -107,6 +107,7 @@ def _optimizer_cases(hf_dir, resume: bool) -> dict:
     out["diff_step2"], out["bytes_zero"] = _max_diff(_params(zero), plain_p2), zero.optimizer_state_bytes()
     if resume:
         saved = _round_trip(zero.state_dict())
+        ckpt_path = _save(zero, root, 1, {"world_size": 2, "tp": 1})
         _train(zero, 2)
         zero_p3 = _params(zero)
         out["diff_step3"] = _max_diff(zero_p3, plain_p3)
@@ -116,6 +117,10 @@ def _optimizer_cases(hf_dir, resume: bool) -> dict:
         _train(resumed, 2)
         out["diff_resumed"] = _max_diff(_params(resumed), zero_p3)
         out["version_resumed"] = resumed.version
+        del resumed
+        resumed = _resume(hf_dir, ckpt_path, distributed_optimizer=True)  # the same through a v4 checkpoint
+        _train(resumed, 2)
+        out["diff_resumed_ckpt"] = _max_diff(_params(resumed), zero_p3)
         try:  # a shard must not load into an unsharded optimizer
             plain.load_state_dict(saved)
             out["mismatch_error"] = ""
@@ -123,6 +128,62 @@ def _optimizer_cases(hf_dir, resume: bool) -> dict:
             out["mismatch_error"] = str(err)
     out["none_grads"] = none_grads
     return out
+
+
+def _regroup(tp: int = 1, pp: int = 1, ep: int = 1) -> None:
+    """The same 2-rank world, regrouped to another trainer layout."""
+    from megatron.core import parallel_state
+
+    from megarl.parallel.cpu_compat import init_rng_tracker
+
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                             expert_model_parallel_size=ep)
+    init_rng_tracker()
+
+
+def _save(policy, root, step: int, layout: dict):
+    """A v4 checkpoint of `policy` after step `step` (megarl.checkpoint.save_checkpoint, every rank)."""
+    import torch.distributed as dist
+
+    from megarl.checkpoint import rng_state, save_checkpoint
+
+    return save_checkpoint(root, step, dist.get_rank(), dist.get_world_size(),
+                           {"version": policy.version, "rng": rng_state()}, {}, layout, keep_last=2,
+                           sharded_state=policy.sharded_state_dict())
+
+
+def _resume(hf_dir, path, **kwargs):
+    """A fresh policy at the current layout, loaded from the checkpoint at `path` as a resumed run loads it."""
+    import torch.distributed as dist
+
+    from megarl.checkpoint import open_checkpoint
+    from megarl.models.qwen_provider import read_hf_config
+    from megarl.trainer.policy import MegatronPolicy
+
+    policy = MegatronPolicy(hf_dir, read_hf_config(hf_dir), OPTIM, **kwargs)
+    ckpt = open_checkpoint(path, {"world_size": 1, "tp": 4})  # the saving layout is never required to match
+    policy.load_sharded_state_dict(ckpt.load_sharded(policy.sharded_state_dict(is_loading=True)),
+                                   ckpt.rank_state(dist.get_rank())["version"])
+    return policy
+
+
+def _cross_layout(hf_dir, root, save_layout: dict, load_layout: dict, **kwargs) -> dict:
+    """Steps 0-3 at `save_layout` (checkpoint after step 1), then a fresh policy at `load_layout` resumed from
+    it for steps 2-3: both runs' per-step losses."""
+    from megarl.models.qwen_provider import read_hf_config
+    from megarl.trainer.policy import MegatronPolicy
+
+    _regroup(**save_layout)
+    run = MegatronPolicy(hf_dir, read_hf_config(hf_dir), OPTIM, **kwargs)
+    losses = [_train(run, 0)["loss"], _train(run, 1)["loss"]]
+    path = _save(run, root, 1, {"world_size": 2, **save_layout})
+    losses += [_train(run, 2)["loss"], _train(run, 3)["loss"]]
+    del run
+    _regroup(**load_layout)
+    resumed = _resume(hf_dir, path, **kwargs)
+    return {"uninterrupted": losses, "resumed": [_train(resumed, 2)["loss"], _train(resumed, 3)["loss"]],
+            "version": resumed.version}
 
 
 def _recompute_cases(hf_dir, none_grads: dict[str, torch.Tensor]) -> dict:
@@ -143,7 +204,7 @@ def _recompute_cases(hf_dir, none_grads: dict[str, torch.Tensor]) -> dict:
     return out
 
 
-def _scale_rank(rank, world, dense_dir, moe_dir, port):
+def _scale_rank(rank, world, dense_dir, moe_dir, port, root):
     from megatron.core import parallel_state
 
     from megarl.parallel.cpu_compat import init_rng_tracker
@@ -151,14 +212,17 @@ def _scale_rank(rank, world, dense_dir, moe_dir, port):
 
     init_trainer_groups(TrainerLayout(), rank, world, "127.0.0.1", port)  # dense: DP = 2
     try:
-        dense = _optimizer_cases(dense_dir, resume=True)
+        dense = _optimizer_cases(dense_dir, resume=True, root=root / "same")
         dense["recompute"] = _recompute_cases(dense_dir, dense.pop("none_grads"))
         parallel_state.destroy_model_parallel()  # the same world, regrouped: EP = 2 (dense DP 2, expert DP 1)
         parallel_state.initialize_model_parallel(expert_model_parallel_size=2)
         init_rng_tracker()
         moe = _optimizer_cases(moe_dir, resume=False)
         moe.pop("none_grads")
-        return {"dense": dense, "moe": moe}
+        layouts = {"dense_tp2_to_dp2": _cross_layout(dense_dir, root / "dense", {"tp": 2}, {}),
+                   "moe_ep2_to_pp2": _cross_layout(moe_dir, root / "moe", {"ep": 2}, {"pp": 2},
+                                                   distributed_optimizer=True)}
+        return {"dense": dense, "moe": moe, "layouts": layouts}
     finally:
         destroy_trainer_groups()
 
@@ -167,7 +231,7 @@ def _scale_rank(rank, world, dense_dir, moe_dir, port):
 def scale_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("scale")
     dense, moe = make_tiny_checkpoint(root / "dense", kind="dense"), make_tiny_checkpoint(root / "moe", kind="moe")
-    return run_distributed(_scale_rank, 2, dense, moe, free_port(), init_dist=False)
+    return run_distributed(_scale_rank, 2, dense, moe, free_port(), root / "checkpoints", init_dist=False)
 
 
 def _report(runs, kind):
@@ -182,6 +246,7 @@ def test_distributed_optimizer_dense_dp2(scale_runs):
     for r in runs:  # the same element-wise AdamW; the clip coefficient's norm summed in another order
         assert r["diff_step2"] <= 1e-6 and r["diff_step3"] <= 1e-6, r
         assert r["diff_resumed"] == 0.0 and r["version_resumed"] == 3, r  # exact resume
+        assert r["diff_resumed_ckpt"] == 0.0, r  # and through megatron's distributed checkpoint
         assert "trainer.distributed_optimizer" in r["mismatch_error"]
         assert r["bytes_plain"]["expert"] == r["bytes_zero"]["expert"] == 0
         assert r["bytes_zero"]["dense"] <= 0.55 * r["bytes_plain"]["dense"], r  # about half per rank
@@ -203,6 +268,18 @@ def test_distributed_optimizer_moe_ep2(scale_runs):
         assert r["bytes_zero"]["expert"] == r["bytes_plain"]["expert"], r
         assert r["bytes_zero"]["dense"] <= 0.55 * r["bytes_plain"]["dense"], r
     assert runs[0]["bytes_zero"]["dense"] + runs[1]["bytes_zero"]["dense"] == runs[0]["bytes_plain"]["dense"]
+
+
+@pytest.mark.parametrize("case", ["dense_tp2_to_dp2", "moe_ep2_to_pp2"])
+def test_resume_at_another_layout_continues_the_losses(scale_runs, case):
+    """A checkpoint saved at one layout (dense: TP2; MoE: EP2 with the distributed optimizer) and resumed at
+    another (TP1 x DP2; PP2) continues with the losses the uninterrupted run had at steps 2 and 3."""
+    for r in scale_runs:
+        got = r["layouts"][case]
+        assert got["version"] == 4, got
+        for resumed, reference in zip(got["resumed"], got["uninterrupted"][2:], strict=True):
+            assert abs(resumed - reference) <= 1e-6 * max(1.0, abs(reference)), got
+        assert got["uninterrupted"][2] != got["uninterrupted"][1]  # the steps change the model
 
 
 @pytest.mark.parametrize("mode", ["full", "selective"])

@@ -4,13 +4,14 @@
 
 The checkpoint's trainer layout (`meta.json`: world_size, tp, pp, ep, expert_tp) is started again as world_size CPU
 processes joined by gloo (no GPU needed, whatever machine trained it). Each builds its megatron-core
-model stage, maps the model state of its rank file into it (memory-mapped, no copy), and cuts it into HF
+model stage, loads its shards of the model from megatron's distributed checkpoint (`model_optim/`, format v4;
+for v1-v3 it maps its rank file into the stage, memory-mapped, no copy), and cuts it into HF
 blocks through the table the importer reads (`megarl.models.hf_layout`), so export is the exact inverse
 of import. Rank 0 writes: HF tensor after HF tensor, it receives each block from ONE rank holding it
 (point-to-point), assembles the tensor, casts it to the dtype the run's model checkpoint stores it in, and
 streams its bytes into the current safetensors shard (whose header is laid out in advance from the
-shapes). No process materialises the model: rank 0 holds one HF tensor at a time, every rank reads from
-its file only the blocks it sends. Files go to `OUT.tmp`, renamed to `OUT` at the end.
+shapes). No process materialises the model: rank 0 holds one HF tensor at a time, every rank holds its own
+stage's shards only. Files go to `OUT.tmp`, renamed to `OUT` at the end.
 
 The result: `config.json`, generation and tokenizer files copied from the run's model directory, and
 `model.safetensors` or `model-0000k-of-0000n.safetensors` + `model.safetensors.index.json`.
@@ -33,7 +34,7 @@ from typing import Any
 
 import torch
 
-from megarl.checkpoint import MODEL_FORMATS, CheckpointError, open_checkpoint
+from megarl.checkpoint import MODEL_FORMATS, SHARDED_DIR, CheckpointError, open_checkpoint
 from megarl.parallel.spawn import RankError, free_port, run_ranks
 from megarl.sync.slices import HFSlice
 
@@ -234,12 +235,43 @@ def to_local_spec(state: dict[str, Any], local_keys: set[str]) -> dict[str, Any]
     return out
 
 
-def load_rank_model(checkpoint_dir: Path, rank: int, model_dir: Path, hf: dict[str, Any], tp: int, pp: int,
-                    ep: int, expert_tp: int = 1) -> torch.nn.Module:
-    """This rank's megatron model stage holding the model state of its rank file (parallel groups initialised);
-    its parameters are memory-mapped views of the file."""
+def _build(model_dir: Path, hf: dict[str, Any], tp: int, pp: int, ep: int, expert_tp: int,
+           dtype: torch.dtype) -> torch.nn.Module:
     from megarl.models.qwen_provider import build_gpt_model
 
+    try:
+        return build_gpt_model(hf, tp=tp, pp=pp, ep=ep, params_dtype=dtype, expert_tp=expert_tp)
+    except (ValueError, AssertionError) as err:
+        raise ExportError(f"the model of {model_dir}/config.json cannot be built at the checkpoint's layout tp={tp} "
+                          f"pp={pp} ep={ep} expert_tp={expert_tp} (wrong --model-dir?): {err}") from None
+
+
+def _load_sharded_model(directory: Path, model_dir: Path, hf: dict[str, Any], tp: int, pp: int, ep: int,
+                        expert_tp: int) -> torch.nn.Module:
+    """Collective over the exporter's ranks: the model part of megatron's distributed checkpoint `directory`."""
+    from megatron.core import dist_checkpointing
+
+    precision = json.loads((directory.parent / "meta.json").read_text()).get("precision", "fp32")
+    model = _build(model_dir, hf, tp, pp, ep, expert_tp, torch.bfloat16 if precision == "bf16" else torch.float32)
+    try:
+        state = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(directory))
+        model.load_state_dict(state["model"], strict=True)
+    except Exception as err:  # noqa: BLE001 - megatron raises several kinds for a model that does not fit
+        raise ExportError(f"{directory} does not fit the model built from {model_dir}/config.json at tp={tp} "
+                          f"pp={pp} ep={ep} (wrong --model-dir?): {type(err).__name__}: {err}") from None
+    return model
+
+
+def load_rank_model(checkpoint_dir: Path, rank: int, model_dir: Path, hf: dict[str, Any], tp: int, pp: int,
+                    ep: int, expert_tp: int = 1) -> torch.nn.Module:
+    """This rank's megatron model stage holding the checkpoint's model state (parallel groups initialised at the
+    saving layout): from megatron's distributed checkpoint (`model_optim/`, format v4), or, for v1 to v3, the
+    rank's own file, whose tensors the parameters become as memory-mapped views."""
+    from megarl.models.qwen_provider import build_gpt_model
+
+    sharded = Path(checkpoint_dir) / SHARDED_DIR
+    if sharded.is_dir():
+        return _load_sharded_model(sharded, model_dir, hf, tp, pp, ep, expert_tp)
     file = Path(checkpoint_dir) / f"rank_{rank:05d}.pt"
     state = torch.load(file, map_location="cpu", mmap=True, weights_only=False)
     try:

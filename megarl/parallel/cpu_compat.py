@@ -45,9 +45,9 @@ def _on_cpu(factory: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]
 # the pipeline schedules' `total_num_tokens`, the causal masks, the MoE aux-loss tracker, `broadcast_data`'s
 # sizes, a norm helper in `core.utils` (also the local multi-tensor L2 norm the optimizer falls back to without
 # TE/Apex), the rerun state machine's validation; megatron's optimizers: the loss scale `1.0`, the overflow and
-# found-inf flags, the grad-norm accumulators of `clip_grads`, the grad scaler's state. (megarl does not use
-# megatron's distributed checkpointing, which has more.) A module missing here fails loudly on the CPU ("Torch not
-# compiled with CUDA enabled"), never silently.
+# found-inf flags, the grad-norm accumulators of `clip_grads`, the grad scaler's state. (Megatron's distributed
+# checkpointing needs none of these: `apply_dist_ckpt_compat` below has what it needs.) A module missing here
+# fails loudly on the CPU ("Torch not compiled with CUDA enabled"), never silently.
 _CUDA_FACTORY_MODULES = (
     "megatron.core.pipeline_parallel.schedules",
     "megatron.core.transformer.utils",
@@ -139,3 +139,70 @@ def init_rng_tracker() -> None:
         tensor_parallel.model_parallel_cuda_manual_seed(1234)
     else:
         tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+
+
+# ---- megatron's distributed checkpointing (`megarl.checkpoint`) -------------------------------------------------
+def patch_dist_ckpt_writer_in_process() -> None:
+    """megatron-core 0.16.1's `torch_dist` writer (`FileSystemWriterAsync`) collects its results through a
+    `multiprocessing.Manager` started with the *spawn* context (a fresh interpreter per trainer rank: 6-10 s per
+    save on this machine, and a process that inherits nothing of the rank's setup) and writes each bucket in a
+    *forked* child of the (multi-threaded) rank. megarl saves synchronously, so both are replaced by the same work
+    done in the calling process: an in-process results queue, and the buckets written one after another by
+    megatron's own `write_preloaded_data`. Applies on every device (megarl never uses asynchronous saves)."""
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+
+    if getattr(fa, "_megarl_in_process", False):
+        return
+
+    def write_in_process(transform_list, use_msc, rank, write_buckets, global_results_queue) -> None:  # noqa: ANN001
+        results: queue.Queue = queue.Queue()
+        count: queue.Queue = queue.Queue()
+        written: dict[int, list] | Exception = {}
+        for i, bucket in enumerate(write_buckets):
+            count.put(i)
+            fa.FileSystemWriterAsync.write_preloaded_data(transform_list, i, bucket, results, count, True)
+            index, result = results.get()
+            if isinstance(result, Exception):
+                written = result
+                break
+            written[index] = result
+        global_results_queue.put(written)
+
+    fa._get_write_results_queue = queue.Queue
+    fa.FileSystemWriterAsync.write_preloaded_data_multiproc = staticmethod(write_in_process)
+    fa._megarl_in_process = True
+
+
+def patch_distrib_optimizer_step_without_te() -> None:
+    """Without Transformer Engine or Apex, megatron-core 0.16.1's distributed optimizer steps torch's AdamW, whose
+    state holds a `step` per parameter; loading a `fully_reshardable` optimizer checkpoint then fails with
+    KeyError 'step' in `DistributedOptimizer._set_main_param_and_optimizer_states`, which copies every key of the
+    live state from the loaded tensors, where 'step' is kept out (megatron restores it from the param groups).
+    The replacement copies the loaded keys only. Applied only when megatron found neither TE nor Apex."""
+    from megatron.core.optimizer import distrib_optimizer as do
+
+    if do.HAVE_APEX_OR_TE or getattr(do, "_megarl_step_patch", False):
+        return
+    original = do.DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def set_states(self, model_param, tensors):  # noqa: ANN001, ANN202
+        if self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            return original(self, model_param, tensors)
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+        live = {"param": main_param, **self.optimizer.state[main_param]}
+        for key, value in live.items():
+            if key != "step":
+                value.copy_(tensors[key])
+        return None
+
+    do.DistributedOptimizer._set_main_param_and_optimizer_states = set_states
+    do._megarl_step_patch = True
+
+
+def apply_dist_ckpt_compat() -> None:
+    """Idempotent: the two workarounds `megarl.checkpoint` needs around megatron's distributed checkpointing."""
+    patch_dist_ckpt_writer_in_process()
+    patch_distrib_optimizer_step_without_te()

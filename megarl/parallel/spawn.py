@@ -194,6 +194,21 @@ def start_method() -> str:
     return "spawn" if torch.cuda.is_available() else "forkserver"
 
 
+def prestart() -> None:
+    """Start the forkserver now (CPU machines; nothing where ranks are spawned), so that its imports (`PRELOAD`,
+    seconds of CPU) run while the caller waits for something else, e.g. `megarl train` for its fleet to come up;
+    `run_ranks` later finds it running. Safe because a rank takes the parent's environment of `run_ranks` time
+    (`_entry`), not the server's."""
+    if start_method() != "forkserver":
+        return
+    import multiprocessing.forkserver
+
+    import torch.multiprocessing as mp
+
+    mp.get_context("forkserver").set_forkserver_preload(list(PRELOAD))
+    multiprocessing.forkserver.ensure_running()  # returns at once; the server imports PRELOAD in the background
+
+
 def _entry(rank: int, conn: Connection, call: bytes, env: dict[str, str]) -> None:
     """Inside a started process: take the parent's environment as it was at `run_ranks` (a forkserver's child
     would otherwise inherit the server's), load `(fn, args)` from `call`, run fn(rank, *args) and send

@@ -125,9 +125,13 @@ def engine_config(hf: dict[str, Any], tp: int, ep: bool, workdir: Path) -> Any:
     return args.create_engine_config()
 
 
-def _rank_main(rank: int, tp: int, port: int, layouts: list[tuple[dict[str, Any], Tensors, bool]]) -> list:
-    """Spawned TP rank: join vLLM's world group over gloo, then for each (config, tensors, ep) set up vLLM's model
-    parallel groups under that config and record its reads."""
+def _rank_main(rank: int, world: int, port: int, layouts: list[tuple[dict[str, Any], Tensors, int, bool]]) -> list:
+    """Spawned process `rank` of `world`: join vLLM's world group over gloo, then for each (config, tensors, tp, ep)
+    set up vLLM's model parallel groups under that config and, if this process is one of its `tp` ranks, record
+    its reads (None otherwise). vLLM lays a world larger than tp out as outer data-parallel copies of the TP group
+    (ranks tp.. form groups of their own), so one group of processes serves every TP size up to its own; every
+    rank must take part in each group's construction, only the first `tp` record."""
+    import torch.distributed
     from vllm.config import set_current_vllm_config
     from vllm.distributed.parallel_state import (
         destroy_model_parallel,
@@ -138,18 +142,22 @@ def _rank_main(rank: int, tp: int, port: int, layouts: list[tuple[dict[str, Any]
     # names the CPU shared-memory group, as vLLM's CPU worker does; set, never inherited (a recorder started from a
     # live vLLM worker must not share that worker's group)
     os.environ["VLLM_DIST_IDENT"] = f"megarl_probe_{port}"
-    out = []
+    out: list = []
     with tempfile.TemporaryDirectory(prefix="megarl_loader_reads_") as tmp:
-        for i, (hf, tensors, ep) in enumerate(layouts):
+        for i, (hf, tensors, tp, ep) in enumerate(layouts):
             workdir = Path(tmp) / str(i)
             workdir.mkdir()
             cfg = engine_config(hf, tp, ep, workdir)
             with set_current_vllm_config(cfg):  # vLLM makes its EP group only under a MoE config: per model
                 if i == 0:
-                    init_distributed_environment(tp, rank, f"tcp://127.0.0.1:{port}", rank, "gloo")
+                    init_distributed_environment(world, rank, f"tcp://127.0.0.1:{port}", rank, "gloo")
                 initialize_model_parallel(tp, 1)
-                out.append([(s.name, s.full_shape, s.box) for s in record_here(cfg, tensors)])
+                reads = record_here(cfg, tensors) if rank < tp else None
+                out.append(None if reads is None else [(s.name, s.full_shape, s.box) for s in reads])
                 destroy_model_parallel()
+    # rank 0 hosts the store every group is built through: it must not exit while another rank still builds one (a
+    # rank that records nothing of the last layout is through it long before the ranks that record)
+    torch.distributed.barrier()
     return out
 
 
@@ -163,21 +171,25 @@ def reads_from_json(data: dict) -> RankReads:
             for r, ss in data.items()}
 
 
-def record_layouts(layouts: list[tuple[dict[str, Any], Tensors, bool]], tp: int,
+def record_layouts(layouts: list[tuple[dict[str, Any], Tensors, int, bool]],
                    cache_dir: Path | None = None) -> list[RankReads]:
-    """`loader_reads` for several `(config, tensors, expert parallel)` at one TP size; the uncached ones are
-    recorded by one group of `tp` processes (one vLLM import per rank for all of them)."""
+    """`loader_reads` for several `(config, tensors, tp, expert parallel)`, TP sizes mixed; the uncached ones are
+    recorded by one group of as many processes as the largest TP among them (one vLLM import per process for all
+    of them, see `_rank_main`)."""
     from megarl.parallel.spawn import free_port, run_ranks
 
-    keys = [layout_key(hf, tensors, tp, ep) for hf, tensors, ep in layouts]
+    keys = [layout_key(hf, tensors, tp, ep) for hf, tensors, tp, ep in layouts]
     for key in keys:
         file = cache_dir / f"{key}.json" if cache_dir is not None else None
         if key not in _MEMORY and file is not None and file.exists():
             _MEMORY[key] = reads_from_json(json.loads(file.read_text()))
     todo = [i for i, key in enumerate(keys) if key not in _MEMORY]
     if todo:
-        per_rank = run_ranks(_rank_main, tp, tp, free_port(), [layouts[i] for i in todo], role="vLLM loader probe")
+        world = max(layouts[i][2] for i in todo)
+        per_rank = run_ranks(_rank_main, world, world, free_port(), [layouts[i] for i in todo],
+                             role="vLLM loader probe")
         for j, i in enumerate(todo):
+            tp = layouts[i][2]
             reads = {r: [HFSlice(n, tuple(s), tuple(tuple(b) for b in box)) for n, s, box in per_rank[r][j]]
                      for r in range(tp)}
             _MEMORY[keys[i]] = reads
@@ -193,7 +205,7 @@ def loader_reads(hf: dict[str, Any], tensors: Tensors, tp: int, ep: bool = False
                  cache_dir: Path | None = None) -> RankReads:
     """Per vLLM TP rank of `tp` (expert parallel if `ep`), the HF blocks its loaders read (see the module
     docstring); cached in memory and, when `cache_dir` is given, on disk."""
-    return record_layouts([(hf, tensors, ep)], tp, cache_dir)[0]
+    return record_layouts([(hf, tensors, tp, ep)], cache_dir)[0]
 
 
 def read_model(model_dir: str | Path) -> tuple[dict[str, Any], Tensors]:

@@ -167,6 +167,37 @@ def state_bytes(optimizer: Any) -> dict[str, int]:
     return held
 
 
+# How megatron's optimizers describe their state for distributed checkpointing (`MegatronPolicy.sharded_state_dict`):
+# the distributed optimizer in `fully_reshardable` form (per parameter, in model space: loads at any TP / PP / EP /
+# DP; 0.16.1's default `fully_sharded_model_space` is refused by its own ShardedTensor checks), and chained
+# optimizers without a per-optimizer prefix (dense and MoE models chain different numbers of them)
+SHARDED_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
+
+
+def init_adam_state(optimizer: Any) -> None:
+    """Give every parameter without Adam state (a fresh optimizer) zero moments and step 0, as torch's AdamW would
+    on its first step: megatron's sharded state dict describes the state tensors that exist, and its distributed
+    optimizer without TE / Apex asserts one common `step`. A no-op once the optimizer has stepped."""
+    for sub in _chained(optimizer):
+        if sub.optimizer is None:
+            continue
+        for group in sub.optimizer.param_groups:
+            for param in group["params"]:
+                state = sub.optimizer.state[param]
+                if not state:
+                    state.update(exp_avg=torch.zeros_like(param), exp_avg_sq=torch.zeros_like(param),
+                                 step=torch.tensor(0.0))
+
+
+def unshare_adam_steps(optimizer: Any) -> None:
+    """After megatron's `load_state_dict` of a sharded optimizer state: without TE / Apex, megatron-core 0.16.1's
+    distributed optimizer gives every parameter's state the *same* `step` tensor, which torch's AdamW then
+    increments in place once per parameter (the bias corrections of the next step go wrong). One tensor each."""
+    for _, _, state in adam_states(optimizer):
+        if torch.is_tensor(state.get("step")):
+            state["step"] = state["step"].clone()
+
+
 def optimizer_state(optimizer: Any, setting: dict[str, Any]) -> dict[str, Any]:
     """This rank's optimizer state for a checkpoint: per chained optimizer, torch's Adam state dict (moments and
     step of the tensors this rank steps, group hyper-parameters) and those fp32 main tensors (with the distributed

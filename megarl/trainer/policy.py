@@ -35,15 +35,18 @@ from megarl.parallel.fused_output_logprobs import fused_output_logprobs_entropy
 from megarl.parallel.vocab_logprobs import vocab_parallel_logprobs_entropy
 from megarl.sync.slices import HFSlice
 from megarl.trainer.optimizer import (
+    SHARDED_METADATA,
     Precision,
     build_optimizer,
     check_optimizer_state,
+    init_adam_state,
     load_optimizer_state,
     optimizer_state,
     optimizer_step,
     params_dtype,
     set_hyperparameters,
     state_bytes,
+    unshare_adam_steps,
     wire_training,
     wrap_model,
 )
@@ -376,6 +379,23 @@ class MegatronPolicy:
         self.model.load_state_dict(state["model"], strict=True)
         load_optimizer_state(self.optimizer, state["optimizer"], self._optimizer_setting())
         self.version = int(state["version"])
+
+    def sharded_state_dict(self, is_loading: bool = False) -> dict[str, Any]:
+        """The model and optimizer state as megatron's sharded state dict (`megarl.checkpoint` saves and loads it
+        with `dist_checkpointing`): the model's tensors with their place in the global tensors, the optimizer's
+        fp32 main parameters and Adam moments per parameter in model space, so it loads at any TP / PP / EP / DP.
+        `is_loading`: for a fresh policy about to load (its optimizer state is created first)."""
+        init_adam_state(self.optimizer)
+        model = self.model.sharded_state_dict()
+        return {"model": model, "optimizer": self.optimizer.sharded_state_dict(
+            model, is_loading=is_loading, metadata=dict(SHARDED_METADATA))}
+
+    def load_sharded_state_dict(self, state: dict[str, Any], version: int) -> None:
+        """Take the tensors `dist_checkpointing.load` filled into `sharded_state_dict(is_loading=True)`."""
+        self.model.load_state_dict(state["model"], strict=True)
+        self.optimizer.load_state_dict(state["optimizer"])
+        unshare_adam_steps(self.optimizer)
+        self.version = int(version)
 
     def optimizer_state_bytes(self) -> dict[str, int]:
         """Bytes of the Adam moments this rank holds, for dense and expert parameters."""
