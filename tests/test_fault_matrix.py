@@ -1,0 +1,393 @@
+"""The fault matrix on the real stack (issue 36): `megarl train`'s own fleet losing a replica in several phases and
+getting it back (megarl/rollout/restarts.py, megarl/rollout/liveness.py, docs/pipeline.md's fault table).
+
+Marked `slow` (`make test-all`, `pytest -m slow`): six vLLM starts one after another, 5-8 minutes on this 2-core
+machine, more than the default suite's budget allows. The default suite keeps the properties underneath each cell in
+faster tests: a real server SIGKILLed and restarted by the watcher (`tests/test_fleet_restarts.py`), a replica lost
+mid-push and its rejoin with a full push (`tests/test_sync_failures.py`), the liveness bound against a server
+whose /health turns 503 or hangs (`tests/test_liveness.py`), senders giving up a dead receiver
+(`tests/test_stream_failures.py`).
+
+One `megarl train` run (tiny dense model, two TP-1 vLLM replicas, rollout.restarts=3, rollout.health_timeout_s=8,
+sync.interval=3 sync.offset=1 sync.delta=true, rollout.overlap=false, a small held-out evaluation every 6 steps) and
+a thread of the test that watches the run's files (metrics.jsonl, the replicas' vLLM logs, the registrations in
+<run.dir>/fleet/) and injects one failure after another, each followed by the watcher's restart and a full-push
+rejoin:
+
+    A  replica 0's API server SIGKILLed while it generates (a chunk of a batch just answered)
+    D  replica 0 SIGKILLed again while it rejoins: right after its new incarnation answered /start_weight_update of
+       its first (full) push
+    B  replica 1's engine core (`VLLM::EngineCore`) SIGKILLed alone mid-push, right after /start_weight_update (the
+       API server must exit by itself, megarl/rollout/engine_death.py)
+    C  replica 0's engine core SIGKILLed during a held-out evaluation (its request in flight answered 503)
+
+Each cell is checked from outside: the watcher removes the registration (the server's exit or death seen), the
+replica's whole process group is gone, a new incarnation registers (new pid; for A also healthy and guarded, and its
+log goes on after a restart line), the trainer noticed within the bound (the push's or the evaluation's own time),
+it rejoins at a later push with a full push; and for the whole run: every step, exact lags, every batch whole, both
+replicas in the sync at the end serving the last pushed version. Once the push (or evaluation) without the replica
+is over, the trainer ranks are held (SIGSTOP) until it registers again, so that the run does not end first on a
+machine where vLLM starts take minutes. Each cell's times are printed (docs/pipeline.md's fault table)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+
+from megarl.launch import prepare, train
+from megarl.rollout.fleet_auth import SECRET_ENV, bearer_header, read_secret
+from megarl.rollout.rendezvous import register_replica
+from tests.dist_utils import process_group_members
+from tests.test_end_to_end import _expected_lag
+
+ROOT = Path(__file__).resolve().parent.parent
+BOUND_S = 8.0  # rollout.health_timeout_s of the run
+SLACK_S = 20.0  # a loaded 2-core machine: the server's own shutdown, the push's other steps
+GONE_S = 30.0  # the watcher's kill_group waits this long for a process group to die
+M, N, STEPS, PROMPTS, K, EVAL_EVERY = 3, 1, 36, 16, 8, 6  # eval steps 0, 6, 12, ...: never a push step (m=3, n=1)
+RESTARTS = 3  # replica 0 is killed three times (A, D, C), replica 1 once (B)
+ORDER = ("A", "D", "C", "B")
+
+
+def _registration(run_dir: Path, replica: int) -> dict[str, Any] | None:
+    try:
+        return json.loads((run_dir / "fleet" / f"replica{replica}.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def _engine_core(pgid: int) -> int | None:
+    """The `VLLM::EngineCore` process in process group `pgid` (its comm is cut to 15 characters), from /proc."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        comm, fields = text.split("(", 1)[1].rsplit(")", 1)[0], text.rsplit(")", 1)[1].split()
+        if int(fields[2]) == pgid and comm.startswith("VLLM::EngineCor") and fields[0] != "Z":
+            return int(stat.parent.name)
+    return None
+
+
+def _fleet_processes(secret_file: Path) -> list[int]:
+    """Running (not zombie) processes other than this one started with the fleet's secret file in their
+    environment, from /proc."""
+    mark = f"{SECRET_ENV}={secret_file}".encode()
+    found = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            if int(entry.name) == os.getpid() or mark not in (entry / "environ").read_bytes().split(b"\0"):
+                continue
+            if (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                found.append(int(entry.name))
+        except OSError:
+            continue  # exited while we looked, or not ours
+    return found
+
+
+def _secret_file_of(pid: int) -> Path:
+    env = (Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0")
+    return Path(next(v for v in env if v.startswith(f"{SECRET_ENV}=".encode())).decode().split("=", 1)[1])
+
+
+def _trainer_processes() -> list[int]:
+    """The trainer ranks and their helpers: this process's descendants in its own process group (the fleet's
+    servers lead process groups of their own, and this process runs the watcher that restarts them)."""
+    parent, group = {}, {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parent[int(stat.parent.name)], group[int(stat.parent.name)] = int(fields[1]), int(fields[2])
+    me, mine = os.getpid(), os.getpgid(0)
+
+    def descends(pid: int) -> bool:
+        while pid > 1:
+            pid = parent.get(pid, 0)
+            if pid == me:
+                return True
+        return False
+
+    return [pid for pid in parent if pid != me and group[pid] == mine and descends(pid)]
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass  # exited meanwhile
+
+
+class _Faults(threading.Thread):
+    """Injects the cells one after another (the module's docstring) and times each: `kill` (the signal sent),
+    `gone` (the registration removed: the watcher saw the exit or the death), `group` (no process of the replica's
+    process group left), `back` (a new incarnation registered). `cells[name]` also records the step under way at
+    the kill (`step`), the replica, the killed server's pid and, for A, the new incarnation's checks."""
+
+    def __init__(self, run_dir: Path) -> None:
+        super().__init__(daemon=True)
+        self.run_dir = run_dir
+        self.metrics = run_dir / "metrics.jsonl"
+        self.cells: dict[str, dict[str, Any]] = {}
+        self.error: str | None = None
+        self.stale: bool | None = None  # whether an earlier run's registration was there once the run trained
+        self.deadline = time.monotonic() + 1500
+
+    def run(self) -> None:
+        try:
+            self._run()
+        except Exception as err:  # noqa: BLE001 - reported by the test
+            self.error = f"{type(err).__name__}: {err}"
+
+    # -- what the thread reads
+
+    def _records(self) -> list[dict[str, Any]]:
+        try:
+            return [json.loads(line) for line in self.metrics.read_text().splitlines() if line.strip()]
+        except (FileNotFoundError, json.JSONDecodeError):
+            return []
+
+    def _until(self, condition: Callable[[], Any], what: str, every_s: float = 0.05) -> Any:
+        while not (value := condition()):
+            assert time.monotonic() < self.deadline, f"{what}: not before the test's deadline"
+            time.sleep(every_s)
+        return value
+
+    def _tail(self, replica: int, offset: int, needle: bytes) -> None:
+        """Wait until replica `replica`'s vLLM log has `needle` (an access line) after byte `offset`."""
+        log = self.run_dir / f"vllm_replica{replica}.log"
+        with log.open("rb") as f:
+            f.seek(offset)
+            seen = b""
+            while needle not in seen:
+                assert time.monotonic() < self.deadline, f"{needle!r} never in {log.name}"
+                seen = seen[-200:] + f.read()
+                time.sleep(0.01)
+
+    def _log_end(self, replica: int) -> int:
+        return (self.run_dir / f"vllm_replica{replica}.log").stat().st_size
+
+    # -- one cell
+
+    def _kill(self, name: str, replica: int, target: Callable[[int], int], step: int | None = None) -> dict[str, Any]:
+        entry = _registration(self.run_dir, replica)
+        assert entry is not None, f"{name}: replica {replica} is not registered"
+        pid = entry["pid"]
+        victim = target(pid)
+        os.kill(victim, signal.SIGKILL)
+        cell = {"replica": replica, "pid": pid, "kill": time.monotonic(),
+                "step": len(self._records()) if step is None else step}
+        self.cells[name] = cell
+        return cell
+
+    def _recover(self, cell: dict[str, Any], out_after: int) -> None:
+        """After a kill: the trainer is held as soon as a push at or after step `out_after` went on without the
+        replica (the run must not end first), until the replica is registered again; meanwhile the times the watcher
+        removed the registration and the replica's process group died are taken."""
+        replica, pid = cell["replica"], cell["pid"]
+        held: list[int] = []
+
+        def watch() -> bool:
+            now = time.monotonic()
+            if "gone" not in cell and (_registration(self.run_dir, replica) or {}).get("pid") != pid:
+                cell["gone"] = now
+            if "group" not in cell and not process_group_members(pid):
+                cell["group"] = now
+            if not held and any(r["step"] >= out_after and str(replica) not in
+                                (r.get("sync/served_versions") or {str(replica): 0}) for r in self._records()):
+                held.extend(_trainer_processes())
+                for p in held:
+                    _signal(p, signal.SIGSTOP)
+                cell["held"] = time.monotonic()
+            entry = _registration(self.run_dir, replica)
+            if held and entry is not None and entry["pid"] != pid and "gone" in cell and "group" in cell:
+                cell["back"], cell["new_pid"], cell["url"] = now, entry["pid"], entry["url"]
+                return True
+            return False
+
+        try:
+            self._until(watch, f"replica {replica} registered again")
+            cell["log_at_back"] = self._log_end(replica)
+            if "checks" in cell:
+                cell["checks"](_registration(self.run_dir, replica))
+        finally:
+            for p in held:
+                _signal(p, signal.SIGCONT)
+
+    def _rejoined(self, replica: int, after: int) -> int:
+        """The step whose push took `replica` back (it reports a version), after step `after`."""
+        return self._until(lambda: next((r["step"] for r in self._records() if r["step"] > after and str(replica) in
+                                         (r.get("sync/served_versions") or {})), None), f"replica {replica} rejoined")
+
+    def _new_incarnation(self, cell: dict[str, Any]) -> Callable[[dict[str, Any]], None]:
+        def checks(entry: dict[str, Any]) -> None:
+            url, secret = entry["url"], read_secret(_secret_file_of(entry["pid"]))
+            cell["health"] = requests.get(f"{url}/health", timeout=10).status_code
+            cell["unguarded"] = requests.get(f"{url}/v1/models", timeout=30).status_code
+            cell["guarded"] = requests.get(f"{url}/v1/models", headers=bearer_header(secret), timeout=30).status_code
+        return checks
+
+    def _run(self) -> None:
+        self._until(lambda: len(self._records()) >= 1, "the run's first step", every_s=0.2)
+        self.stale = (self.run_dir / "fleet" / "replica3.json").exists()
+
+        # A: replica 0's API server killed while it generates (one of its chunks just answered)
+        self._tail(0, self._log_end(0), b"POST /inference/v1/generate")
+        a = self._kill("A", 0, lambda pid: pid)
+        a["checks"] = self._new_incarnation(a)
+        self._recover(a, a["step"])
+
+        # D: the new incarnation killed at its first push (the full one), right after it opened it
+        self._tail(0, a["log_at_back"], b"POST /start_weight_update")
+        d = self._kill("D", 0, lambda pid: pid)
+        self._recover(d, d["step"])
+        d["rejoined"] = self._rejoined(0, d["step"])
+
+        # C: replica 0's engine core killed during a held-out evaluation (the first eval step from here on: its
+        # evaluation starts as soon as the step before is written, there is no push at an eval step, and with
+        # rollout.overlap=false nothing else asks the fleet for anything until the step takes its batch)
+        step = -(-(len(self._records()) + 1) // EVAL_EVERY) * EVAL_EVERY
+        self._until(lambda: len(self._records()) >= step, f"step {step - 1} written")
+        time.sleep(0.1)
+        c = self._kill("C", 0, self._core, step=step)
+        self._recover(c, step)
+        c["rejoined"] = self._rejoined(0, step)
+
+        # B: replica 1's engine core killed mid-push, right after it opened the push
+        self._tail(1, self._log_end(1), b"POST /start_weight_update")
+        b = self._kill("B", 1, self._core)
+        self._recover(b, b["step"])
+        b["rejoined"] = self._rejoined(1, b["step"])
+
+    @staticmethod
+    def _core(pid: int) -> int:
+        core = _engine_core(pid)
+        assert core is not None, f"no engine core in process group {pid}"
+        return core
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)  # six vLLM starts: a minute each on a loaded 2-core machine
+def test_fault_matrix_under_megarl_train(tmp_path: Path, capfd: pytest.CaptureFixture[str],
+                                         caplog: pytest.LogCaptureFixture) -> None:
+    run_dir = tmp_path / "run"
+    # registrations an earlier run left in the same run directory: not this fleet's
+    register_replica(run_dir, 3, "http://127.0.0.1:9", "an earlier run's secret", pid=1)
+    cfg = prepare(str(ROOT / "configs" / "repro.yaml"), [
+        f"model.hf_dir={tmp_path / 'dense'}", "model.tiny=dense", f"run.dir={run_dir}", f"run.steps={STEPS}",
+        "run.overwrite=false", "rollout.replicas=2", "rollout.tp=1", f"rollout.restarts={RESTARTS}",
+        f"rollout.health_timeout_s={BOUND_S}", "rollout.startup_timeout_s=300", f"sync.interval={M}",
+        f"sync.offset={N}", "sync.delta=true", "sync.push_initial=true", f"data.prompts_per_step={PROMPTS}",
+        f"rollout.samples_per_prompt={K}", f"eval.interval={EVAL_EVERY}", "eval.prompts=8", "eval.samples=4",
+        "eval.max_new_tokens=32", "rollout.overlap=false"])
+    faults = _Faults(run_dir)
+    faults.start()
+    caplog.set_level(logging.WARNING, logger="megarl")
+    started = time.monotonic()
+    train(cfg)
+    wall = time.monotonic() - started
+    faults.join(5)
+    err = capfd.readouterr().err
+    (tmp_path / "stderr.txt").write_text(err)  # what the run and its watcher said, for a failure's reader
+    cells = faults.cells
+    if faults.error is not None or "rejoined" not in cells.get(ORDER[-1], {}):
+        stacks = {t.name: "".join(traceback.format_stack(sys._current_frames()[t.ident]))
+                  for t in threading.enumerate() if "watcher" in t.name and t.ident in sys._current_frames()}
+        said = [ln[ln.index("megarl: "):] for ln in err.replace("\r", "\n").splitlines() if "megarl: " in ln]
+        pytest.fail(f"{faults.error}; cells {json.dumps(cells, default=str)}; said {said}; watchers {stacks}")
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    by_step = {r["step"]: r for r in records}
+
+    # the run: every step, exact lags, every batch whole (no sample lost or generated twice)
+    assert [r["step"] for r in records] == list(range(STEPS))
+    assert [r["batch_lag"] for r in records] == [_expected_lag(b, M, N) for b in range(STEPS)]
+    assert [r["batch/samples"] for r in records] == [PROMPTS * K] * STEPS
+    assert faults.stale is False, "an earlier run's registration survived the fleet's start"
+    # at the end: both replicas taking chunks and in the sync, both serving the last pushed version
+    assert (records[-1]["fleet/replicas"], records[-1]["fleet/replicas_in_sync"]) == (2, 2)
+    final = [r for r in records if r["sync/versions"]][-1]
+    version = str(final["sync/versions"][-1])
+    assert final["sync/served_versions"] == {"0": version, "1": version}
+    assert not list((run_dir / "fleet").glob("replica*.json")), "registrations outlived the run"
+
+    # the watcher's lines: what died how, and each restart counted per replica
+    said = [ln[ln.index("megarl: rollout replica "):] for ln in err.replace("\r", "\n").splitlines()
+            if "megarl: rollout replica " in ln]
+    # A, D: the server itself SIGKILLed (-9); B, C: only the engine core killed, the server exits by itself: code 1
+    # (vLLM's watchdog) or 0 (uvicorn's shutdown finished first; seen in cell C), never a signal
+    killed, by_itself = ("exited with code -9",), ("exited with code 0 ", "exited with code 1 ")
+    for name, hows, k in (("A", killed, 1), ("D", killed, 2), ("B", by_itself, 1), ("C", by_itself, 3)):
+        i = cells[name]["replica"]
+        line = next((ln for ln in said if ln.startswith(f"megarl: rollout replica {i} (")
+                     and f"(restart {k} of {RESTARTS})" in ln), None)
+        log_and_restart = f"(log {run_dir / f'vllm_replica{i}.log'}); restarted as http"
+        assert line is not None and any(how in line for how in hows) and log_and_restart in line, (name, line, said)
+    assert len(said) == 4 and not any("failed" in ln or "stays down" in ln for ln in said), said
+    log0 = (run_dir / "vllm_replica0.log").read_text()
+    assert [f"===== megarl: restart {k} of {RESTARTS} of rollout replica 0" in log0 for k in (1, 2, 3)] == [True] * 3
+
+    # A: killed while generating (the rollout worker lost it with chunks in flight); the new incarnation healthy
+    # and guarded
+    a = cells["A"]
+    assert (a["health"], a["unguarded"], a["guarded"]) == (200, 401, 200)
+    assert a["new_pid"] != a["pid"]
+    lost = caplog.text + err
+    assert "rollout replica 0 (" in lost and "its unfinished chunks go back to the queue" in lost, lost[-3000:]
+    # B: the engine core's death ended the push within the bound (not the 600 s read timeout); its server exited
+    b = cells["B"]
+    hit_b = by_step[b["step"]]
+    assert "1" not in hit_b["sync/served_versions"] and hit_b["time/push_s"] < BOUND_S + SLACK_S, hit_b
+    # D: killed at its rejoining push: that push went on without it, within the bound
+    d = cells["D"]
+    hit_d = by_step[d["step"]]
+    assert "0" not in hit_d["sync/served_versions"] and hit_d["time/push_s"] < BOUND_S + SLACK_S, hit_d
+    # C: lost during the evaluation, which finished on replica 1 within the bound
+    c = cells["C"]
+    hit_c = by_step[c["step"]]
+    assert hit_c["eval/replicas_lost"] == 1 and hit_c["eval/seconds"] < BOUND_S + SLACK_S, hit_c
+    assert hit_c["eval/prompts"] == 8
+
+    # sync.delta: a push to one replica (TP 1: one worker) sends `one` elements as a delta, a push to both 2 x one
+    pushes = [r for r in records if r["sync/versions"] and r["sync/delta_pushes"]]
+    alone = {r["sync/delta_elements"] for r in pushes if len(r["sync/served_versions"]) == 1}
+    assert len(alone) == 1 and (one := alone.pop()) > 0, alone
+    rejoins = {c["rejoined"] for c in cells.values() if "rejoined" in c}
+    assert {r["sync/delta_elements"] for r in pushes if len(r["sync/served_versions"]) == 2
+            and r["step"] not in rejoins} == {2 * one}
+    what_of = {"A": "API server SIGKILL, generating", "D": "SIGKILL while rejoining (its full push)",
+               "B": "engine core SIGKILL, mid-push", "C": "engine core SIGKILL, evaluating"}
+    report = []
+    for name in ORDER:
+        what = what_of[name]
+        cell = cells[name]
+        assert cell["gone"] - cell["kill"] < BOUND_S + SLACK_S, (name, cell)  # the watcher saw it
+        assert cell["group"] - cell["gone"] < GONE_S + 5, (name, cell)  # and its process group died
+        hit = by_step[cell["step"]]
+        noticed = {"B": hit.get("time/push_s"), "D": hit.get("time/push_s"), "C": hit.get("eval/seconds")}.get(name)
+        rejoined = cell.get("rejoined") or cells["D"]["rejoined"]
+        affected = [r["step"] for r in records if cell["step"] <= r["step"] < rejoined
+                    and min(r["fleet/replicas"], r["fleet/replicas_in_sync"]) < 2]
+        # each rejoin is a full push: of the two replicas it reached, only the other one took a delta
+        full = by_step[rejoined]
+        assert full["sync/served_versions"].keys() == {"0", "1"} and full["sync/delta_elements"] == one, full
+        report.append(f"{name} {what}: replica {cell['replica']} killed at step {cell['step']}; trainer's call gave "
+                      f"up after {'-' if noticed is None else f'{noticed:.1f} s'} (bound {BOUND_S:g} s); the watcher "
+                      f"saw it after {cell['gone'] - cell['kill']:.1f} s, its group gone after "
+                      f"{cell['group'] - cell['kill']:.1f} s; registered again after "
+                      f"{cell['back'] - cell['kill']:.1f} s "
+                      f"(trainer held the last {cell['back'] - cell['held']:.1f} s); rejoined with a full push at step "
+                      f"{rejoined}; steps with one replica: {len(affected)} {affected}")
+    print("\n".join(report) + f"\nrun: {wall:.0f} s for {STEPS} steps")
