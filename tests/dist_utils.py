@@ -8,11 +8,13 @@ per-rank return values (serialised back, tensors included). A rank that raises o
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from megarl.parallel.spawn import free_port, run_ranks
+from megarl.rollout.fleet_auth import SECRET_ENV
 
 __all__ = ["free_port", "run_distributed"]
 
@@ -48,3 +50,19 @@ def process_group_members(pgid: int) -> list[int]:
         if int(fields[2]) == pgid and fields[0] != "Z":
             members.append(int(stat.parent.name))
     return members
+
+
+def fleet_processes(secret_file: Path) -> list[int]:
+    """Running (not zombie) processes other than this one started with the fleet's secret file in their
+    environment, from /proc."""
+    mark = f"{SECRET_ENV}={secret_file}".encode()
+    found = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            if int(entry.name) == os.getpid() or mark not in (entry / "environ").read_bytes().split(b"\0"):
+                continue
+            if (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                found.append(int(entry.name))
+        except OSError:
+            continue  # exited while we looked, or not ours
+    return found

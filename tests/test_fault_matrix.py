@@ -81,22 +81,6 @@ def _engine_core(pgid: int) -> int | None:
     return None
 
 
-def _fleet_processes(secret_file: Path) -> list[int]:
-    """Running (not zombie) processes other than this one started with the fleet's secret file in their
-    environment, from /proc."""
-    mark = f"{SECRET_ENV}={secret_file}".encode()
-    found = []
-    for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            if int(entry.name) == os.getpid() or mark not in (entry / "environ").read_bytes().split(b"\0"):
-                continue
-            if (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
-                found.append(int(entry.name))
-        except OSError:
-            continue  # exited while we looked, or not ours
-    return found
-
-
 def _secret_file_of(pid: int) -> Path:
     env = (Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0")
     return Path(next(v for v in env if v.startswith(f"{SECRET_ENV}=".encode())).decode().split("=", 1)[1])

@@ -21,10 +21,10 @@ import requests
 
 from megarl.config.load import load_config
 from megarl.config.schema import Config
-from megarl.rollout.fleet_auth import SECRET_ENV, bearer_header, read_secret
+from megarl.rollout.fleet_auth import bearer_header, read_secret
 from megarl.rollout.rendezvous import register_replica, registrations
 from megarl.rollout.run_fleet import start_fleet
-from tests.dist_utils import process_group_members
+from tests.dist_utils import fleet_processes, process_group_members
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -40,22 +40,6 @@ def _registration(run_dir: Path, replica: int = 0) -> dict[str, Any] | None:
         return json.loads((run_dir / "fleet" / f"replica{replica}.json").read_text())
     except FileNotFoundError:
         return None
-
-
-def _fleet_processes(secret_file: Path) -> list[int]:
-    """Running (not zombie) processes other than this one started with the fleet's secret file in their
-    environment, from /proc."""
-    mark = f"{SECRET_ENV}={secret_file}".encode()
-    found = []
-    for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            if int(entry.name) == os.getpid() or mark not in (entry / "environ").read_bytes().split(b"\0"):
-                continue
-            if (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
-                found.append(int(entry.name))
-        except OSError:
-            continue  # exited while we looked, or not ours
-    return found
 
 
 class _Stderr:
@@ -102,7 +86,7 @@ def test_dead_replicas_are_restarted_a_failed_restart_counts_and_stopping_stops_
         assert registrations(run_dir, secret) == {0: (first_url, f"{host}:{first.pid}"),
                                                   1: (other_url, f"{host}:{other.pid}")}
         assert not (run_dir / "fleet" / "replica3.json").exists(), "an earlier run's registration survived"
-        assert {first.pid, other.pid} <= set(_fleet_processes(secret_file))
+        assert {first.pid, other.pid} <= set(fleet_processes(secret_file))
 
         # replica 0 killed: restarted (restart 1 of 2), registered again, healthy and guarded
         os.killpg(first.pid, signal.SIGKILL)
@@ -149,7 +133,7 @@ def test_dead_replicas_are_restarted_a_failed_restart_counts_and_stopping_stops_
         line = stderr.read().split("restart 1 of 2 failed")[1].splitlines()[0]
         assert ", its log ending: OSError: " in line and "is not a valid JSON file" in line, line
         assert line.endswith(f"(log {log1})"), line
-    assert not _fleet_processes(secret_file), "a server outlived the fleet"
+    assert not fleet_processes(secret_file), "a server outlived the fleet"
     assert not process_group_members(fleet.procs[1].pid) and not process_group_members(other.pid)
     # nothing more said of replica 1: no restart 2 of it ended, it was not said to stay down
     assert "rollout replica 1 (restart 1 failed)" not in stderr.read()
