@@ -76,7 +76,7 @@ launch-env: $(LAUNCH_STAMP)
 # 70 s of it compiling the bytecode, where pip takes minutes; torch's +cpu wheel from the find-links pip is
 # configured with, else PyTorch's CPU index (as megarl/stacks.py resolves the cpu lock). --compile-bytecode: uv,
 # unlike pip, installs no .pyc files, so every process of the environment (prepare, each trainer rank) compiled
-# torch, megatron-core and transformers again wherever they cannot be cached (PYTHONDONTWRITEBYTECODE, as CI sets
+# torch, megatron-core and transformers again wherever they cannot be cached (PYTHONDONTWRITEBYTECODE, as these machines set
 # it, or a read-only venv): 28 s of CPU per `import torch, megatron.core, transformers` there against 10 s with
 # them compiled once at install (tests/test_slurm_failover.py starts six such processes).
 TRAINER_VENV ?= .venv-trainer
