@@ -52,6 +52,20 @@ def process_group_members(pgid: int) -> list[int]:
     return members
 
 
+def engine_core(pgid: int) -> int | None:
+    """The `VLLM::EngineCore` process in process group `pgid` (a vLLM server's group: the engine core that owns the
+    model and the workers; its comm is cut to 15 characters), from /proc; None if there is none running."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        comm, fields = text.split("(", 1)[1].rsplit(")", 1)[0], text.rsplit(")", 1)[1].split()
+        if int(fields[2]) == pgid and comm.startswith("VLLM::EngineCor") and fields[0] != "Z":
+            return int(stat.parent.name)
+    return None
+
+
 def fleet_processes(secret_file: Path) -> list[int]:
     """Running (not zombie) processes other than this one started with the fleet's secret file in their
     environment, from /proc."""

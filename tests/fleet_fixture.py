@@ -15,7 +15,9 @@ A test that kills a replica of a session fleet (a server, or a worker, which end
 (`order_fleet_killers_last`, conftest's collection hook), so the fleet serves its other users whole and nobody starts
 a fleet of its own to kill; after one, `revive_killed_fleets` restarts the killed replicas of the fleets it names
 when a later test of the session still asks for them (another killer of the same fleet), at new URLs in the same
-`FleetHandle`.
+`FleetHandle`. A test that leaves a session fleet serving weights no later test could use (a diverged run's
+blown-up weights) says so with `@pytest.mark.spoils_session_fleet("moe_fleet_2x1")`: it runs after every other test
+but before the killers, whose every use of the fleet begins with a full push.
 """
 
 from __future__ import annotations
@@ -101,12 +103,16 @@ def moe_fleet_2x1(tiny_moe_dir: Path, fleet_secret: Path,
 
 _SPECS: dict[int, FleetSpec] = {}  # id(session FleetHandle) -> the spec it was launched with
 KILLS_FLEET = "kills_session_fleet"  # the marker: @pytest.mark.kills_session_fleet("moe_fleet", ...)
+SPOILS_FLEET = "spoils_session_fleet"  # @pytest.mark.spoils_session_fleet("moe_fleet_2x1"): leaves unusable weights
 
 
 def order_fleet_killers_last(items: list[pytest.Item]) -> None:
-    """Move the tests marked `kills_session_fleet` after every other test, in their own order (in place)."""
-    killers = [item for item in items if item.get_closest_marker(KILLS_FLEET)]
-    items[:] = [item for item in items if not item.get_closest_marker(KILLS_FLEET)] + killers
+    """Move the tests marked `spoils_session_fleet`, then those marked `kills_session_fleet`, after every other
+    test, each group in its own order (in place)."""
+    def group(item: pytest.Item) -> int:
+        return 2 if item.get_closest_marker(KILLS_FLEET) else 1 if item.get_closest_marker(SPOILS_FLEET) else 0
+
+    items.sort(key=group)  # stable: the collection order within each group
 
 
 @pytest.fixture(autouse=True)

@@ -26,7 +26,7 @@ from megarl.metrics.timeline import load_spans
 from tests.shared_ranks import train_jobs_in_one_set_of_ranks
 
 PIPELINES = [(4, 0, 6, "off_policy_grpo", "engine"), (1, 4, 7, "gspo", "engine"), (2, 1, 5, "rec_gspo_nois", "trainer"),
-             (8, 2, 11, "rec_gspo_nois", "engine")]
+             (8, 2, 9, "rec_gspo_nois", "engine")]
 
 
 def _expected_lag(batch: int, m: int, n: int) -> int:

@@ -49,7 +49,7 @@ import requests
 from megarl.launch import prepare, train
 from megarl.rollout.fleet_auth import SECRET_ENV, bearer_header, read_secret
 from megarl.rollout.rendezvous import register_replica
-from tests.dist_utils import process_group_members
+from tests.dist_utils import engine_core, process_group_members
 from tests.test_end_to_end import _expected_lag
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,19 +66,6 @@ def _registration(run_dir: Path, replica: int) -> dict[str, Any] | None:
         return json.loads((run_dir / "fleet" / f"replica{replica}.json").read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return None
-
-
-def _engine_core(pgid: int) -> int | None:
-    """The `VLLM::EngineCore` process in process group `pgid` (its comm is cut to 15 characters), from /proc."""
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            text = stat.read_text()
-        except OSError:
-            continue
-        comm, fields = text.split("(", 1)[1].rsplit(")", 1)[0], text.rsplit(")", 1)[1].split()
-        if int(fields[2]) == pgid and comm.startswith("VLLM::EngineCor") and fields[0] != "Z":
-            return int(stat.parent.name)
-    return None
 
 
 def _secret_file_of(pid: int) -> Path:
@@ -258,7 +245,7 @@ class _Faults(threading.Thread):
 
     @staticmethod
     def _core(pid: int) -> int:
-        core = _engine_core(pid)
+        core = engine_core(pid)
         assert core is not None, f"no engine core in process group {pid}"
         return core
 

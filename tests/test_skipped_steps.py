@@ -90,22 +90,25 @@ def test_metrics_writer_keeps_a_skipped_steps_non_finite_values_as_null(tmp_path
     assert written["nonfinite"] == ["loss", "grad_norm"]
 
 
-def test_a_diverged_run_stops_after_max_skipped_steps_without_checkpointing_them(tiny_moe_dir, tmp_path) -> None:
+@pytest.mark.spoils_session_fleet("moe_fleet_2x1")
+def test_a_diverged_run_stops_after_max_skipped_steps_without_checkpointing_them(tiny_moe_dir, moe_fleet_2x1,
+                                                                                 tmp_path) -> None:
     """lr 1e30 with weight decay 0.1: the first update (decay alone is enough, whatever the rewards) blows the
     weights up, every later forward overflows, every later gradient is NaN. The run skips
     `trainer.max_skipped_steps` steps in a row, then stops with one line; checkpoints were saved only after steps
-    that were not skipped. The run starts its own fleet: the blown-up weights are pushed to it."""
+    that were not skipped. The blown-up weights are pushed to the session's two-replica fleet, so this test runs
+    after every other user of it (`spoils_session_fleet`) but the killers, which push whole checkpoints first."""
     import json
 
     from megarl.launch import TrainerError, prepare, train
 
     run_dir = tmp_path / "run"
     cfg = prepare(None, [f"model.hf_dir={tiny_moe_dir}", f"run.dir={run_dir}", "run.steps=10", "trainer.world_size=2",
-                         "trainer.ep=2", "rollout.tp=1", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=2",
-                         "data.prompts_per_step=4", "sync.interval=1", "optimizer.lr=1e30",
+                         "trainer.ep=2", "rollout.tp=1", "rollout.replicas=2", "rollout.samples_per_prompt=4",
+                         "rollout.max_new_tokens=2", "data.prompts_per_step=4", "sync.interval=1", "optimizer.lr=1e30",
                          "optimizer.weight_decay=0.1", "checkpoint.interval=1", "trainer.max_skipped_steps=3"])
     with pytest.raises(TrainerError, match=r"NonFiniteStepsError: steps (\d+)\.\.(\d+): 3 consecutive steps") as err:
-        train(cfg)
+        train(cfg, fleet_urls=moe_fleet_2x1.urls)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     flags = [r["train/skipped_step"] for r in records]
     first_bad = flags.index(1)

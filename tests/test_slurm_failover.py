@@ -8,10 +8,15 @@ with each role run from its own environment: the trainer ranks (and `megarl prep
    checkpoint.interval=1). The trainer cannot go on without it: the job exits 1 naming replica 0 as the likely cause,
    restarts nothing, stops replica 1 cleanly, and every checkpoint on disk verifies.
 2. The resubmission (checkpoint.resume=latest, rollout.min_replicas=1, ROLLOUT_RESTARTS=1) resumes from the newest
-   checkpoint. Once it has trained a step, replica 1's vLLM server is SIGKILLed; the job restarts its step on the same
-   node with the same resources (the test holds the trainer still while the new vLLM server starts, so the restart
-   lands mid-run however loaded the machine is), the trainer lets the new replica in at a push point with a full
-   push, then the restarted step is killed too and, with no restart left, stays down. The job still trains every
+   checkpoint. Once it has trained a step, replica 1's engine core (`VLLM::EngineCore`, what a CUDA error or an
+   out-of-memory kills) is SIGKILLed alone mid-push, right after its server answered /start_weight_update: the push
+   goes on without it within the bound, its API server exits by itself and so does its step (issue 36's fault
+   matrix, the SLURM subset); the job restarts the step on the same node with the same resources (the test holds
+   the trainer still while the new vLLM server starts, so the restart lands mid-run however loaded the machine is),
+   the trainer lets the new replica in at a push point with a full push; then the restarted replica's API server
+   hangs (SIGSTOP, never continued): `megarl serve` finds its /health failing past rollout.health_timeout_s (8 s),
+   kills its whole process group and ends the step, which, with no restart left, stays down. (Job 1 covers a step
+   that SLURM itself kills, exit code 137.) The job still trains every
    remaining step: exit code 0, every step of the run once at the schedule's exact lag, prompts x K samples and
    finite metrics in every step, every push's bytes received in full by each replica it reached, the restarted
    replica reporting the version just pushed, the roles where the script placed them, a clean end.
@@ -41,6 +46,7 @@ from megarl.checkpoint import open_checkpoint
 from megarl.config.load import load_config
 from megarl.loop import checkpoint_identity
 from megarl.metrics.timeline import load_spans
+from tests.dist_utils import engine_core, process_group_members
 from tests.slurm_cluster import SlurmCluster
 from tests.test_slurm_job import (
     JOB_TIMEOUT_S,
@@ -63,6 +69,8 @@ PROMPTS, K = 32, 8  # configs/demo_moe.yaml's data.prompts_per_step and rollout.
 # the run's steps (resumed at step 1 or 3, replica 1 rejoins at step 5 or 7: pushes at 9 and 11 are left to leave it
 # out after its second kill); configs/demo_moe.yaml's sync.interval and sync.offset
 STEPS, M, N = 12, 2, 1
+BOUND_S = 8.0  # the job's rollout.health_timeout_s
+SLACK_S = 20.0  # a loaded 2-core machine: the server's own shutdown, the job's polls (POLL_S=1)
 FLEET_ENV = Path(sys.prefix)  # this venv: vLLM and megarl
 
 
@@ -105,6 +113,18 @@ def _server_pid(url: str) -> int:
                            capture_output=True, text=True).stdout.split()
     assert len(found) == 1, found
     return int(found[0])
+
+
+def _log_grows(log: Path, needle: bytes):
+    """A condition for `_wait_for`: `needle` (an access line) appears in `log` after its present end."""
+    offset, seen = log.stat().st_size, [b""]
+
+    def grown() -> bool:
+        with log.open("rb") as f:
+            f.seek(offset)
+            seen[0] = f.read()
+        return needle in seen[0]
+    return grown
 
 
 def _interpreter(pid: int) -> Path | None:
@@ -184,7 +204,8 @@ def test_killed_replicas_fail_or_rejoin_and_the_resubmission_loses_no_step(slurm
                                                                             tiny_moe_dir: Path) -> None:
     run_dir, logs = tmp_path / "run", tmp_path / "run" / "logs"
     _seed_model(tmp_path, tiny_moe_dir)
-    base = _job_env(tmp_path, f"run.steps={STEPS} checkpoint.interval=1 eval.interval=0")
+    base = _job_env(tmp_path, f"run.steps={STEPS} checkpoint.interval=1 eval.interval=0 "
+                              f"rollout.health_timeout_s={BOUND_S:g}")
     base |= {"MEGARL_TRAINER_ENV": str(trainer_env), "MEGARL_FLEET_ENV": str(FLEET_ENV)}
     # the trainer's environment has no vLLM (the fleet's has): its ranks never import it
     no_vllm = subprocess.run([str(trainer_env / "bin" / "python"), "-c", "import vllm"], capture_output=True,
@@ -253,10 +274,25 @@ def test_killed_replicas_fail_or_rejoin_and_the_resubmission_loses_no_step(slurm
         first_step = _step_id(slurm_cluster, "megarl-serve-1")
         placement = _step_placement(slurm_cluster, first_step)
         url = _registered(run_dir, 1)["url"]  # type: ignore[index]
-        os.kill(_server_pid(url), signal.SIGKILL)  # replica 1's vLLM server, not its step
-        # the trainer goes on with replica 0 alone: a push point leaves replica 1 out of the sync
-        _wait_for("replica 1 out of the sync",
-                  lambda: any(r["fleet/replicas_in_sync"] == 1 for r in _records_now(run_dir)), job)
+        server = _server_pid(url)
+        # replica 1's engine core alone (what a CUDA error or an out-of-memory kills), mid-push: right after its
+        # server answered /start_weight_update of the next push; its API server and its step are left alone
+        _wait_for("replica 1 taking a push",
+                  _log_grows(logs / "vllm_replica1.log", b"POST /start_weight_update"), job)
+        core = engine_core(server)
+        assert core is not None, f"no engine core in replica 1's process group {server}"
+        os.kill(core, signal.SIGKILL)
+        killed = time.monotonic()
+        # its server exits by itself (megarl/rollout/engine_death.py), so `megarl serve`, and with it the step, ends
+        _wait_for("replica 1's server gone", lambda: not process_group_members(server), job,
+                  timeout_s=BOUND_S + SLACK_S)
+        server_gone_s = time.monotonic() - killed
+        # the trainer goes on with replica 0 alone: the push in flight leaves replica 1 out of the sync
+        lost = _wait_for("replica 1 out of the sync",
+                         lambda: [r for r in _records_now(run_dir) if r["fleet/replicas_in_sync"] == 1], job)[0]
+        print(f"engine core killed mid-push: server gone after {server_gone_s:.1f}s, the push without it took "
+              f"{lost['time/push_s']:.1f}s (step {lost['step']})")
+        assert lost["time/push_s"] < BOUND_S + SLACK_S, lost  # was the 600 s read timeout
         with _trainer_frozen(run_dir) as ranks:  # until the restarted replica has registered (healthy and guarded)
             # each role runs from its environment: the ranks' interpreter is the trainer venv's, vLLM's the fleet's
             assert {_env_of(pid) for pid in ranks} == {trainer_env.resolve()}, ranks
@@ -273,9 +309,17 @@ def test_killed_replicas_fail_or_rejoin_and_the_resubmission_loses_no_step(slurm
         restarted_step = _step_id(slurm_cluster, "megarl-serve-1")
         assert restarted_step != first_step and placement[0] == "node3" and "gpu" in placement[2], placement
         assert _step_placement(slurm_cluster, restarted_step) == placement  # node, CPUs, memory, GPUs as before
-        slurm_cluster.run("scancel", "--signal=KILL", restarted_step)
+        # the restarted replica's API server hangs (SIGSTOP, never continued): its /health stops answering, so
+        # `megarl serve` kills its process group after rollout.health_timeout_s and the step ends; with no restart
+        # left it stays down
+        hung = _server_pid(_registered(run_dir, 1)["url"])  # type: ignore[index]
+        os.kill(hung, signal.SIGSTOP)
+        stopped = time.monotonic()
         stays_down = _wait_for_line(tmp_path, job, r"rollout replica 1 exited with code \d+ .*stays down",
-                                    timeout_s=60, skip=first_outputs)
+                                    timeout_s=BOUND_S + SLACK_S, skip=first_outputs)
+        hung_down_s = time.monotonic() - stopped
+        assert not process_group_members(hung), "the hung replica's processes outlived its step"
+        print(f"server hung: step ended, replica down after {hung_down_s:.1f}s (bound {BOUND_S:.0f}s)")
         time.sleep(3)  # three of the job's polls (POLL_S=1): no second restart
         steps_now = slurm_cluster.run("squeue", "--noheader", "--steps", "--format=%j").stdout.split()
         assert "megarl-serve-1" not in steps_now and "megarl-serve-0" in steps_now, steps_now
@@ -287,12 +331,16 @@ def test_killed_replicas_fail_or_rejoin_and_the_resubmission_loses_no_step(slurm
     assert "trainer finished" in output, why
     assert output.count("restarting it (restart 1 of 1)") == 1 and output.count("stays down") == 1, why
     assert re.search(r"rollout replica 1 exited with code 1 .*restarting it", output), why  # its vLLM died
-    assert re.fullmatch(r"megarl job \d+: rollout replica 1 exited with code 137 \(see \S+/serve_replica1\.log and "
+    # the first start ended because its server exited by itself (the engine died); the restart because it hung
+    serve_log = (logs / "serve_replica1.log").read_text()
+    assert re.search(r"rollout replica 1 \(\S+\) died: its vLLM server exited with code [01] ", serve_log), why
+    assert re.search(r"rollout replica 1 \(\S+\) is dead: .*; stopping its server", serve_log), why
+    assert re.fullmatch(r"megarl job \d+: rollout replica 1 exited with code 1 \(see \S+/serve_replica1\.log and "
                         r"\S+/vllm_replica1\.log\); it stays down \(no restart left: ROLLOUT_RESTARTS=1\); the "
                         r"trainer goes on with the replicas left and fails below rollout\.min_replicas",
                         stays_down), why
     assert "rollout replica 0 exited" not in output, why
-    assert re.search(r"replica 1 \(exit codes 1,137; restarted 1 of 1 time\(s\); down;", output), why
+    assert re.search(r"replica 1 \(exit codes 1,1; restarted 1 of 1 time\(s\); down;", output), why
     # the replica's logs go on across its two starts, one restart line between them: its step's, its vLLM
     # server's (the first server's lines kept), srun's messages
     assert (logs / "serve_replica1.log").read_text().count("restart 1 of 1 of rollout replica 1") == 1, why
