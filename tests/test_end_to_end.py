@@ -81,21 +81,24 @@ def _overlaps(a, b) -> bool:
     return a.start < b.end and b.start < a.end
 
 
+SEQUENTIAL = PIPELINES[2]  # the pipelined run the sequential controller's run is compared with
+EVALUATION = ["eval.interval=2", "eval.prompts=4", "eval.samples=2"]  # in SEQUENTIAL's pipelined run only
+
+
 @pytest.fixture(scope="module")
 def runs(moe_fleet_2x1, tiny_moe_dir, tmp_path_factory) -> dict[Any, tuple[Any, dict[str, Any]]]:
-    """Per job (a PIPELINES tuple, or ("overlap", bool) for the sequential test's two runs): its run directory
-    and its summary (`finish_run`, as `train` returns it)."""
+    """Per job (a PIPELINES tuple, or "sequential" for SEQUENTIAL's job with rollout.overlap=false): its run
+    directory and its summary (`finish_run`, as `train` returns it)."""
     root = tmp_path_factory.mktemp("e2e")
     cfgs = {}
     for i, (m, n, steps, algorithm, old_logprobs) in enumerate(PIPELINES):
+        job = [f"algorithm.name={algorithm}", f"algorithm.old_logprobs={old_logprobs}"]
+        if (m, n, steps, algorithm, old_logprobs) == SEQUENTIAL:
+            cfgs["sequential"] = prepare(None, _overrides(tiny_moe_dir, root / "sequential", m, n, steps, *job,
+                                                          "rollout.overlap=false"))
+            job += EVALUATION
         cfgs[(m, n, steps, algorithm, old_logprobs)] = prepare(None, _overrides(
-            tiny_moe_dir, root / f"pipeline{i}", m, n, steps, f"algorithm.name={algorithm}",
-            f"algorithm.old_logprobs={old_logprobs}"))
-    for overlap in (True, False):
-        evaluation = ["eval.interval=2", "eval.prompts=4", "eval.samples=2"] if overlap else []
-        cfgs[("overlap", overlap)] = prepare(None, _overrides(
-            tiny_moe_dir, root / f"overlap_{overlap}", 2, 1, 5, f"rollout.overlap={str(overlap).lower()}",
-            *evaluation))
+            tiny_moe_dir, root / f"pipeline{i}", m, n, steps, *job))
     train_jobs_in_one_set_of_ranks(list(cfgs.values()), 2, moe_fleet_2x1.urls, root)
     return {key: (Path(cfg.run.dir), finish_run(cfg)) for key, cfg in cfgs.items()}
 
@@ -164,9 +167,11 @@ def test_pipeline_lags_pushes_and_window(runs, m, n, steps, algorithm, old_logpr
 def test_sequential_controller_gives_the_same_run_without_overlap(runs):
     """rollout.overlap=false: the same batches, lags, rewards and losses as the pipeline (generation is seeded
     per request and the fleet holds the same weights for the same batch), and no generation overlaps training.
-    The pipelined run also evaluates every 2 steps: evaluation changes neither the schedule nor the data, and
-    each evaluation reports the version of the fleet's last push."""
-    dirs = {overlap: runs[("overlap", overlap)][0] for overlap in (True, False)}
+    The pipelined run (SEQUENTIAL, one of PIPELINES) also evaluates every 2 steps: evaluation changes neither the
+    schedule nor the data, and each evaluation reports the version of the fleet's last push."""
+    m, n, steps, *_ = SEQUENTIAL
+    assert (m, n, steps) == (2, 1, 5)  # the figures below are this schedule's
+    dirs = {True: runs[SEQUENTIAL][0], False: runs["sequential"][0]}
     loaded = {overlap: (_records(d), load_spans(d / "timeline.json")) for overlap, d in dirs.items()}
     (on, on_spans), (off, off_spans) = loaded[True], loaded[False]
     for a, b in zip(on, off, strict=True):
