@@ -96,7 +96,9 @@ def test_tp2_worker_killed_and_hung_mid_push_under_megarl_train(tmp_path: Path,
     line_h = next(ln for ln in said if "(restart 2 of 2)" in ln)
     assert "restarted as http" in line_e and "restarted as http" in line_h, said
     assert "is dead: condemned by the trainer: replica 0 (" in line_h and " hangs: " in line_h, line_h
-    assert "/update_weights did not answer within" in line_h, line_h
+    # the call that went unanswered: /update_weights as a rule; a report or close RPC if the stop landed after the
+    # tiny model's bytes were loaded
+    assert " did not answer within " in line_h, line_h
     report = []
     for name, what in (("E", "TP-2 worker SIGKILL, mid-push (streamed)"),
                        ("H", "TP-2 worker SIGSTOP (hung, /health 200), mid-push (streamed)")):
