@@ -56,6 +56,7 @@ def run_rank(cfg: Config, place: ProcessPlace, sync_port: int, fleet_urls: Calla
                                 grad_bucket_size=t.grad_bucket_size)
         urls = fleet_urls() if rank == 0 else []
         clients = [RolloutClient(url, health_timeout_s=cfg.rollout.health_timeout_s) for url in urls]
+        roster = Roster(cfg.run.dir, job_secret(), urls, cfg.rollout.health_timeout_s) if rank == 0 else None
         weight_sync = PartitionedWeightSync(
             rank=rank, world_size=t.world_size, hf_config=hf, clients=clients, rollout_tp=cfg.rollout.tp,
             rollout_replicas=cfg.rollout.replicas, store_host=place.master_addr, store_port=sync_port,
@@ -64,11 +65,10 @@ def run_rank(cfg: Config, place: ProcessPlace, sync_port: int, fleet_urls: Calla
             delta=cfg.sync.delta, wire_dtype=getattr(torch, cfg.rollout.dtype),
             min_replicas=cfg.rollout.min_replicas, rejoin_timeout_s=cfg.sync.rejoin_timeout_s,
             group_timeout=(cfg.sync.timeout_min_gbps, cfg.sync.timeout_fixed_s),
+            condemn=roster.condemn if roster is not None else None,
         )
-        start_rollout, roster = None, None
+        start_rollout = None
         if rank == 0:
-            roster = Roster(cfg.run.dir, job_secret(), urls, cfg.rollout.health_timeout_s)
-
             def start_rollout(timeline, start, saved, data_position):
                 return start_rollout_worker(cfg, clients, timeline, start, saved, data_position)
         run_loop(cfg, rank, policy, weight_sync, start_rollout, dp_rank_and_size(), pad_id=hf.get("pad_token_id") or 0,

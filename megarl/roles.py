@@ -145,12 +145,14 @@ def _raise_stop(signum: int, frame: object) -> None:
 
 def serve(cfg: Config, replica: int, host: str | None = None, restart: bool = False) -> int:
     """Run replica `replica` of the fleet until SIGTERM/SIGINT (exit 0) or until its server dies (exit 1): exits, or
-    its `/health` fails for `rollout.health_timeout_s` (`megarl.rollout.liveness`; its process group is killed).
+    its `/health` fails for `rollout.health_timeout_s` (`megarl.rollout.liveness`), or the trainer condemned it (a
+    push's call went unanswered past the push's bound while `/health` answered, `megarl.rollout.rendezvous.condemned`);
+    its process group is killed.
     `restart`: the launcher starts it again in the same job: its vLLM log is appended to (after the line the launcher
     wrote there), not started afresh."""
     from megarl.rollout.fleet import FleetError, fleet_spec, launch
     from megarl.rollout.liveness import Liveness
-    from megarl.rollout.rendezvous import register_replica, unregister_replica
+    from megarl.rollout.rendezvous import clear_condemned, condemned, incarnation, register_replica, unregister_replica
 
     if not 0 <= replica < cfg.rollout.replicas:
         raise ConfigError(f"--replica {replica}: the config has rollout.replicas={cfg.rollout.replicas} "
@@ -167,9 +169,15 @@ def serve(cfg: Config, replica: int, host: str | None = None, restart: bool = Fa
         register_replica(cfg.run.dir, replica, fleet.urls[0], secret)
         _say(f"rollout replica {replica} on {node_name()} serving at {fleet.urls[0]} ({visible_gpus()}; log "
              f"{fleet.logs[0]}; environment {sys.prefix})")
-        liveness = Liveness(fleet.urls[0], cfg.rollout.health_timeout_s)
+        liveness, me = Liveness(fleet.urls[0], cfg.rollout.health_timeout_s), incarnation(os.getpid())
         while (code := fleet.procs[0].poll()) is None:
             time.sleep(liveness.every_s)
+            if (why := condemned(cfg.run.dir, replica, secret, me)) is not None:  # it hangs, /health answers
+                _say(f"rollout replica {replica} ({fleet.urls[0]}) is dead: condemned by the trainer: {why}; stopping "
+                     f"its server (log {fleet.logs[0]})")
+                clear_condemned(cfg.run.dir, replica, me, secret)
+                grace_s = 0.0
+                return 1
             if liveness.dead():  # its engine died or it hangs: the same end as an exit (the finally kills the group)
                 _say(f"rollout replica {replica} ({fleet.urls[0]}) is dead: {liveness.why()}; stopping its server "
                      f"(log {fleet.logs[0]})")

@@ -33,23 +33,17 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import signal
 import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
-import requests
 
 from megarl.launch import prepare, train
-from megarl.rollout.fleet_auth import SECRET_ENV, bearer_header, read_secret
 from megarl.rollout.rendezvous import register_replica
-from tests.dist_utils import engine_core, process_group_members
+from tests.fault_injection import FaultInjector
 from tests.test_end_to_end import _expected_lag
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,155 +55,8 @@ RESTARTS = 3  # replica 0 is killed three times (A, D, C), replica 1 once (B)
 ORDER = ("A", "D", "C", "B")
 
 
-def _registration(run_dir: Path, replica: int) -> dict[str, Any] | None:
-    try:
-        return json.loads((run_dir / "fleet" / f"replica{replica}.json").read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
-
-
-def _secret_file_of(pid: int) -> Path:
-    env = (Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0")
-    return Path(next(v for v in env if v.startswith(f"{SECRET_ENV}=".encode())).decode().split("=", 1)[1])
-
-
-def _trainer_processes() -> list[int]:
-    """The trainer ranks and their helpers: this process's descendants in its own process group (the fleet's
-    servers lead process groups of their own, and this process runs the watcher that restarts them)."""
-    parent, group = {}, {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        parent[int(stat.parent.name)], group[int(stat.parent.name)] = int(fields[1]), int(fields[2])
-    me, mine = os.getpid(), os.getpgid(0)
-
-    def descends(pid: int) -> bool:
-        while pid > 1:
-            pid = parent.get(pid, 0)
-            if pid == me:
-                return True
-        return False
-
-    return [pid for pid in parent if pid != me and group[pid] == mine and descends(pid)]
-
-
-def _signal(pid: int, sig: int) -> None:
-    try:
-        os.kill(pid, sig)
-    except ProcessLookupError:
-        pass  # exited meanwhile
-
-
-class _Faults(threading.Thread):
-    """Injects the cells one after another (the module's docstring) and times each: `kill` (the signal sent),
-    `gone` (the registration removed: the watcher saw the exit or the death), `group` (no process of the replica's
-    process group left), `back` (a new incarnation registered). `cells[name]` also records the step under way at
-    the kill (`step`), the replica, the killed server's pid and, for A, the new incarnation's checks."""
-
-    def __init__(self, run_dir: Path) -> None:
-        super().__init__(daemon=True)
-        self.run_dir = run_dir
-        self.metrics = run_dir / "metrics.jsonl"
-        self.cells: dict[str, dict[str, Any]] = {}
-        self.error: str | None = None
-        self.stale: bool | None = None  # whether an earlier run's registration was there once the run trained
-        self.deadline = time.monotonic() + 1500
-
-    def run(self) -> None:
-        try:
-            self._run()
-        except Exception as err:  # noqa: BLE001 - reported by the test
-            self.error = f"{type(err).__name__}: {err}"
-
-    # -- what the thread reads
-
-    def _records(self) -> list[dict[str, Any]]:
-        try:
-            return [json.loads(line) for line in self.metrics.read_text().splitlines() if line.strip()]
-        except (FileNotFoundError, json.JSONDecodeError):
-            return []
-
-    def _until(self, condition: Callable[[], Any], what: str, every_s: float = 0.05) -> Any:
-        while not (value := condition()):
-            assert time.monotonic() < self.deadline, f"{what}: not before the test's deadline"
-            time.sleep(every_s)
-        return value
-
-    def _tail(self, replica: int, offset: int, needle: bytes) -> None:
-        """Wait until replica `replica`'s vLLM log has `needle` (an access line) after byte `offset`."""
-        log = self.run_dir / f"vllm_replica{replica}.log"
-        with log.open("rb") as f:
-            f.seek(offset)
-            seen = b""
-            while needle not in seen:
-                assert time.monotonic() < self.deadline, f"{needle!r} never in {log.name}"
-                seen = seen[-200:] + f.read()
-                time.sleep(0.01)
-
-    def _log_end(self, replica: int) -> int:
-        return (self.run_dir / f"vllm_replica{replica}.log").stat().st_size
-
-    # -- one cell
-
-    def _kill(self, name: str, replica: int, target: Callable[[int], int], step: int | None = None) -> dict[str, Any]:
-        entry = _registration(self.run_dir, replica)
-        assert entry is not None, f"{name}: replica {replica} is not registered"
-        pid = entry["pid"]
-        victim = target(pid)
-        os.kill(victim, signal.SIGKILL)
-        cell = {"replica": replica, "pid": pid, "kill": time.monotonic(),
-                "step": len(self._records()) if step is None else step}
-        self.cells[name] = cell
-        return cell
-
-    def _recover(self, cell: dict[str, Any], out_after: int) -> None:
-        """After a kill: the trainer is held as soon as a push at or after step `out_after` went on without the
-        replica (the run must not end first), until the replica is registered again; meanwhile the times the watcher
-        removed the registration and the replica's process group died are taken."""
-        replica, pid = cell["replica"], cell["pid"]
-        held: list[int] = []
-
-        def watch() -> bool:
-            now = time.monotonic()
-            if "gone" not in cell and (_registration(self.run_dir, replica) or {}).get("pid") != pid:
-                cell["gone"] = now
-            if "group" not in cell and not process_group_members(pid):
-                cell["group"] = now
-            if not held and any(r["step"] >= out_after and str(replica) not in
-                                (r.get("sync/served_versions") or {str(replica): 0}) for r in self._records()):
-                held.extend(_trainer_processes())
-                for p in held:
-                    _signal(p, signal.SIGSTOP)
-                cell["held"] = time.monotonic()
-            entry = _registration(self.run_dir, replica)
-            if held and entry is not None and entry["pid"] != pid and "gone" in cell and "group" in cell:
-                cell["back"], cell["new_pid"], cell["url"] = now, entry["pid"], entry["url"]
-                return True
-            return False
-
-        try:
-            self._until(watch, f"replica {replica} registered again")
-            cell["log_at_back"] = self._log_end(replica)
-            if "checks" in cell:
-                cell["checks"](_registration(self.run_dir, replica))
-        finally:
-            for p in held:
-                _signal(p, signal.SIGCONT)
-
-    def _rejoined(self, replica: int, after: int) -> int:
-        """The step whose push took `replica` back (it reports a version), after step `after`."""
-        return self._until(lambda: next((r["step"] for r in self._records() if r["step"] > after and str(replica) in
-                                         (r.get("sync/served_versions") or {})), None), f"replica {replica} rejoined")
-
-    def _new_incarnation(self, cell: dict[str, Any]) -> Callable[[dict[str, Any]], None]:
-        def checks(entry: dict[str, Any]) -> None:
-            url, secret = entry["url"], read_secret(_secret_file_of(entry["pid"]))
-            cell["health"] = requests.get(f"{url}/health", timeout=10).status_code
-            cell["unguarded"] = requests.get(f"{url}/v1/models", timeout=30).status_code
-            cell["guarded"] = requests.get(f"{url}/v1/models", headers=bearer_header(secret), timeout=30).status_code
-        return checks
+class _Faults(FaultInjector):
+    """The cells of the module's docstring, in `ORDER`."""
 
     def _run(self) -> None:
         self._until(lambda: len(self._records()) >= 1, "the run's first step", every_s=0.2)
@@ -242,12 +89,6 @@ class _Faults(threading.Thread):
         b = self._kill("B", 1, self._core)
         self._recover(b, b["step"])
         b["rejoined"] = self._rejoined(1, b["step"])
-
-    @staticmethod
-    def _core(pid: int) -> int:
-        core = engine_core(pid)
-        assert core is not None, f"no engine core in process group {pid}"
-        return core
 
 
 @pytest.mark.slow

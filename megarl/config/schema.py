@@ -334,18 +334,22 @@ class SyncConfig(_Strict):
         "The initial groups use trainer.collective_timeout_s.",
     )
     timeout_min_gbps: float = Field(
-        0.5, gt=0, description="NCCL sync groups only: the slowest bandwidth (GB/s, 10^9 bytes) a push's busiest "
-        "link is assumed to keep, for the groups' own operation timeout = sync.timeout_fixed_s + that link's bytes "
+        0.5, gt=0, description="The slowest bandwidth (GB/s, 10^9 bytes) a push's busiest link is assumed "
+        "to keep, for the NCCL sync groups' own operation timeout = sync.timeout_fixed_s + that link's bytes "
         "in a full push / this (megarl.sync.group_timeout; the busiest link is the largest vLLM worker's shard or a "
         "trainer rank's share of all replicas' shards). A dead peer's operations end at that timeout, not at "
         "trainer.collective_timeout_s. 0.5 GB/s is a tenth of a 50 Gb/s link: the Qwen3-30B-A3B recipe (15.29 GB "
         "per vLLM rank) gets 120 + 30.6 = 150.6 s. gloo (CPU) groups keep trainer.collective_timeout_s: gloo fails "
-        "a dead peer's operations at once.",
+        "a dead peer's operations at once. On every transport the same bound is each HTTP call of a push to a "
+        "replica (/update_weights, its RPCs): a replica that answers none within it while its /health answers (a "
+        "stopped vLLM worker) is failed for the push and condemned, and its launcher kills and restarts it "
+        "(megarl.sync.lifecycle).",
     )
     timeout_fixed_s: float = Field(
-        120.0, gt=0, description="NCCL sync groups only: the fixed part of the groups' operation timeout (see "
-        "sync.timeout_min_gbps), also its floor: what a push waits beyond moving its bytes (opening the replicas, "
-        "vLLM's reload of a streamed push's layers while later buckets wait).",
+        120.0, gt=0, description="The fixed part of the NCCL sync groups' operation timeout and of every push's "
+        "bound on its HTTP calls to a replica (see sync.timeout_min_gbps), also its floor: what a push waits beyond "
+        "moving its bytes (opening the replicas, vLLM's reload of a streamed push's layers while later buckets "
+        "wait).",
     )
     push_initial: bool = Field(
         False, description="Push the trainer's weights once before the first batch, for a fleet that did not "

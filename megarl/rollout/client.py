@@ -33,6 +33,12 @@ class RolloutServerLost(RolloutServerError):
     waited. The rollout worker gives such a replica's work to the others (`RolloutWorker`)."""
 
 
+class RolloutServerHung(RolloutServerLost):
+    """A call was not answered within its timeout although the server's `/health` kept answering: its engine or a
+    worker hangs (a stopped or wedged vLLM worker leaves the API server's `/health` at 200). The launcher cannot
+    see that from `/health`: the trainer condemns such a replica (`megarl.rollout.rendezvous.condemn_replica`)."""
+
+
 @dataclass
 class Sample:
     """One sampled response to one prompt, as the engine produced it."""
@@ -106,6 +112,8 @@ class RolloutClient:
         timeout = self.timeout_s if timeout_s is None else timeout_s
         try:
             r = self._send(method, route, timeout, **kwargs)
+        except requests.ReadTimeout:
+            raise RolloutServerHung(f"rollout server {self.url}{route} did not answer within {timeout:g}s") from None
         except requests.RequestException as err:
             raise RolloutServerLost(f"rollout server {self.url}{route} unreachable: {err}") from None
         if r.status_code == 401:
@@ -149,8 +157,9 @@ class RolloutClient:
             raise box["error"]
         return box["reply"]
 
-    def _post(self, route: str, body: dict[str, Any] | None = None, params: dict | None = None) -> Any:
-        return self._request("POST", route, json=body, params=params)
+    def _post(self, route: str, body: dict[str, Any] | None = None, params: dict | None = None,
+              timeout_s: float | None = None) -> Any:
+        return self._request("POST", route, timeout_s=timeout_s, json=body, params=params)
 
     def _get(self, route: str, timeout_s: float | None = None) -> Any:
         return self._request("GET", route, timeout_s=timeout_s)
@@ -230,32 +239,36 @@ class RolloutClient:
         """Every worker creates its weight-transfer engine and joins the sync group (blocks until all joined)."""
         self._post("/init_weight_transfer_engine", {"init_info": init_info})
 
-    def pause(self) -> None:
-        """Stop scheduling new steps once the running ones finish (`mode=wait`)."""
-        self._post("/pause", params={"mode": "wait"})
+    def pause(self, timeout_s: float | None = None) -> None:
+        """Stop scheduling new steps once the running ones finish (`mode=wait`). `timeout_s` here and in the other
+        calls of a push: this call's timeout (default the client's; a push passes its own bound,
+        `megarl.sync.lifecycle`)."""
+        self._post("/pause", params={"mode": "wait"}, timeout_s=timeout_s)
 
-    def resume(self) -> None:
-        self._post("/resume")
+    def resume(self, timeout_s: float | None = None) -> None:
+        self._post("/resume", timeout_s=timeout_s)
 
     def is_paused(self) -> bool:
         """Whether generation is paused (a replica whose weight update failed part-way stays paused)."""
         return bool(self._get("/is_paused")["is_paused"])
 
-    def start_weight_update(self) -> None:
-        self._post("/start_weight_update")
+    def start_weight_update(self, timeout_s: float | None = None) -> None:
+        self._post("/start_weight_update", timeout_s=timeout_s)
 
-    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
+    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]],
+                       timeout_s: float | None = None) -> None:
         """Run `receive_weights` on the workers: one info for all, or a list with one per TP rank."""
-        self._post("/update_weights", {"update_info": update_info})
+        self._post("/update_weights", {"update_info": update_info}, timeout_s=timeout_s)
 
-    def finish_weight_update(self, version: int | None) -> None:
+    def finish_weight_update(self, version: int | None, timeout_s: float | None = None) -> None:
         """End the update and label the served weights with `version` (reported with later samples);
         `None` keeps the current label (closing a session that loaded nothing)."""
-        self._post("/finish_weight_update", {"weight_version": None if version is None else str(version)})
+        self._post("/finish_weight_update", {"weight_version": None if version is None else str(version)},
+                   timeout_s=timeout_s)
 
-    def collective_rpc(self, method: str) -> list[Any]:
+    def collective_rpc(self, method: str, timeout_s: float | None = None) -> list[Any]:
         """Call `method` of every worker (server dev mode) and return their results in rank order."""
-        reply = self._post("/collective_rpc", {"method": method})
+        reply = self._post("/collective_rpc", {"method": method}, timeout_s=timeout_s)
         if not isinstance(reply, dict) or "results" not in reply:
             raise RolloutServerError(f"{self.url}/collective_rpc({method}): no results in {str(reply)[:500]}")
         return reply["results"]

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from megarl.rollout.client import RolloutClient, RolloutServerError
-from megarl.rollout.rendezvous import registrations
+from megarl.rollout.rendezvous import condemn_replica, registrations
 from megarl.rollout.worker import RolloutWorker
 
 logger = logging.getLogger(__name__)
@@ -66,6 +66,17 @@ class Roster:
             back[rep] = client
             self._offered[rep] = incarnation
         return back
+
+    def condemn(self, replica: int, why: str) -> None:
+        """Replica `replica` hangs while its `/health` answers (a push's call to it was not answered within the
+        push's bound, `megarl.sync.lifecycle`): condemn the incarnation the trainer holds in the sync, so that its
+        launcher kills its process group and restarts it (`megarl.rollout.rendezvous.condemn_replica`). Raises if
+        there is none to condemn (no registrations are read, or the replica was not registered as it started)."""
+        held = self.known.get(replica)
+        if not self.secret or held is None:
+            raise RuntimeError(f"replica {replica} has no registration the trainer holds (a fleet the caller keeps): "
+                               "no launcher to tell")
+        condemn_replica(self.run_dir, replica, held, self.secret, why)
 
     def admitted(self, replicas: Iterable[int]) -> None:
         """These replicas (from `restarted`) joined the sync: the incarnations `restarted` offered are the known

@@ -7,6 +7,15 @@ trainer rank 0 waits until every replica of the config has one. The run director
 node shares, as the checkpoints are. A file counts only if it carries the id of this job's fleet secret (a hash,
 never the secret): a re-submitted job makes a fresh secret, so files left by an earlier job are never read as
 this job's fleet.
+
+    <run.dir>/fleet/condemned_replica<i>.json   {"replica": i, "incarnation": "<node>:<pid>", "job": ..., "why": ...}
+
+Trainer rank 0 writes a condemnation (`condemn_replica`) for a replica that hangs while its `/health` answers (a
+stopped vLLM worker: no call of a push is answered within the push's bound, `megarl.sync.lifecycle`), which no
+launcher can see for itself. Both launchers (`megarl train`'s watcher, `megarl serve`) read it every probe
+(`condemned`) and treat the replica as one whose `/health` failed: its whole process group is killed and restarted.
+A condemnation names the incarnation it is for, so it never ends a later one (the restarted replica registers with
+a new pid).
 """
 
 from __future__ import annotations
@@ -35,22 +44,58 @@ def fleet_dir(run_dir: Path | str) -> Path:
 
 
 def clear_fleet(run_dir: Path | str) -> None:
-    """Forget every registration (a new job starts with none)."""
-    for path in fleet_dir(run_dir).glob("replica*.json"):
-        path.unlink(missing_ok=True)
+    """Forget every registration and condemnation (a new job starts with none)."""
+    for pattern in ("replica*.json", "condemned_replica*.json"):
+        for path in fleet_dir(run_dir).glob(pattern):
+            path.unlink(missing_ok=True)
+
+
+def incarnation(pid: int, node: str | None = None) -> str:
+    """The incarnation a replica registered by process `pid` on `node` (default: this host) is known as
+    (`registrations`)."""
+    return f"{node or socket.gethostname()}:{pid}"
+
+
+def _write(path: Path, entry: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    partial.write_text(json.dumps(entry))
+    os.replace(partial, path)
+
+
+def condemn_replica(run_dir: Path | str, replica: int, of: str, secret: str, why: str) -> Path:
+    """Tell replica `replica`'s launcher that its incarnation `of` (as `registrations` names it) hangs: kill its
+    process group and restart it."""
+    path = fleet_dir(run_dir) / f"condemned_replica{replica}.json"
+    _write(path, {"replica": replica, "incarnation": of, "job": secret_id(secret), "why": why})
+    return path
+
+
+def condemned(run_dir: Path | str, replica: int, secret: str, of: str) -> str | None:
+    """Why this job's trainer condemned incarnation `of` of replica `replica`, or None (no condemnation, or one for
+    another incarnation or job)."""
+    try:
+        entry = json.loads((fleet_dir(run_dir) / f"condemned_replica{replica}.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(entry, dict) or entry.get("job") != secret_id(secret) or entry.get("incarnation") != of:
+        return None
+    return str(entry.get("why") or "condemned by the trainer")
+
+
+def clear_condemned(run_dir: Path | str, replica: int, of: str, secret: str) -> None:
+    """Remove replica `replica`'s condemnation if it is for incarnation `of` (its launcher has killed it)."""
+    if condemned(run_dir, replica, secret, of) is not None:
+        (fleet_dir(run_dir) / f"condemned_replica{replica}.json").unlink(missing_ok=True)
 
 
 def register_replica(run_dir: Path | str, replica: int, url: str, secret: str, pid: int | None = None) -> Path:
     """Announce replica `replica` at `url` for the job whose secret is `secret`. `pid`: the process that serves it
     (default: this one); a restarted replica registers again with its new process, which tells the trainer it is a
     new incarnation even at the same URL (`registrations`)."""
-    directory = fleet_dir(run_dir)
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"replica{replica}.json"
-    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    partial.write_text(json.dumps({"replica": replica, "url": url, "node": socket.gethostname(),
-                                   "pid": os.getpid() if pid is None else pid, "job": secret_id(secret)}))
-    os.replace(partial, path)
+    path = fleet_dir(run_dir) / f"replica{replica}.json"
+    _write(path, {"replica": replica, "url": url, "node": socket.gethostname(),
+                  "pid": os.getpid() if pid is None else pid, "job": secret_id(secret)})
     return path
 
 
@@ -70,7 +115,7 @@ def registrations(run_dir: Path | str, secret: str) -> dict[int, tuple[str, str]
         except (OSError, ValueError, KeyError, TypeError):
             continue
         if entry.get("job") == job and entry.get("url"):
-            found[replica] = (entry["url"], f"{entry.get('node')}:{entry.get('pid')}")
+            found[replica] = (entry["url"], incarnation(entry.get("pid"), entry.get("node")))
     return found
 
 

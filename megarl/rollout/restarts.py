@@ -2,13 +2,15 @@
 
 `ReplicaWatcher.start()` registers every replica of a running fleet in `<run.dir>/fleet/replica<i>.json`
 (`megarl.rollout.rendezvous`, with the server's pid, so a restart is a new incarnation) and watches each server in a
-thread of its own: its process, and its `/health` (`megarl.rollout.liveness`): a server whose `/health` has failed
-for `rollout.health_timeout_s` (its engine died, or it hangs) is dead as one that exited. When one dies while the
-run goes on, its registration is removed, its whole process group is killed, and, if the replica has restarts left
-(`rollout.restarts`, per replica), the same server is started again: the same `FleetSpec` and replica index, a free
-port unless `rollout.port` pins one, the same secret, its output appended to the same log. Once the new server is
-healthy and guarded it is registered, so the trainer lets it in again at its next push. One line on stderr says what
-happened each time:
+thread of its own: its process, its `/health` (`megarl.rollout.liveness`) and its condemnation by the trainer
+(`megarl.rollout.rendezvous.condemned`: a push's call to it went unanswered past the push's bound while its
+`/health` answered, as a stopped vLLM worker does): a server whose `/health` has failed for
+`rollout.health_timeout_s` (its engine died, or it hangs), or that is condemned, is dead as one that exited. When
+one dies while the run goes on, its registration is removed, its whole process group is killed, and, if the replica
+has restarts left (`rollout.restarts`, per replica), the same server is started again: the same `FleetSpec` and
+replica index, a free port unless `rollout.port` pins one, the same secret, its output appended to the same log.
+Once the new server is healthy and guarded it is registered, so the trainer lets it in again at its next push. One
+line on stderr says what happened each time:
 
     megarl: rollout replica 0 (http://127.0.0.1:41000) exited with code -9 (log run/vllm_replica0.log); restarted
     as http://127.0.0.1:42000 (restart 1 of 2)
@@ -35,7 +37,13 @@ from pathlib import Path
 from megarl.rollout.fleet import FleetError, FleetHandle, FleetSpec, server_env, start_server, wait_ready
 from megarl.rollout.fleet_auth import read_secret
 from megarl.rollout.liveness import Liveness
-from megarl.rollout.rendezvous import register_replica, unregister_replica
+from megarl.rollout.rendezvous import (
+    clear_condemned,
+    condemned,
+    incarnation,
+    register_replica,
+    unregister_replica,
+)
 
 POLL_S = 1.0  # how often each server's process and /health are polled
 GONE_TIMEOUT_S = 30.0  # how long a dead server's process group (engine core, TP workers) may take to die
@@ -142,13 +150,16 @@ class ReplicaWatcher:
             proc, url = self.fleet.procs[slot], self.fleet.urls[slot]
             unhealthy = ""
             if proc.poll() is None:
-                if self.health_timeout_s is None:
-                    continue
-                if liveness is None or of is not proc:  # a restarted server (maybe at the same URL): a fresh record
-                    liveness, of = Liveness(url, self.health_timeout_s, every_s=self.poll_s), proc
-                if not liveness.dead():
-                    continue
-                unhealthy = liveness.why()
+                if (why := condemned(self.run_dir, self.replica(slot), self.secret, incarnation(proc.pid))) is not None:
+                    unhealthy = f"condemned by the trainer: {why}"
+                else:
+                    if self.health_timeout_s is None:
+                        continue
+                    if liveness is None or of is not proc:  # a restarted server (maybe at the same URL): fresh record
+                        liveness, of = Liveness(url, self.health_timeout_s, every_s=self.poll_s), proc
+                    if not liveness.dead():
+                        continue
+                    unhealthy = liveness.why()
             try:
                 if not self._revive(slot, proc, unhealthy):
                     return  # it stays down
@@ -167,6 +178,7 @@ class ReplicaWatcher:
                 raise _Stopping
             unregister_replica(self.run_dir, self.replica(slot))  # the registration names a live server only
         kill_group(dead)
+        clear_condemned(self.run_dir, self.replica(slot), incarnation(dead.pid), self.secret)
         i, url, log = self.replica(slot), self.fleet.urls[slot], self.fleet.logs[slot]
         what = (f"rollout replica {i} ({url}) is dead: {unhealthy}; its process group was killed (log {log})"
                 if unhealthy else f"rollout replica {i} ({url}) exited with code {dead.returncode} (log {log})")

@@ -11,6 +11,14 @@
             workers have received, checked and loaded their blocks, or refused them
     close:  /collective_rpc megarl_sync_report -> /finish_weight_update(version), or (None) to close a refused
             update unlabelled -> /resume, except on a replica whose loaders failed part-way (it stays paused)
+
+Every call of a push waits at most `call_timeout_s`, the push's own bound (`sync.timeout_fixed_s` + the busiest
+link's bytes / `sync.timeout_min_gbps`, `megarl.sync.group_timeout`), not the client's 600 s read timeout. A call
+not answered within it while the replica's `/health` answers (`RolloutServerHung`: a stopped or wedged vLLM worker
+leaves the API server healthy) fails the replica for this push as a dead one, and the replica is condemned:
+`condemn(replica, why)` (the trainer's `Roster.condemn`) marks it in the run's fleet registry, where its launcher
+finds it and kills and restarts it as it would one whose `/health` failed. Nothing more is asked of a condemned
+replica in this push.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from megarl.rollout.client import RolloutClient, RolloutServerError, RolloutServerLost
+from megarl.rollout.client import RolloutClient, RolloutServerError, RolloutServerHung, RolloutServerLost
 from megarl.sync.needs import RolloutNeeds, recorded_by_fleet
 
 logger = logging.getLogger(__name__)
@@ -71,13 +79,14 @@ def _best_effort(fn: Callable[[], object]) -> None:
         pass
 
 
-def _still_serving(client: RolloutClient) -> bool:
+def _still_serving(client: RolloutClient, timeout_s: float | None = None) -> bool:
     """Whether a replica whose update call failed still serves: `/health` answers and so does every worker (vLLM
-    shuts the whole engine down when a worker dies, but `/health` may still answer for a moment)."""
+    shuts the whole engine down when a worker dies, but `/health` may still answer for a moment) within
+    `timeout_s` (default the client's)."""
     if not client.healthy():
         return False
     try:
-        client.collective_rpc("megarl_sync_report")
+        client.collective_rpc("megarl_sync_report", timeout_s=timeout_s)
     except RolloutServerError:
         return False
     return client.healthy()
@@ -85,12 +94,35 @@ def _still_serving(client: RolloutClient) -> bool:
 
 class FleetLifecycle:
     """Trainer rank 0's handle on the replicas of one fleet that are in the sync (`clients`: replica -> its client,
-    `tp` workers each); `leave` and `join` change who is in."""
+    `tp` workers each); `leave` and `join` change who is in. `call_timeout_s`: the push's bound on each of its
+    calls (None: the clients' own timeout); `condemn(replica, why)`: tells the replica's launcher to kill and restart
+    one that hung (None: it is only left out; see the module docstring)."""
 
-    def __init__(self, clients: list[RolloutClient], tp: int) -> None:
+    def __init__(self, clients: list[RolloutClient], tp: int, call_timeout_s: float | None = None,
+                 condemn: Callable[[int, str], None] | None = None) -> None:
         self.clients: dict[int, RolloutClient] = dict(enumerate(clients))
         self.tp = tp
+        self.call_timeout_s = call_timeout_s
+        self.condemn = condemn
+        self.condemned: dict[int, str] = {}  # replicas condemned since they last joined -> why
         self._stale_closed: set[int] = set()  # replicas whose sessions a dead trainer left open were closed
+
+    def _hung(self, rep: int, err: RolloutServerHung) -> str:
+        """Replica `rep` did not answer a call of this push within the bound while its `/health` answered: condemn
+        it (once); the line that says so."""
+        why = (f"replica {rep} ({self.clients[rep].url}) hangs: {err} (the push's bound: sync.timeout_fixed_s + "
+               "bytes / sync.timeout_min_gbps), while its /health answers")
+        if rep not in self.condemned:
+            self.condemned[rep] = why
+            if self.condemn is None:
+                logger.error("%s; no launcher can be told (no fleet registry): it is left out of the sync", why)
+            else:
+                try:
+                    self.condemn(rep, why)
+                    logger.error("%s: condemned, its launcher kills and restarts it", why)
+                except Exception as fail:  # noqa: BLE001 - the push goes on without it either way
+                    logger.error("%s; condemning it failed: %s", why, fail)
+        return why
 
     def record_needs(self) -> RolloutNeeds:
         """What each vLLM TP rank's loaders read, recorded by the first replica in its own environment (see
@@ -132,6 +164,7 @@ class FleetLifecycle:
         """Forget replica `replica` (it stopped answering): later pushes do not address it."""
         self.clients.pop(replica, None)
         self._stale_closed.discard(replica)
+        self.condemned.pop(replica, None)  # a restarted incarnation joins afresh
 
     def open(self) -> tuple[str | None, dict[int, str]]:
         """Pause every replica and open its update session. A replica that does not answer (`RolloutServerLost`)
@@ -141,25 +174,29 @@ class FleetLifecycle:
         opened: list[RolloutClient] = []
         lost: dict[int, str] = {}
         try:
+            bound = self.call_timeout_s
             for rep, client in self.clients.items():
                 try:
-                    client.pause()
+                    client.pause(timeout_s=bound)
                     paused.append(client)
                     if rep not in self._stale_closed:  # only an earlier trainer (one that died mid-update) leaves one
-                        client.collective_rpc("megarl_end_stale_update")
-                    client.start_weight_update()
+                        client.collective_rpc("megarl_end_stale_update", timeout_s=bound)
+                    client.start_weight_update(timeout_s=bound)
                     opened.append(client)
                 except RolloutServerLost as err:  # it may have died just now, after answering /pause
-                    if _still_serving(client):
+                    if isinstance(err, RolloutServerHung):
+                        lost[rep] = self._hung(rep, err)
+                    elif _still_serving(client, bound):
                         raise
-                    lost[rep] = f"replica {rep} ({client.url}) does not answer: {type(err).__name__}: {err}"
+                    else:
+                        lost[rep] = f"replica {rep} ({client.url}) does not answer: {type(err).__name__}: {err}"
                     if paused and paused[-1] is client:
                         paused.pop()
         except Exception as err:  # noqa: BLE001 - returned, then raised on every trainer rank
-            for client in opened:
-                _best_effort(lambda c=client: c.finish_weight_update(None))  # closes the session, label unchanged
+            for client in opened:  # closes the session, label unchanged
+                _best_effort(lambda c=client: c.finish_weight_update(None, timeout_s=self.call_timeout_s))
             for client in paused:
-                _best_effort(client.resume)
+                _best_effort(lambda c=client: c.resume(timeout_s=self.call_timeout_s))
             return f"could not start the update: {type(err).__name__}: {err}", lost
         self._stale_closed |= set(self.clients) - set(lost)
         return None, lost
@@ -168,19 +205,20 @@ class FleetLifecycle:
         """Undo `open` on every replica but the `lost` ones: close the session unlabelled and resume."""
         for rep, client in self.clients.items():
             if rep not in lost:
-                _best_effort(lambda c=client: c.finish_weight_update(None))
-                _best_effort(client.resume)
+                _best_effort(lambda c=client: c.finish_weight_update(None, timeout_s=self.call_timeout_s))
+                _best_effort(lambda c=client: c.resume(timeout_s=self.call_timeout_s))
 
     def start_updates(self, infos: dict[int, list[dict[str, Any]]],
                       on_fail: Callable[[int, str], None] | None = None) -> dict[int, ResultThread]:
         """One `/update_weights` call per replica, each in a thread (it returns once its workers have received,
         checked and loaded their blocks); `infos[i]` holds replica i's update info per TP rank. `on_fail(replica,
         why)` is called from a replica's thread as soon as its call fails (its workers receive nothing more: the
-        trainer ranks stop waiting on sends to them, `megarl.sync.weight_sync`)."""
+        trainer ranks stop waiting on sends to them, `megarl.sync.weight_sync`), at the latest once the call has waited
+        `call_timeout_s` (a replica that hangs, which is also condemned)."""
 
         def update(rep: int, info: list[dict[str, Any]]) -> None:
             try:
-                self.clients[rep].update_weights(info)
+                self.clients[rep].update_weights(info, timeout_s=self.call_timeout_s)
             except BaseException as err:
                 if on_fail is not None:
                     try:
@@ -189,6 +227,8 @@ class FleetLifecycle:
                     except Exception as fail:  # noqa: BLE001 - the call's own error is the one reported
                         logger.warning("could not tell the trainer ranks that replica %d's update failed: %s", rep,
                                        fail)
+                if isinstance(err, RolloutServerHung):  # after on_fail: the senders stop first
+                    self._hung(rep, err)
                 raise
 
         threads = {}
@@ -207,6 +247,7 @@ class FleetLifecycle:
         reports: list[dict[str, Any]] = []
         failures: dict[int, str] = {}
         dead: set[int] = set()
+        bound = self.call_timeout_s
         for rep, thread in updates.items():
             client = self.clients[rep]
             thread.join()
@@ -214,25 +255,29 @@ class FleetLifecycle:
             try:
                 if thread.error is not None:  # the RPC itself failed (vLLM closed the session): old weights serve
                     raise thread.error
-                replica_reports = client.collective_rpc("megarl_sync_report")
+                replica_reports = client.collective_rpc("megarl_sync_report", timeout_s=bound)
                 errors = _report_errors(replica_reports, update_id)
                 mixed = any(r.get("model_state") == "mixed" for r in replica_reports)
-                client.finish_weight_update(None if errors else version)
+                client.finish_weight_update(None if errors else version, timeout_s=bound)
                 if errors:
                     raise UpdateRefused(errors)
                 reports += replica_reports
             except Exception as err:  # noqa: BLE001 - reported on every trainer rank
+                if isinstance(err, RolloutServerHung) or rep in self.condemned:
+                    why = self.condemned.get(rep) or self._hung(rep, err)  # type: ignore[arg-type]
+                    failures[rep] = f"{why} (it serves nothing until its launcher has restarted it)"
+                    dead.add(rep)
+                    continue  # nothing more is asked of it (a resume would wait the bound again)
                 if mixed:
                     after = ("it may hold a mix of old and new weights, so it is left paused and serves nothing until "
                              "a later push loads completely or it is restarted")
-                elif not isinstance(err, UpdateRefused) and not _still_serving(client):
+                elif not isinstance(err, UpdateRefused) and not _still_serving(client, bound):
                     after = ("its server, engine or a worker died (vLLM shuts the whole engine down when a worker "
                              "dies): it serves nothing until it is restarted")
                     dead.add(rep)
                 else:
                     after = "it keeps serving its previous weights"
                 failures[rep] = f"replica {rep} ({client.url}): {type(err).__name__}: {err} ({after})"
-            finally:
-                if not mixed:  # (a dead one refuses at once; one wrongly judged dead serves on)
-                    _best_effort(client.resume)
+            if not mixed:  # (a dead one refuses at once; one wrongly judged dead serves on)
+                _best_effort(lambda c=client: c.resume(timeout_s=bound))
         return reports, failures, dead

@@ -30,7 +30,7 @@ import logging
 import socket
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -111,14 +111,18 @@ class PartitionedWeightSync:
     fleet serves, each block is cast to it before it is sent (None: sent as the trainer holds it);
     `group_timeout` (`sync.timeout_min_gbps`, `sync.timeout_fixed_s`): on NCCL the sync groups' operations time out
     after that many seconds for the busiest link's bytes of a full push (`megarl.sync.group_timeout`; None:
-    `timeout_s`, as gloo groups always do)."""
+    `timeout_s`, as gloo groups always do); on any transport that bound is also each HTTP call of a push to a
+    replica (/update_weights, its RPCs: `FleetLifecycle.call_timeout_s`; None: the clients' own timeout), and a
+    replica that does not answer one within it while its /health answers is failed for the push and handed to
+    `condemn(replica, why)` (the trainer's `Roster.condemn`: its launcher kills and restarts it)."""
 
     def __init__(self, rank: int, world_size: int, hf_config: dict[str, Any], clients: list[RolloutClient],
                  rollout_tp: int, rollout_replicas: int, store_host: str, store_port: int, bucket_bytes: int,
                  timeout_s: float = 600.0, digests: bool = False, needs: NeedsSource = "recorded",
                  receive: ReceiveMode = "staged", delta: bool = False, wire_dtype: torch.dtype | None = None,
                  min_replicas: int | None = None, rejoin_timeout_s: float | None = None,
-                 group_timeout: tuple[float, float] | None = None) -> None:
+                 group_timeout: tuple[float, float] | None = None,
+                 condemn: Callable[[int, str], None] | None = None) -> None:
         self.rank, self.trainers, self.hf = rank, world_size, hf_config
         self.clients, self.tp, self.replicas = clients, rollout_tp, rollout_replicas
         self.bucket_bytes, self.digests, self.receive = bucket_bytes, digests, receive
@@ -141,13 +145,15 @@ class PartitionedWeightSync:
         self.entries: list[WireEntry] | None = None
         self.bytes_needed: dict[int, int] = {}
         self.pushes = 0  # pushes that reached the byte moving, counted on every trainer rank alike
-        self.fleet = FleetLifecycle(clients, rollout_tp) if rank == 0 else None
+        self.fleet = FleetLifecycle(clients, rollout_tp, condemn=condemn) if rank == 0 else None
         if self.fleet is not None and len(clients) != rollout_replicas:
             raise ValueError(f"{len(clients)} rollout clients for {rollout_replicas} replicas")
         self.needs = self._obtain_needs(needs)
         self._needs_reported = False  # the first push reports what obtaining the needs cost (`needs_s`)
         self.op_timeout_s = None if group_timeout is None else sync_group_timeout_s(self._push_link_bytes(),
                                                                                     *group_timeout)
+        if self.fleet is not None:  # the push's bound on each of its HTTP calls (None: the clients' timeout)
+            self.fleet.call_timeout_s = self.op_timeout_s
         self.transport = ReplicaGroupsTransport(store_host, store_port, rank, world_size, rollout_tp, timeout_s,
                                                 op_timeout_s=self.op_timeout_s)
         groups = {rep: self.transport.next_prefix(rep) for rep in self.live}

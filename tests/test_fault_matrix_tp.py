@@ -1,0 +1,117 @@
+"""The fault matrix's TP-2 cells on the real stack (issue 36): one `megarl train` run whose two replicas are TP 2,
+`sync.receive=streamed`, losing one vLLM worker mid-push twice (megarl/sync/lifecycle.py,
+megarl/rollout/restarts.py, docs/pipeline.md's fault table):
+
+    E  replica 0's worker `VLLM::Worker_TP1` SIGKILLed mid-push, right after /start_weight_update (vLLM shuts the
+       engine down: the update call fails and the server exits or its /health fails)
+    H  later, the restarted replica 0's worker SIGSTOPped mid-push (hung: alive, its API server's /health still
+       200): the push's calls are bounded by the push's own bound (sync.timeout_fixed_s + bytes /
+       sync.timeout_min_gbps), the replica is failed for the push and condemned, and the watcher kills its process
+       group and restarts it
+
+Marked `slow` (`make test-all`, `pytest -m slow`): four TP-2 vLLM starts. Each cell is checked from outside as in
+tests/test_fault_matrix.py (whose injector, tests/fault_injection.py, this reuses): the trainer noticed within the
+bound (the push's own time), the registration removed, the replica's whole process group gone, a new incarnation
+registered, a rejoin with a full push; and for the whole run: every step, exact lags, every batch whole, both
+replicas in the sync at the end serving the last pushed version. Each cell's times are printed."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from megarl.launch import prepare, train
+from tests.fault_injection import FaultInjector
+from tests.test_end_to_end import _expected_lag
+
+ROOT = Path(__file__).resolve().parent.parent
+HEALTH_S = 8.0  # rollout.health_timeout_s of the run
+PUSH_BOUND_S = 20.0  # sync.timeout_fixed_s of the run: the push's bound (the tiny model's bytes add milliseconds)
+SLACK_S = 20.0  # a loaded 2-core machine
+M, N, STEPS, PROMPTS, K = 1, 0, 16, 8, 4
+RESTARTS = 2
+
+
+class _Faults(FaultInjector):
+    def _run(self) -> None:
+        self._until(lambda: len(self._records()) >= 2, "the run's second step", every_s=0.2)
+        # E: a worker of replica 0 SIGKILLed right after the push opened on it
+        self._tail(0, self._log_end(0), b"POST /start_weight_update")
+        e = self._kill("E", 0, self._worker)
+        self._recover(e, e["step"])
+        e["rejoined"] = self._rejoined(0, e["step"])
+        # H: a worker of the restarted replica 0 stopped (hung) right after a later push opened on it
+        self._tail(0, self._log_end(0), b"POST /start_weight_update")
+        h = self._kill("H", 0, self._worker, sig=signal.SIGSTOP)
+        self._recover(h, h["step"])
+        h["rejoined"] = self._rejoined(0, h["step"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_tp2_worker_killed_and_hung_mid_push_under_megarl_train(tmp_path: Path,
+                                                                capfd: pytest.CaptureFixture[str]) -> None:
+    run_dir = tmp_path / "run"
+    cfg = prepare(str(ROOT / "configs" / "repro.yaml"), [
+        f"model.hf_dir={tmp_path / 'dense'}", "model.tiny=dense", f"run.dir={run_dir}", f"run.steps={STEPS}",
+        "rollout.replicas=2", "rollout.tp=2", f"rollout.restarts={RESTARTS}", f"rollout.health_timeout_s={HEALTH_S}",
+        "rollout.startup_timeout_s=400", f"sync.interval={M}", f"sync.offset={N}", "sync.receive=streamed",
+        f"sync.timeout_fixed_s={PUSH_BOUND_S}", "sync.push_initial=true", f"data.prompts_per_step={PROMPTS}",
+        f"rollout.samples_per_prompt={K}", "rollout.overlap=false"])
+    faults = _Faults(run_dir)
+    faults.start()
+    started = time.monotonic()
+    train(cfg)
+    wall = time.monotonic() - started
+    faults.join(5)
+    err = capfd.readouterr().err
+    (tmp_path / "stderr.txt").write_text(err)
+    cells = faults.cells
+    said = [ln[ln.index("megarl: rollout replica "):] for ln in err.replace("\r", "\n").splitlines()
+            if "megarl: rollout replica " in ln]
+    assert faults.error is None and "rejoined" in cells.get("H", {}), (faults.error, cells, said)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    by_step = {r["step"]: r for r in records}
+
+    # the run: every step, exact lags, every batch whole; both replicas back, serving the last pushed version
+    assert [r["step"] for r in records] == list(range(STEPS))
+    assert [r["batch_lag"] for r in records] == [_expected_lag(b, M, N) for b in range(STEPS)]
+    assert [r["batch/samples"] for r in records] == [PROMPTS * K] * STEPS
+    assert (records[-1]["fleet/replicas"], records[-1]["fleet/replicas_in_sync"]) == (2, 2)
+    final = [r for r in records if r["sync/versions"]][-1]
+    version = str(final["sync/versions"][-1])
+    assert final["sync/served_versions"] == {"0": version, "1": version}
+
+    # E: the worker's death ended the push within the health bound; H: the hang ended it at the push's bound
+    e, h = cells["E"], cells["H"]
+    hit_e, hit_h = by_step[e["step"]], by_step[h["step"]]
+    assert "0" not in hit_e["sync/served_versions"] and hit_e["time/push_s"] < HEALTH_S + SLACK_S, hit_e
+    assert "0" not in hit_h["sync/served_versions"], hit_h
+    assert PUSH_BOUND_S - 1 <= hit_h["time/push_s"] < PUSH_BOUND_S + SLACK_S, hit_h
+    line_e = next(ln for ln in said if "(restart 1 of 2)" in ln)
+    line_h = next(ln for ln in said if "(restart 2 of 2)" in ln)
+    assert "restarted as http" in line_e and "restarted as http" in line_h, said
+    assert "is dead: condemned by the trainer: replica 0 (" in line_h and " hangs: " in line_h, line_h
+    # the call that went unanswered: /update_weights as a rule; a report or close RPC if the stop landed after the
+    # tiny model's bytes were loaded
+    assert " did not answer within " in line_h, line_h
+    report = []
+    for name, what in (("E", "TP-2 worker SIGKILL, mid-push (streamed)"),
+                       ("H", "TP-2 worker SIGSTOP (hung, /health 200), mid-push (streamed)")):
+        cell = cells[name]
+        assert cell["gone"] - cell["kill"] < PUSH_BOUND_S + SLACK_S, (name, cell)
+        hit, rejoined = by_step[cell["step"]], cell["rejoined"]
+        affected = [r["step"] for r in records if cell["step"] <= r["step"] < rejoined
+                    and min(r["fleet/replicas"], r["fleet/replicas_in_sync"]) < 2]
+        full = by_step[rejoined]
+        assert full["sync/served_versions"].keys() == {"0", "1"}, full
+        report.append(f"{name} {what}: replica 0 at step {cell['step']}; the push gave up after "
+                      f"{hit['time/push_s']:.1f} s (bounds: health {HEALTH_S:g} s, push {PUSH_BOUND_S:g} s); the "
+                      f"watcher saw it after {cell['gone'] - cell['kill']:.1f} s, its group gone after "
+                      f"{cell['group'] - cell['kill']:.1f} s; registered again after {cell['back'] - cell['kill']:.1f}"
+                      f" s; rejoined with a full push at step {rejoined}; steps with one replica: {len(affected)}")
+    print("\n".join(report) + f"\nrun: {wall:.0f} s for {STEPS} steps")
