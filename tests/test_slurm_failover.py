@@ -46,7 +46,7 @@ from megarl.checkpoint import open_checkpoint
 from megarl.config.load import load_config
 from megarl.loop import checkpoint_identity
 from megarl.metrics.timeline import load_spans
-from tests.dist_utils import engine_core, process_group_members
+from tests.dist_utils import engine_core, log_grows, process_group_members
 from tests.slurm_cluster import SlurmCluster
 from tests.test_slurm_job import (
     JOB_TIMEOUT_S,
@@ -113,18 +113,6 @@ def _server_pid(url: str) -> int:
                            capture_output=True, text=True).stdout.split()
     assert len(found) == 1, found
     return int(found[0])
-
-
-def _log_grows(log: Path, needle: bytes):
-    """A condition for `_wait_for`: `needle` (an access line) appears in `log` after its present end."""
-    offset, seen = log.stat().st_size, [b""]
-
-    def grown() -> bool:
-        with log.open("rb") as f:
-            f.seek(offset)
-            seen[0] = f.read()
-        return needle in seen[0]
-    return grown
 
 
 def _interpreter(pid: int) -> Path | None:
@@ -278,7 +266,7 @@ def test_killed_replicas_fail_or_rejoin_and_the_resubmission_loses_no_step(slurm
         # replica 1's engine core alone (what a CUDA error or an out-of-memory kills), mid-push: right after its
         # server answered /start_weight_update of the next push; its API server and its step are left alone
         _wait_for("replica 1 taking a push",
-                  _log_grows(logs / "vllm_replica1.log", b"POST /start_weight_update"), job)
+                  log_grows(logs / "vllm_replica1.log", b"POST /start_weight_update"), job)
         core = engine_core(server)
         assert core is not None, f"no engine core in replica 1's process group {server}"
         os.kill(core, signal.SIGKILL)
