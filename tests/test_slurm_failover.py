@@ -300,6 +300,7 @@ def test_killed_replicas_fail_or_rejoin_and_the_resubmission_loses_no_step(slurm
             assert {_env_of(pid) for pid in ranks} == {trainer_env.resolve()}, ranks
             assert _env_of(_server_pid(_registered(run_dir, 0)["url"])) == FLEET_ENV.resolve()  # type: ignore[index]
             _wait_for("replica 1 registered again", lambda: _registered_pid(run_dir, 1) not in (None, first_pid), job)
+            print(f"replica 1's restarted step registered {time.monotonic() - killed:.1f}s after the kill")
         # the restarted replica is back in the sync, reporting the version just pushed
         rejoined = _wait_for(
             "replica 1 back in the sync",
