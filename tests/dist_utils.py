@@ -80,3 +80,20 @@ def fleet_processes(secret_file: Path) -> list[int]:
         except OSError:
             continue  # exited while we looked, or not ours
     return found
+
+
+def log_grows(log: Path, needle: bytes, offset: int | None = None) -> Callable[[], bool]:
+    """A condition to poll: whether `needle` (e.g. a vLLM access line, `b"POST /start_weight_update"`) was written to
+    `log` after byte `offset` (the log's present end by default). Each call reads only what was appended since the
+    last one (keeping enough of it to find a needle cut between two reads)."""
+    at, tail = log.stat().st_size if offset is None else offset, b""
+
+    def grown() -> bool:
+        nonlocal at, tail
+        with log.open("rb") as f:
+            f.seek(at)
+            new = f.read()
+        at += len(new)
+        seen, tail = tail + new, (tail + new)[-len(needle):]
+        return needle in seen
+    return grown

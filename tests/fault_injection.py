@@ -16,7 +16,7 @@ from typing import Any
 import requests
 
 from megarl.rollout.fleet_auth import SECRET_ENV, bearer_header, read_secret
-from tests.dist_utils import engine_core, process_group_members
+from tests.dist_utils import engine_core, log_grows, process_group_members
 
 
 def registration(run_dir: Path, replica: int) -> dict[str, Any] | None:
@@ -101,13 +101,7 @@ class FaultInjector(threading.Thread):
     def _tail(self, replica: int, offset: int, needle: bytes) -> None:
         """Wait until replica `replica`'s vLLM log has `needle` (an access line) after byte `offset`."""
         log = self.run_dir / f"vllm_replica{replica}.log"
-        with log.open("rb") as f:
-            f.seek(offset)
-            seen = b""
-            while needle not in seen:
-                assert time.monotonic() < self.deadline, f"{needle!r} never in {log.name}"
-                seen = seen[-200:] + f.read()
-                time.sleep(0.01)
+        self._until(log_grows(log, needle, offset), f"{needle!r} in {log.name}", every_s=0.01)
 
     def _log_end(self, replica: int) -> int:
         return (self.run_dir / f"vllm_replica{replica}.log").stat().st_size
