@@ -10,7 +10,10 @@ independent references:
   block moves them by > 1e-2), and generation reports the pushed version;
 - with `sync.needs=table` the same push is refused before any byte moves, naming tensors the table invents for a
   Llama (q_norm: the table knows Qwen only);
-- a record labelled for another layout is refused by the workers, and the previous weights keep serving.
+- a record labelled for another layout is refused by the workers, and the previous weights keep serving (these
+  two from one trainer process, three pushes);
+- delta pushes serve what a full push serves, and their fallbacks (one trainer process: the full reference push,
+  then the delta pushes).
 """
 
 from pathlib import Path
@@ -123,30 +126,37 @@ def test_push_into_a_llama_is_planned_from_vllms_loaders(llama_fleet, llama_dir,
     assert {s.policy_version for s in out["samples"]} == {3}
 
 
-def test_the_table_fallback_refuses_a_llama(llama_fleet, llama_dir):
-    out = run_distributed(_push, 1, llama_dir, llama_fleet.urls[0], free_port(), "table")[0]
-    assert out["needs"].source == "table"
-    assert "no trainer rank holds" in out["error"] and "q_norm" in out["error"]
+def _pushes(rank, world, hf_dir, url, needs_list):
+    """`_push` of `hf_dir` once per entry of `needs_list`, in turn, each with a sync group of its own, in one
+    process (a "stale" entry patches the lifecycle for the rest of the process: put it last)."""
+    return [_push(rank, world, hf_dir, url, free_port(), needs) for needs in needs_list]
 
 
-def test_a_record_for_another_layout_is_refused_by_the_workers(llama_fleet, llama_dir):
-    """Each worker re-computes the layout key from its own checkpoint, TP, EP and vLLM version: a record labelled
-    for another layout is refused before the model is touched, on every TP rank, and the trainer raises."""
-    before = run_distributed(_push, 1, llama_dir, llama_fleet.urls[0], free_port(), "recorded")[0]
+def test_the_table_fallback_refuses_a_llama_and_the_workers_refuse_a_record_for_another_layout(llama_fleet,
+                                                                                                  llama_dir):
+    """One trainer process, three pushes. With `sync.needs=table` the push is refused before any byte moves.
+    Then each worker re-computes the layout key from its own checkpoint, TP, EP and vLLM version: after a good
+    push, a record labelled for another layout is refused before the model is touched, on every TP rank, and the
+    trainer raises."""
+    table, before, out = run_distributed(_pushes, 1, llama_dir, llama_fleet.urls[0], ["table", "recorded", "stale"])[0]
+    assert table["needs"].source == "table"
+    assert "no trainer rank holds" in table["error"] and "q_norm" in table["error"]
+
     assert "error" not in before, before.get("error")
-    out = run_distributed(_push, 1, llama_dir, llama_fleet.urls[0], free_port(), "stale")[0]
     assert "the loader-read record handed over is for layout 000" in out["error"]
     assert "model left unchanged on every TP rank" in out["error"]
     for now, then in zip(out["engine"], before["engine"], strict=True):  # still the weights of the previous push
         torch.testing.assert_close(torch.tensor(now), torch.tensor(then), atol=1e-6, rtol=0)
 
 
-def _push_versions(rank, world, dirs, url, sync_port, delta, inject=None):
+def _push_versions(rank, world, dirs, url, sync_port, delta, inject=None, full_first=None):
     """One trainer rank pushes each checkpoint of `dirs` in turn (versions 1, 2, ...) into the replica at `url`
     through one sync group (`sync.delta=delta`); returns per push its stats or error, and the engine's log-probs of
-    SEQS after it. `inject`: push index -> "mismatch" (the senders' base version is not the replica's), "tamper"
-    (one element of the senders' base copy altered: the fingerprints disagree) or "fail" (the sender raises while
-    encoding its third delta block, after its first buckets are on the wire)."""
+    SEQS after it; `full_first`: before those, the same process pushes that checkpoint as version 1 through a sync
+    group of its own without sync.delta (its stats and log-probs: "full_first"). `inject`: push index ->
+    "mismatch" (the senders' base version is not the replica's), "tamper" (one element of the senders' base copy
+    altered: the fingerprints disagree) or "fail" (the sender raises while encoding its third delta block, after
+    its first buckets are on the wire)."""
     import json
 
     from megarl.rollout.client import RolloutClient
@@ -156,6 +166,9 @@ def _push_versions(rank, world, dirs, url, sync_port, delta, inject=None):
 
     hf = json.loads((Path(dirs[0]) / "config.json").read_text())
     client = RolloutClient(url)
+    first = None
+    if full_first is not None:
+        first = _push_versions(rank, world, [full_first], url, free_port(), False)
     sync = PartitionedWeightSync(rank, world, hf, [client], rollout_tp=2, rollout_replicas=1, store_host="127.0.0.1",
                                  store_port=sync_port, bucket_bytes=64 << 10, timeout_s=90, delta=delta)
     pushes, engine = [], []
@@ -177,7 +190,7 @@ def _push_versions(rank, world, dirs, url, sync_port, delta, inject=None):
             pushes.append(str(err))
         engine.append([client.prompt_logprobs(s) for s in SEQS])
     sync.close()
-    return {"pushes": pushes, "engine": engine}
+    return {"pushes": pushes, "engine": engine, "full_first": first}
 
 
 def _fail_encoding_at(n: int) -> None:
@@ -227,10 +240,10 @@ def test_delta_pushes_serve_what_a_full_push_serves(llama_fleet, llama_dir, tmp_
     v2 = sparsely_changed(v1, tmp_path / "v2", 0.02, seed=22)
     v3 = sparsely_changed(v2, tmp_path / "v3", 0.1, seed=23)
     v5 = sparsely_changed(v3, tmp_path / "v5", 0.02, seed=25)
-    full = run_distributed(_push_versions, 1, [v3], llama_fleet.urls[0], free_port(), False)[0]
-    assert all(not isinstance(p, str) for p in full["pushes"]), full["pushes"]
     run = run_distributed(_push_versions, 1, [v1, v2, v3, v5, v2, v3, v5], llama_fleet.urls[0], free_port(), True,
-                          {3: "mismatch", 4: "tamper", 6: "fail"})[0]
+                          {3: "mismatch", 4: "tamper", 6: "fail"}, v3)[0]  # v3 pushed in full first: the reference
+    full = run["full_first"]
+    assert all(not isinstance(p, str) for p in full["pushes"]), full["pushes"]
     first, *deltas = run["pushes"][:3]
     assert not isinstance(first, str) and first.delta == {}  # nothing held yet: full
     assert first.bytes_received == first.bytes_needed

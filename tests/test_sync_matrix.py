@@ -46,7 +46,9 @@ def dense_fleet(dense_dirs, fleet_secret, tmp_path_factory):
         yield fleet
 
 
-def _push(rank, world, hf_dir, layout, urls, rollout_tp, port, sync_port):
+def _push(rank, world, hf_dir, layout, targets, port):
+    """Every trainer rank, one layout: push `hf_dir` into each fleet of `targets` ((urls, rollout TP, sync port)
+    per fleet) in turn, one sync group each; per fleet the stats and the largest tensor this rank holds."""
     from megarl.parallel.groups import TrainerLayout, destroy_trainer_groups, init_trainer_groups
     from megarl.rollout.client import RolloutClient
     from megarl.sync.weight_sync import PartitionedWeightSync
@@ -56,13 +58,17 @@ def _push(rank, world, hf_dir, layout, urls, rollout_tp, port, sync_port):
     try:
         hf = read_hf_config(hf_dir)
         policy = MegatronPolicy(hf_dir, hf, OptimizerConfig())
-        clients = [RolloutClient(u) for u in urls] if rank == 0 else []
-        sync = PartitionedWeightSync(rank, world, hf, clients, rollout_tp=rollout_tp, rollout_replicas=len(urls),
-                                     store_host="127.0.0.1", store_port=sync_port, bucket_bytes=128 << 10,
-                                     digests=True, timeout_s=120)
         local = list(policy.iter_local_hf_slices())
-        stats = sync.push(local, version=rank + 100)  # version of rank 0 labels the fleet
-        return {"stats": stats, "largest_held": max(t.numel() * t.element_size() for _, t in local)}
+        out = []
+        for urls, rollout_tp, sync_port in targets:
+            clients = [RolloutClient(u) for u in urls] if rank == 0 else []
+            sync = PartitionedWeightSync(rank, world, hf, clients, rollout_tp=rollout_tp, rollout_replicas=len(urls),
+                                         store_host="127.0.0.1", store_port=sync_port, bucket_bytes=128 << 10,
+                                         digests=True, timeout_s=120)
+            stats = sync.push(local, version=rank + 100)  # version of rank 0 labels the fleet
+            sync.close()
+            out.append({"stats": stats, "largest_held": max(t.numel() * t.element_size() for _, t in local)})
+        return out
     finally:
         destroy_trainer_groups()
 
@@ -86,19 +92,19 @@ def _check(results, checkpoint, workers: int) -> None:
 
 
 @pytest.mark.parametrize(("layout", "world"), [((1, 2, 1), 2), ((1, 2, 2), 4)], ids=["pp2", "ep2xpp2"])
-@pytest.mark.parametrize("fleet_name", ["moe_fleet", "moe_fleet_2x1"])
-def test_moe_layouts(layout, world, fleet_name, moe_new, request):
-    """Changes the MoE fleets' weights (to `moe_new`); later tests that need particular weights push them."""
-    fleet = request.getfixturevalue(fleet_name)
-    tp = 2 if fleet_name == "moe_fleet" else 1
-    results = run_distributed(_push, world, moe_new, layout, fleet.urls, tp, free_port(), free_port(),
-                              init_dist=False)
-    _check(results, moe_new, workers=2)
+def test_moe_layouts(layout, world, moe_new, moe_fleet, moe_fleet_2x1):
+    """One set of trainer ranks pushes into the TP-2 server, then into the two TP-1 replicas (one sync group
+    each), each push checked on its own. Changes the MoE fleets' weights (to `moe_new`); later tests that need
+    particular weights push them."""
+    targets = [(moe_fleet.urls, 2, free_port()), (moe_fleet_2x1.urls, 1, free_port())]
+    results = run_distributed(_push, world, moe_new, layout, targets, free_port(), init_dist=False)
+    for i in range(len(targets)):
+        _check([r[i] for r in results], moe_new, workers=2)
 
 
 @pytest.mark.parametrize(("layout", "world"), [((2, 1, 1), 2), ((1, 2, 1), 2), ((2, 2, 1), 4)],
                          ids=["tp2", "pp2", "tp2xpp2"])
 def test_dense_layouts(layout, world, dense_dirs, dense_fleet):
-    results = run_distributed(_push, world, dense_dirs[1], layout, dense_fleet.urls, 2, free_port(), free_port(),
+    results = run_distributed(_push, world, dense_dirs[1], layout, [(dense_fleet.urls, 2, free_port())], free_port(),
                               init_dist=False)
-    _check(results, dense_dirs[1], workers=2)
+    _check([r[0] for r in results], dense_dirs[1], workers=2)
