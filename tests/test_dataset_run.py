@@ -14,10 +14,9 @@ import pytest
 
 from megarl.checkpoint import latest_checkpoint, open_checkpoint, step_dir
 from megarl.config.load import ConfigError
-from megarl.launch import finish_run, prepare, train
+from megarl.launch import prepare, train
 from megarl.metrics.timeline import load_spans
 from megarl.rollout.task import PROMPTS_FILE
-from tests.shared_ranks import train_jobs_in_one_set_of_ranks
 
 SAMPLES = "megarl/data/samples"
 ROWS, PROMPTS = 24, 8  # rows of the sample file, prompts per batch
@@ -42,11 +41,7 @@ def test_guru_sample_trains_evaluates_and_resumes_at_its_data_position(moe_fleet
     is not a point where the fleet holds no state), then resumes to 5: its steps 3 and 4 equal A's, data position
     and RED-Drop's drops included (tests/test_checkpoint.py's exact resume, checked here on these runs)."""
     a_dir, b_dir = tmp_path / "a", tmp_path / "b"
-    # A, and B's first launch, trained by one set of trainer ranks (one rank start), as `megarl train` trains each
-    first = [prepare(None, _overrides(tiny_moe_dir, a_dir, 5)), prepare(None, _overrides(tiny_moe_dir, b_dir, 4))]
-    train_jobs_in_one_set_of_ranks(first, 2, moe_fleet.urls, tmp_path)
-    for cfg in first:
-        finish_run(cfg)
+    train(prepare(None, _overrides(tiny_moe_dir, a_dir, 5)), fleet_urls=moe_fleet.urls)
     a = _records(a_dir)
     assert [r["step"] for r in a] == list(range(5))
     # the data stream: batch l starts at row l*P of epoch (l*P) // rows
@@ -68,7 +63,8 @@ def test_guru_sample_trains_evaluates_and_resumes_at_its_data_position(moe_fleet
     blocks = (a_dir / PROMPTS_FILE).read_text().split("--- prompt ")[1:]
     assert len(blocks) == 2 and all(block.split("---\n", 1)[1].strip() in raw for block in blocks), blocks
 
-    # B stopped after step 3 (its last checkpoint: after step 2); it resumes to 5 and equals A from step 3 on
+    # B stops after step 3 (its last checkpoint: after step 2), then resumes to 5 and equals A from step 3 on
+    train(prepare(None, _overrides(tiny_moe_dir, b_dir, 4)), fleet_urls=moe_fleet.urls)
     checkpoint = latest_checkpoint(b_dir / "checkpoints")
     assert checkpoint == step_dir(b_dir / "checkpoints", 2)
     loop_state = open_checkpoint(checkpoint, {}).loop_state()
