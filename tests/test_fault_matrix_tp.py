@@ -13,7 +13,12 @@ Marked `slow` (`make test-all`, `pytest -m slow`): four TP-2 vLLM starts. Each c
 tests/test_fault_matrix.py (whose injector, tests/fault_injection.py, this reuses): the trainer noticed within the
 bound (the push's own time), the registration removed, the replica's whole process group gone, a new incarnation
 registered, a rejoin with a full push; and for the whole run: every step, exact lags, every batch whole, both
-replicas in the sync at the end serving the last pushed version. Each cell's times are printed."""
+replicas in the sync at the end serving the last pushed version. Each cell's times are printed.
+
+Its one run so far (2026-11-27) held cell E and FAILED cell H: the stopped worker starved the other replica's
+streamed receive too (the senders wait on their sends to it), so both replicas reached the push's bound together and
+were condemned; the run stopped below rollout.min_replicas. That is an open bug of the push, not of this test
+(docs/pipeline.md, "Open: a hung TP worker condemns the healthy replicas too")."""
 
 from __future__ import annotations
 
