@@ -152,7 +152,7 @@ def serve(cfg: Config, replica: int, host: str | None = None, restart: bool = Fa
     wrote there), not started afresh."""
     from megarl.rollout.fleet import FleetError, fleet_spec, launch
     from megarl.rollout.liveness import Liveness
-    from megarl.rollout.rendezvous import clear_condemned, condemned, incarnation, register_replica, unregister_replica
+    from megarl.rollout.rendezvous import clear_condemned, incarnation, register_replica, unregister_replica, why_dead
 
     if not 0 <= replica < cfg.rollout.replicas:
         raise ConfigError(f"--replica {replica}: the config has rollout.replicas={cfg.rollout.replicas} "
@@ -172,16 +172,13 @@ def serve(cfg: Config, replica: int, host: str | None = None, restart: bool = Fa
         liveness, me = Liveness(fleet.urls[0], cfg.rollout.health_timeout_s), incarnation(os.getpid())
         while (code := fleet.procs[0].poll()) is None:
             time.sleep(liveness.every_s)
-            if (why := condemned(cfg.run.dir, replica, secret, me)) is not None:  # it hangs, /health answers
-                _say(f"rollout replica {replica} ({fleet.urls[0]}) is dead: condemned by the trainer: {why}; stopping "
-                     f"its server (log {fleet.logs[0]})")
+            # its engine died, it hangs, or the trainer condemned it: the same end as an exit (the finally kills the
+            # group, at once: a hung server would not heed SIGTERM)
+            if (why := why_dead(cfg.run.dir, replica, secret, me, liveness)) is not None:
+                _say(f"rollout replica {replica} ({fleet.urls[0]}) is dead: {why}; stopping its server "
+                     f"(log {fleet.logs[0]})")
                 clear_condemned(cfg.run.dir, replica, me, secret)
                 grace_s = 0.0
-                return 1
-            if liveness.dead():  # its engine died or it hangs: the same end as an exit (the finally kills the group)
-                _say(f"rollout replica {replica} ({fleet.urls[0]}) is dead: {liveness.why()}; stopping its server "
-                     f"(log {fleet.logs[0]})")
-                grace_s = 0.0  # a hung server would not heed SIGTERM
                 return 1
         _say(f"rollout replica {replica} ({fleet.urls[0]}) died: its vLLM server exited with code {code} "
              f"(log {fleet.logs[0]})")

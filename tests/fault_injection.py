@@ -122,11 +122,16 @@ class FaultInjector(threading.Thread):
         return cell
 
     def _recover(self, cell: dict[str, Any], out_after: int) -> None:
-        """After a kill: the trainer is held as soon as a push at or after step `out_after` went on without the
-        replica (the run must not end first), until the replica is registered again; meanwhile the times the watcher
-        removed the registration and the replica's process group died are taken."""
+        """After a kill: the trainer is held once a push at or after step `out_after` went on without the replica
+        (the run must not end first), until the replica is registered again; meanwhile the times the watcher
+        removed the registration and the replica's process group died are taken.
+
+        The hold is a SIGSTOP of the trainer ranks, sent right after a push has resumed the other replica (its log's
+        `POST /resume`), so that they stop while they generate or train, never inside a push: a push's calls are
+        bounded in time, and a trainer stopped inside one would find its bound spent when continued."""
         replica, pid = cell["replica"], cell["pid"]
         held: list[int] = []
+        resumed: list[Callable[[], bool]] = []  # the other replica's log, watched for the end of a push
 
         def watch() -> bool:
             now = time.monotonic()
@@ -134,8 +139,12 @@ class FaultInjector(threading.Thread):
                 cell["gone"] = now
             if "group" not in cell and not process_group_members(pid):
                 cell["group"] = now
-            if not held and any(r["step"] >= out_after and str(replica) not in
-                                (r.get("sync/served_versions") or {str(replica): 0}) for r in self._records()):
+            if not held and not resumed and any(r["step"] >= out_after and str(replica) not in
+                                                (r.get("sync/served_versions") or {str(replica): 0})
+                                                for r in self._records()):
+                other = self.run_dir / f"vllm_replica{1 - replica}.log"
+                resumed.append(log_grows(other, b"POST /resume", other.stat().st_size))
+            if not held and resumed and resumed[0]():
                 held.extend(trainer_processes())
                 for p in held:
                     signal_quietly(p, signal.SIGSTOP)

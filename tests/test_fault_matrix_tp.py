@@ -5,20 +5,24 @@ megarl/rollout/restarts.py, docs/pipeline.md's fault table):
     E  replica 0's worker `VLLM::Worker_TP1` SIGKILLed mid-push, right after /start_weight_update (vLLM shuts the
        engine down: the update call fails and the server exits or its /health fails)
     H  later, the restarted replica 0's worker SIGSTOPped mid-push (hung: alive, its API server's /health still
-       200): the push's calls are bounded by the push's own bound (sync.timeout_fixed_s + bytes /
-       sync.timeout_min_gbps), the replica is failed for the push and condemned, and the watcher kills its process
+       200): the worker sends no heartbeat (megarl/sync/heartbeat.py), so trainer rank 0 gives its replica up
+       after rollout.health_timeout_s, not the push's bound; the senders move on to replica 1's buckets (which
+       must load: replica 1 is not condemned with it), replica 0 is condemned, and the watcher kills its process
        group and restarts it
+    I  then replica 1's worker SIGSTOPped right after a push resumed it, so as it generates: vLLM's own bound on one
+       engine step (rollout.step_timeout_s, VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS) ends its engine, /health turns 503,
+       the trainer's generate call gives up on it within rollout.health_timeout_s (its chunk goes to replica 0) and
+       the watcher restarts it
 
-Marked `slow` (`make test-all`, `pytest -m slow`): four TP-2 vLLM starts. Each cell is checked from outside as in
+Marked `slow` (`make test-all`, `pytest -m slow`): five TP-2 vLLM starts. Each cell is checked from outside as in
 tests/test_fault_matrix.py (whose injector, tests/fault_injection.py, this reuses): the trainer noticed within the
-bound (the push's own time), the registration removed, the replica's whole process group gone, a new incarnation
-registered, a rejoin with a full push; and for the whole run: every step, exact lags, every batch whole, both
-replicas in the sync at the end serving the last pushed version. Each cell's times are printed.
+bound, the registration removed, the replica's whole process group gone, a new incarnation registered, a rejoin
+with a full push; and for the whole run: every step, exact lags, every batch whole, both replicas in the sync at
+the end serving the last pushed version. Each cell's times are printed.
 
-Its one run so far (2026-11-27) held cell E and FAILED cell H: the stopped worker starved the other replica's
-streamed receive too (the senders wait on their sends to it), so both replicas reached the push's bound together and
-were condemned; the run stopped below rollout.min_replicas. That is an open bug of the push, not of this test
-(docs/pipeline.md, "Open: a hung TP worker condemns the healthy replicas too")."""
+Its first run (2026-11-27, before the heartbeat) held cell E and FAILED cell H: the stopped worker starved the other
+replica's streamed receive too (the senders wait on their sends to it), so both replicas reached the push's bound
+together and were condemned, and the run stopped below rollout.min_replicas."""
 
 from __future__ import annotations
 
@@ -35,9 +39,10 @@ from tests.test_end_to_end import _expected_lag
 
 ROOT = Path(__file__).resolve().parent.parent
 HEALTH_S = 8.0  # rollout.health_timeout_s of the run
+STEP_S = 10  # rollout.step_timeout_s of the run: vLLM's bound on one engine step
 PUSH_BOUND_S = 20.0  # sync.timeout_fixed_s of the run: the push's bound (the tiny model's bytes add milliseconds)
 SLACK_S = 20.0  # a loaded 2-core machine
-M, N, STEPS, PROMPTS, K = 1, 0, 16, 8, 4
+M, N, STEPS, PROMPTS, K = 1, 0, 20, 8, 4
 RESTARTS = 2
 
 
@@ -54,18 +59,24 @@ class _Faults(FaultInjector):
         h = self._kill("H", 0, self._worker, sig=signal.SIGSTOP)
         self._recover(h, h["step"])
         h["rejoined"] = self._rejoined(0, h["step"])
+        # I: a worker of replica 1 stopped (hung) as it resumes generating after a push
+        self._tail(1, self._log_end(1), b"POST /resume")
+        i = self._kill("I", 1, self._worker, sig=signal.SIGSTOP)
+        self._recover(i, i["step"])
+        i["rejoined"] = self._rejoined(1, i["step"])
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
-def test_tp2_worker_killed_and_hung_mid_push_under_megarl_train(tmp_path: Path,
+def test_tp2_worker_killed_and_hung_mid_push_and_generating_under_megarl_train(tmp_path: Path,
                                                                 capfd: pytest.CaptureFixture[str]) -> None:
     run_dir = tmp_path / "run"
     cfg = prepare(str(ROOT / "configs" / "repro.yaml"), [
         f"model.hf_dir={tmp_path / 'dense'}", "model.tiny=dense", f"run.dir={run_dir}", f"run.steps={STEPS}",
         "rollout.replicas=2", "rollout.tp=2", f"rollout.restarts={RESTARTS}", f"rollout.health_timeout_s={HEALTH_S}",
         "rollout.startup_timeout_s=400", f"sync.interval={M}", f"sync.offset={N}", "sync.receive=streamed",
-        f"sync.timeout_fixed_s={PUSH_BOUND_S}", "sync.push_initial=true", f"data.prompts_per_step={PROMPTS}",
+        f"sync.timeout_fixed_s={PUSH_BOUND_S}", f"rollout.step_timeout_s={STEP_S}",
+        "sync.push_initial=true", f"data.prompts_per_step={PROMPTS}",
         f"rollout.samples_per_prompt={K}", "rollout.overlap=false"])
     faults = _Faults(run_dir)
     faults.start()
@@ -78,7 +89,7 @@ def test_tp2_worker_killed_and_hung_mid_push_under_megarl_train(tmp_path: Path,
     cells = faults.cells
     said = [ln[ln.index("megarl: rollout replica "):] for ln in err.replace("\r", "\n").splitlines()
             if "megarl: rollout replica " in ln]
-    assert faults.error is None and "rejoined" in cells.get("H", {}), (faults.error, cells, said)
+    assert faults.error is None and "rejoined" in cells.get("I", {}), (faults.error, cells, said)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     by_step = {r["step"]: r for r in records}
 
@@ -91,31 +102,38 @@ def test_tp2_worker_killed_and_hung_mid_push_under_megarl_train(tmp_path: Path,
     version = str(final["sync/versions"][-1])
     assert final["sync/served_versions"] == {"0": version, "1": version}
 
-    # E: the worker's death ended the push within the health bound; H: the hang ended it at the push's bound
+    # E: the worker's death ended the push within the health bound; H: so did the hang (the worker's silence)
     e, h = cells["E"], cells["H"]
     hit_e, hit_h = by_step[e["step"]], by_step[h["step"]]
     assert "0" not in hit_e["sync/served_versions"] and hit_e["time/push_s"] < HEALTH_S + SLACK_S, hit_e
     assert "0" not in hit_h["sync/served_versions"], hit_h
-    assert PUSH_BOUND_S - 1 <= hit_h["time/push_s"] < PUSH_BOUND_S + SLACK_S, hit_h
-    line_e = next(ln for ln in said if "(restart 1 of 2)" in ln)
-    line_h = next(ln for ln in said if "(restart 2 of 2)" in ln)
+    assert HEALTH_S - 1 <= hit_h["time/push_s"] < HEALTH_S + SLACK_S, hit_h
+    assert hit_h["sync/served_versions"].get("1") == str(hit_h["sync/versions"][-1]), (
+        "replica 1 did not load the push that lost replica 0", hit_h)
+    line_e = next(ln for ln in said if ln.startswith("megarl: rollout replica 0 ") and "(restart 1 of 2)" in ln)
+    line_h = next(ln for ln in said if ln.startswith("megarl: rollout replica 0 ") and "(restart 2 of 2)" in ln)
     assert "restarted as http" in line_e and "restarted as http" in line_h, said
     assert "is dead: condemned by the trainer: replica 0 (" in line_h and " hangs: " in line_h, line_h
-    # the call that went unanswered: /update_weights as a rule; a report or close RPC if the stop landed after the
-    # tiny model's bytes were loaded
-    assert " did not answer within " in line_h, line_h
+    # the stopped worker's silence as a rule; a report or close RPC unanswered within the push's bound if the stop
+    # landed after the tiny model's bytes were loaded
+    assert " sent no heartbeat for " in line_h or " did not answer within " in line_h, line_h
+    # I: replica 1's stopped worker ended its engine at vLLM's step bound, then the health bound: its restart's line
+    line_i = next(ln for ln in said if ln.startswith("megarl: rollout replica 1 ") and "(restart 1 of 2)" in ln)
+    assert "restarted as http" in line_i, said
     report = []
-    for name, what in (("E", "TP-2 worker SIGKILL, mid-push (streamed)"),
-                       ("H", "TP-2 worker SIGSTOP (hung, /health 200), mid-push (streamed)")):
+    for name, what, bound in (("E", "TP-2 worker SIGKILL, mid-push (streamed)", PUSH_BOUND_S),
+                              ("H", "TP-2 worker SIGSTOP (hung, /health 200), mid-push (streamed)", HEALTH_S),
+                              ("I", "TP-2 worker SIGSTOP (hung, /health 200), generating", STEP_S + HEALTH_S)):
         cell = cells[name]
-        assert cell["gone"] - cell["kill"] < PUSH_BOUND_S + SLACK_S, (name, cell)
+        assert cell["gone"] - cell["kill"] < bound + SLACK_S, (name, cell)
         hit, rejoined = by_step[cell["step"]], cell["rejoined"]
         affected = [r["step"] for r in records if cell["step"] <= r["step"] < rejoined
                     and min(r["fleet/replicas"], r["fleet/replicas_in_sync"]) < 2]
         full = by_step[rejoined]
         assert full["sync/served_versions"].keys() == {"0", "1"}, full
-        report.append(f"{name} {what}: replica 0 at step {cell['step']}; the push gave up after "
-                      f"{hit['time/push_s']:.1f} s (bounds: health {HEALTH_S:g} s, push {PUSH_BOUND_S:g} s); the "
+        report.append(f"{name} {what}: replica {cell['replica']} at step {cell['step']}; that step's push took "
+                      f"{hit['time/push_s']:.1f} s (bounds: health {HEALTH_S:g} s, push {PUSH_BOUND_S:g} s, "
+                      f"engine step {STEP_S} s); the "
                       f"watcher saw it after {cell['gone'] - cell['kill']:.1f} s, its group gone after "
                       f"{cell['group'] - cell['kill']:.1f} s; registered again after {cell['back'] - cell['kill']:.1f}"
                       f" s; rejoined with a full push at step {rejoined}; steps with one replica: {len(affected)}")

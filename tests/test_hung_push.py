@@ -30,6 +30,7 @@ from megarl.rollout.liveness import Liveness
 from megarl.rollout.membership import Roster
 from megarl.rollout.rendezvous import condemn_replica, condemned, incarnation
 from megarl.rollout.restarts import ReplicaWatcher
+from megarl.sync.heartbeat import BeatWatch, Heartbeat, beat_key
 from megarl.sync.lifecycle import FleetLifecycle
 from megarl.sync.weight_sync import _failed_key, _update_failed
 from tests.dist_utils import process_group_members
@@ -132,3 +133,46 @@ def test_a_push_gives_up_on_a_hung_replica_within_its_bound_and_the_watcher_kill
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_a_replica_whose_worker_stops_beating_is_given_up_at_the_health_bound_not_the_push_bound(
+        tmp_path: Path) -> None:
+    """A TP-2 stand-in replica whose `/update_weights` never answers: its worker 0 beats (a `Heartbeat` on the sync
+    store, as a receiving vLLM worker does), its worker 1 never does (stopped before its part began). With the
+    watch on (`silent`, a `BeatWatch` at `rollout.health_timeout_s`), the call is given up once worker 1 has been
+    silent for that bound, long before the push's own bound; its failure is in the key the senders watch (so they
+    move on to the other replicas' buckets), it names the silent worker, and the replica is condemned."""
+    port, push_bound_s = free_port("127.0.0.1"), 60.0
+    proc = subprocess.Popen([sys.executable, "-c", _SERVER, str(port)], start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        live, deadline = Liveness(url, bound_s=60, every_s=0.2), time.monotonic() + 60
+        while not live.probe():
+            assert time.monotonic() < deadline and proc.poll() is None, "the stand-in server did not start"
+            time.sleep(0.2)
+        store = dist.TCPStore("127.0.0.1", free_port("127.0.0.1"), 1, True, timeout=timedelta(seconds=30))
+        condemned_now: list[tuple[int, str]] = []
+        client = RolloutClient(url, timeout_s=600.0, health_timeout_s=HEALTH_S)
+        fleet_side = FleetLifecycle([client], tp=2, call_timeout_s=push_bound_s,
+                                    condemn=lambda rep, why: condemned_now.append((rep, why)))
+        assert fleet_side.open() == (None, {})
+        watch = BeatWatch(store, lambda worker: beat_key(1, worker), HEALTH_S)
+        with Heartbeat(store, beat_key(1, 0), every_s=0.2):  # worker 0 receives: it beats throughout
+            started = time.monotonic()
+            updates = fleet_side.start_updates(
+                {0: [{"update_id": "u"}, {"update_id": "u"}]},
+                on_fail=lambda rep, why: store.set(_failed_key(1, rep), why),
+                silent=lambda rep: watch.silent(0) or watch.silent(1))
+            reports, failures, dead = fleet_side.close(updates, version=1, update_id="u")
+            noticed = time.monotonic() - started
+        why = _update_failed(store, 1, 0)
+        assert why is not None and "WorkerSilent: vLLM worker 1 sent no heartbeat for " in why, why
+        assert "never began its part" in why and "vLLM worker 0" not in why, why
+        assert (reports, dead) == ([], {0}) and " hangs: " in failures[0] and "push's bound" not in failures[0]
+        assert [rep for rep, _ in condemned_now] == [0] and "vLLM worker 1 sent no heartbeat" in condemned_now[0][1]
+        assert HEALTH_S <= noticed < HEALTH_S + SLACK_S < push_bound_s, noticed
+        print(f"a replica whose TP worker 1 never beat: given up after {noticed:.1f} s (health bound {HEALTH_S:g} s, "
+              f"push bound {push_bound_s:g} s)")
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

@@ -27,6 +27,7 @@ from safetensors.torch import load_file
 
 from megarl.config.schema import OptimizerConfig
 from megarl.models.qwen_provider import read_hf_config
+from megarl.sync.heartbeat import DONE
 from megarl.sync.plan import vllm_rank_slices
 from tests.dist_utils import free_port, run_distributed
 from tests.fleet_fixture import perturbed_checkpoint, sparsely_changed
@@ -57,6 +58,7 @@ def new_checkpoint(tiny_moe_dir, tmp_path_factory):
 def _trainer(rank, world, hf_dir, url, port, sync_port, drop):
     from megarl.parallel.groups import TrainerLayout, destroy_trainer_groups, init_trainer_groups
     from megarl.rollout.client import RolloutClient
+    from megarl.sync.heartbeat import beat_key
     from megarl.sync.weight_sync import PartitionedWeightSync, WeightSyncError
     from megarl.trainer.policy import MegatronPolicy
 
@@ -67,7 +69,7 @@ def _trainer(rank, world, hf_dir, url, port, sync_port, drop):
         clients = [RolloutClient(url)] if rank == 0 else []
         sync = PartitionedWeightSync(rank, world, hf, clients, rollout_tp=2, rollout_replicas=1,
                                      store_host="127.0.0.1", store_port=sync_port, bucket_bytes=BUCKET,
-                                     digests=True, timeout_s=90)
+                                     digests=True, timeout_s=90, silent_s=60)
         out = {}
         if drop == "fail_load":  # vLLM's loaders raise after 3 tensors, once the model is being reloaded
             sync.fail_loading_after = 3
@@ -81,6 +83,8 @@ def _trainer(rank, world, hf_dir, url, port, sync_port, drop):
                 out["error"] = str(err)
         else:
             out["stats"] = sync.push(policy.iter_local_hf_slices(), version=5)
+            # each worker beat on its own key of this push in the trainer's store, and marked its part done
+            out["beats"] = {w: int(sync.transport.store.add(beat_key(sync.pushes, w), 0)) for w in (2, 3)}
         out["needs"] = sync.needs
         if rank == 0:
             out["paused"] = clients[0].is_paused()
@@ -124,6 +128,8 @@ def test_sync_moves_exactly_each_ranks_slices(moe_fleet, new_checkpoint):
           f"({stats.gbps:.4f} GB/s); per worker receive/load seconds "
           f"{[(r['receive_seconds'], r['load_seconds']) for r in stats.reports]}")
     assert sorted(reports) == [2, 3]  # the two vLLM TP workers, after the 2 trainer ranks
+    # megarl/sync/heartbeat.py: both workers beat during the push (once at least) and marked their part done
+    assert all(DONE < n < 2 * DONE for n in results[0]["beats"].values()), results[0]["beats"]
 
     # the plan came from the fleet's recording of vLLM's own loaders, which equals the hand-written table here
     needs = results[0]["needs"]

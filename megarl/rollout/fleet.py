@@ -79,6 +79,9 @@ class FleetSpec:
     # return every token's routed experts (MoE, GPU: vLLM's V2 model runner with prefix caching)
     return_routed_experts: bool = False
     expert_parallel: bool = False  # vLLM --enable-expert-parallel: a MoE's experts split over the TP ranks, whole
+    # VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS: vLLM's bound on one engine step over its TP workers (`rollout.step_timeout_s`;
+    # None: vLLM's own default)
+    step_timeout_s: int | None = None
     # file holding the job's secret (mode 0600, e.g. from `fleet_auth.new_fleet_secret`); None: launch() makes
     # one in a private temporary directory, deleted when the fleet stops
     secret_file: Path | None = None
@@ -192,12 +195,14 @@ def _cpu_env(tp: int, kv_cache_gib: int) -> dict[str, str]:
 
 def server_env(spec: FleetSpec, secret_file: Path) -> dict[str, str]:
     """The environment of every replica's server: ours, plus vLLM's dev routes (weight updates), the secret's file,
-    the CPU backend's settings, and the V2 model runner when routed experts are returned (vLLM 0.32 captures them
-    there only)."""
+    the CPU backend's settings, the V2 model runner when routed experts are returned (vLLM 0.32 captures them
+    there only), and vLLM's bound on one engine step."""
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "TOKENIZERS_PARALLELISM": "false",
            SECRET_ENV: str(secret_file), **({} if on_gpu(spec) else _cpu_env(spec.tp, spec.kv_cache_gib))}
     if spec.return_routed_experts:
         env["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+    if spec.step_timeout_s is not None:  # a worker stopped mid-step ends the engine (its /health: 503) this soon
+        env["VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"] = str(spec.step_timeout_s)
     return env
 
 
@@ -342,5 +347,6 @@ def fleet_spec(cfg: Config, **where: Any) -> FleetSpec:
                      kv_cache_gib=r.kv_cache_gib, gpu_memory_utilization=r.gpu_memory_utilization,
                      startup_timeout_s=r.startup_timeout_s, dtype=r.dtype, max_model_len=cfg.max_model_len(),
                      enforce_eager=r.enforce_eager,
-                     return_routed_experts=r.return_routed_experts, expert_parallel=r.expert_parallel)
+                     return_routed_experts=r.return_routed_experts, expert_parallel=r.expert_parallel,
+                     step_timeout_s=r.step_timeout_s)
     return replace(spec, **where)

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from megarl.rollout.fleet import FleetError
 from megarl.rollout.fleet_auth import SECRET_ENV, SECRET_FILENAME
+from megarl.rollout.liveness import Liveness
 
 FLEET_DIR = "fleet"
 POLL_S = 1.0
@@ -87,6 +88,18 @@ def clear_condemned(run_dir: Path | str, replica: int, of: str, secret: str) -> 
     """Remove replica `replica`'s condemnation if it is for incarnation `of` (its launcher has killed it)."""
     if condemned(run_dir, replica, secret, of) is not None:
         (fleet_dir(run_dir) / f"condemned_replica{replica}.json").unlink(missing_ok=True)
+
+
+def why_dead(run_dir: Path | str, replica: int, secret: str, of: str, liveness: Liveness | None) -> str | None:
+    """Why incarnation `of` of replica `replica`, whose server has not exited, is dead all the same: the trainer
+    condemned it (a push's call to it went unanswered, or a worker of it stopped beating, while its `/health`
+    answered), or its `/health` has failed for the bound (`liveness`; None: not watched). None while neither. Both
+    launchers ask it every poll: `megarl train`'s watcher (`megarl.rollout.restarts`) and `megarl serve`."""
+    if (why := condemned(run_dir, replica, secret, of)) is not None:
+        return f"condemned by the trainer: {why}"
+    if liveness is not None and liveness.dead():
+        return liveness.why()
+    return None
 
 
 def register_replica(run_dir: Path | str, replica: int, url: str, secret: str, pid: int | None = None) -> Path:

@@ -39,10 +39,10 @@ from megarl.rollout.fleet_auth import read_secret
 from megarl.rollout.liveness import Liveness
 from megarl.rollout.rendezvous import (
     clear_condemned,
-    condemned,
     incarnation,
     register_replica,
     unregister_replica,
+    why_dead,
 )
 
 POLL_S = 1.0  # how often each server's process and /health are polled
@@ -150,16 +150,12 @@ class ReplicaWatcher:
             proc, url = self.fleet.procs[slot], self.fleet.urls[slot]
             unhealthy = ""
             if proc.poll() is None:
-                if (why := condemned(self.run_dir, self.replica(slot), self.secret, incarnation(proc.pid))) is not None:
-                    unhealthy = f"condemned by the trainer: {why}"
-                else:
-                    if self.health_timeout_s is None:
-                        continue
-                    if liveness is None or of is not proc:  # a restarted server (maybe at the same URL): fresh record
-                        liveness, of = Liveness(url, self.health_timeout_s, every_s=self.poll_s), proc
-                    if not liveness.dead():
-                        continue
-                    unhealthy = liveness.why()
+                if self.health_timeout_s is not None and (liveness is None or of is not proc):
+                    # a restarted server (maybe at the same URL): a fresh record
+                    liveness, of = Liveness(url, self.health_timeout_s, every_s=self.poll_s), proc
+                unhealthy = why_dead(self.run_dir, self.replica(slot), self.secret, incarnation(proc.pid), liveness)
+                if unhealthy is None:
+                    continue
             try:
                 if not self._revive(slot, proc, unhealthy):
                     return  # it stays down

@@ -18,7 +18,9 @@ not answered within it while the replica's `/health` answers (`RolloutServerHung
 leaves the API server healthy) fails the replica for this push as a dead one, and the replica is condemned:
 `condemn(replica, why)` (the trainer's `Roster.condemn`) marks it in the run's fleet registry, where its launcher
 finds it and kills and restarts it as it would one whose `/health` failed. Nothing more is asked of a condemned
-replica in this push.
+replica in this push. A replica one of whose workers stops beating while its `/update_weights` waits
+(`megarl.sync.heartbeat`: silent for `rollout.health_timeout_s`) is given up and condemned the same way then, without
+waiting for the bound, so that the senders go on to the other replicas' buckets.
 """
 
 from __future__ import annotations
@@ -34,6 +36,13 @@ from megarl.sync.needs import RolloutNeeds, recorded_by_fleet
 logger = logging.getLogger(__name__)
 
 LABEL_TIMEOUT_S = 30.0  # how long `served()` waits for one replica's label (a cheap GET; a live server answers at once)
+
+
+SILENT_POLL_S = 0.5  # how often `start_updates` asks whether a replica's workers still beat while its call waits
+
+
+class WorkerSilent(RolloutServerHung):
+    """A worker of the replica stopped beating during the push (`megarl.sync.heartbeat`): it is stopped or wedged."""
 
 
 class UpdateRefused(RuntimeError):
@@ -108,10 +117,11 @@ class FleetLifecycle:
         self._stale_closed: set[int] = set()  # replicas whose sessions a dead trainer left open were closed
 
     def _hung(self, rep: int, err: RolloutServerHung) -> str:
-        """Replica `rep` did not answer a call of this push within the bound while its `/health` answered: condemn
-        it (once); the line that says so."""
-        why = (f"replica {rep} ({self.clients[rep].url}) hangs: {err} (the push's bound: sync.timeout_fixed_s + "
-               "bytes / sync.timeout_min_gbps), while its /health answers")
+        """Replica `rep` did not answer a call of this push within the bound, or a worker of it stopped beating,
+        while its `/health` answered: condemn it (once); the line that says so."""
+        bound = "" if isinstance(err, WorkerSilent) else " (the push's bound: sync.timeout_fixed_s + bytes / " \
+            "sync.timeout_min_gbps)"
+        why = f"replica {rep} ({self.clients[rep].url}) hangs: {err}{bound}, while its /health answers"
         if rep not in self.condemned:
             self.condemned[rep] = why
             if self.condemn is None:
@@ -209,16 +219,33 @@ class FleetLifecycle:
                 _best_effort(lambda c=client: c.resume(timeout_s=self.call_timeout_s))
 
     def start_updates(self, infos: dict[int, list[dict[str, Any]]],
-                      on_fail: Callable[[int, str], None] | None = None) -> dict[int, ResultThread]:
+                      on_fail: Callable[[int, str], None] | None = None,
+                      silent: Callable[[int], str | None] | None = None) -> dict[int, ResultThread]:
         """One `/update_weights` call per replica, each in a thread (it returns once its workers have received,
         checked and loaded their blocks); `infos[i]` holds replica i's update info per TP rank. `on_fail(replica,
         why)` is called from a replica's thread as soon as its call fails (its workers receive nothing more: the
         trainer ranks stop waiting on sends to them, `megarl.sync.weight_sync`), at the latest once the call has waited
-        `call_timeout_s` (a replica that hangs, which is also condemned)."""
+        `call_timeout_s` (a replica that hangs, which is also condemned). `silent(replica)`: why a worker of it
+        stopped beating (`megarl.sync.heartbeat.BeatWatch`), or None; asked every `SILENT_POLL_S` while its call
+        waits: a silent replica's call is given up then, as one that hangs (the call itself is left behind)."""
+
+        def call(rep: int, info: list[dict[str, Any]]) -> None:
+            client = self.clients[rep]
+            if silent is None:
+                client.update_weights(info, timeout_s=self.call_timeout_s)
+                return
+            waiting = ResultThread(lambda: client.update_weights(info, timeout_s=self.call_timeout_s))
+            waiting.start()
+            while waiting.is_alive():
+                waiting.join(SILENT_POLL_S)
+                why = silent(rep) if waiting.is_alive() else None
+                if why is not None:
+                    raise WorkerSilent(why)
+            waiting.join_or_raise()
 
         def update(rep: int, info: list[dict[str, Any]]) -> None:
             try:
-                self.clients[rep].update_weights(info, timeout_s=self.call_timeout_s)
+                call(rep, info)
             except BaseException as err:
                 if on_fail is not None:
                     try:

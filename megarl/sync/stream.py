@@ -32,7 +32,9 @@ gloo's own timed wait cannot be used to look around: a timed-out wait closes the
 `gone` (receiver -> why it is gone, or None) waits for each send in a thread of its own and asks `gone` every
 `slice_s` while it waits (`wait_watching`): a receiver that is gone is recorded as failed within one slice, and its
 later buckets are skipped. The trainer's `gone` is its update call to the receiver's replica having failed
-(`megarl.sync.weight_sync`), which itself gives up within `rollout.health_timeout_s`.
+(`megarl.sync.weight_sync`), which itself gives up within `rollout.health_timeout_s` on a replica that died or one
+of whose workers stopped sending heartbeats (`megarl.sync.heartbeat`: a stopped worker fails nothing, and the
+senders' bucket-major order would otherwise starve every other receiver while they wait on it).
 """
 
 from __future__ import annotations

@@ -59,6 +59,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterable, Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -73,6 +74,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from megarl.sync.delta import apply, delta_target
 from megarl.sync.group_setup import free_cached_device_memory
+from megarl.sync.heartbeat import Heartbeat
 from megarl.sync.peak_memory import PeakMemory
 from megarl.sync.received_block import ReadLog, sha256_of, wrap
 from megarl.sync.slices import HFSlice
@@ -114,6 +116,7 @@ class PartitionedUpdateInfo(WeightTransferUpdateInfo):
     receive: str = "staged"  # sync.receive: "staged" (receive all, check, agree, load) or "streamed" (load as it comes)
     keep_base: bool = False  # sync.delta: keep the loaded slices (host memory) as the base of the next delta
     delta_base: int | None = None  # the version this update's delta entries were computed against
+    beat_key: str = ""  # the sync-store key this worker beats on while its part runs (megarl.sync.heartbeat; "": none)
 
 
 def _reprepack_cpu_moe_experts(model: torch.nn.Module) -> None:
@@ -214,11 +217,14 @@ class PartitionedWeightTransferEngine(WeightTransferEngine[PartitionedInitInfo, 
         self.report = {"update_id": update_info.update_id, "version": update_info.version, "rank": self.rank,
                        "receive": update_info.receive}
         memory = PeakMemory.start(cuda=_on_cuda(self.model))
+        store = getattr(self.transport, "store", None)  # the sync group's store (hosted by trainer rank 0)
+        beating = nullcontext() if not update_info.beat_key or store is None else Heartbeat(store, update_info.beat_key)
         try:
-            if update_info.receive == "streamed":
-                self._receive_streamed(update_info)
-            else:
-                self._receive_staged(update_info)
+            with beating:  # trainer rank 0 fails and condemns this replica if the beats stop (a stopped worker)
+                if update_info.receive == "streamed":
+                    self._receive_streamed(update_info)
+                else:
+                    self._receive_staged(update_info)
         finally:
             self.report.update(memory.finish())
 

@@ -41,6 +41,7 @@ import torch.distributed as dist
 from megarl.rollout.client import RolloutClient
 from megarl.sync.delta import BlockCount, SenderBase, block_key, delta_layout, encode, takes_delta
 from megarl.sync.group_timeout import push_link_bytes, sync_group_timeout_s
+from megarl.sync.heartbeat import BeatWatch, beat_key
 from megarl.sync.lifecycle import FleetLifecycle
 from megarl.sync.needs import NeedsSource, RolloutNeeds, table_needs
 from megarl.sync.plan import plan_transfers
@@ -114,7 +115,9 @@ class PartitionedWeightSync:
     `timeout_s`, as gloo groups always do); on any transport that bound is also each HTTP call of a push to a
     replica (/update_weights, its RPCs: `FleetLifecycle.call_timeout_s`; None: the clients' own timeout), and a
     replica that does not answer one within it while its /health answers is failed for the push and handed to
-    `condemn(replica, why)` (the trainer's `Roster.condemn`: its launcher kills and restarts it)."""
+    `condemn(replica, why)` (the trainer's `Roster.condemn`: its launcher kills and restarts it); `silent_s`
+    (`rollout.health_timeout_s`): a replica one of whose workers sends no heartbeat for that long during its update
+    call is failed and condemned the same way at once (`megarl.sync.heartbeat`; None: only the bound)."""
 
     def __init__(self, rank: int, world_size: int, hf_config: dict[str, Any], clients: list[RolloutClient],
                  rollout_tp: int, rollout_replicas: int, store_host: str, store_port: int, bucket_bytes: int,
@@ -122,7 +125,7 @@ class PartitionedWeightSync:
                  receive: ReceiveMode = "staged", delta: bool = False, wire_dtype: torch.dtype | None = None,
                  min_replicas: int | None = None, rejoin_timeout_s: float | None = None,
                  group_timeout: tuple[float, float] | None = None,
-                 condemn: Callable[[int, str], None] | None = None) -> None:
+                 condemn: Callable[[int, str], None] | None = None, silent_s: float | None = None) -> None:
         self.rank, self.trainers, self.hf = rank, world_size, hf_config
         self.clients, self.tp, self.replicas = clients, rollout_tp, rollout_replicas
         self.bucket_bytes, self.digests, self.receive = bucket_bytes, digests, receive
@@ -136,6 +139,7 @@ class PartitionedWeightSync:
         self.fail_loading_after: int | None = None  # failure injection (tests): the workers' loaders raise after N
         self.sync_world = world_size + rollout_replicas * rollout_tp
         self.timeout_s = timeout_s
+        self.silent_s = silent_s  # rollout.health_timeout_s: how long a worker may send no heartbeat during a push
         # sync.rejoin_timeout_s: how long `admit` waits for a restarted replica's workers (None: timeout_s)
         self.rejoin_timeout_s = timeout_s if rejoin_timeout_s is None else rejoin_timeout_s
         # rollout.min_replicas: fewest replicas a push may leave in the sync (None: every replica, any loss fails)
@@ -345,11 +349,12 @@ class PartitionedWeightSync:
             entries, delta_base = self._delta_entries(local, entries, receivers), self.base.version
         phases["delta_count_s"] = lap()
         update_id = uuid.uuid4().hex
-        infos = self._update_infos(version, update_id, entries, receivers, delta_base)
-        self.pushes += 1  # every trainer rank: this push's keys in the sync store (`_failed_key`)
+        self.pushes += 1  # every trainer rank: this push's keys in the sync store (`_failed_key`, `beat_key`)
         store, push = self.transport.store, self.pushes
+        infos = self._update_infos(version, update_id, entries, receivers, delta_base)
         updates = self.fleet.start_updates(
-            infos, on_fail=lambda rep, why: store.set(_failed_key(push, rep), why)) if self.fleet else {}
+            infos, on_fail=lambda rep, why: store.set(_failed_key(push, rep), why),
+            silent=self._silent_watch(store, push)) if self.fleet else {}
         send_error = None
         try:
             sent = self.transport.send(entries, local, self._pack,
@@ -532,8 +537,21 @@ class PartitionedWeightSync:
         return {rep: [{"version": version, "update_id": update_id, "digests": self.digests, "receive": self.receive,
                   "fail_loading_after": self.fail_loading_after, "keep_base": self.base is not None,
                   "delta_base": delta_base if self.worker_rank(rep, r) in receivers else None,
+                  "beat_key": beat_key(self.pushes, self.worker_rank(rep, r)) if self.silent_s is not None else "",
                   "entries": [e.to_json() for e in entries if e.receiver == self.worker_rank(rep, r)]}
                       for r in range(self.tp)] for rep in self.live}
+
+    def _silent_watch(self, store, push: int) -> Callable[[int], str | None] | None:
+        """`FleetLifecycle.start_updates`' `silent`: why a worker of a replica sent no heartbeat for `silent_s` in
+        push `push`, or None (None altogether without `silent_s`)."""
+        if self.silent_s is None:
+            return None
+        watch = BeatWatch(store, lambda worker: beat_key(push, worker), self.silent_s)
+
+        def silent(rep: int) -> str | None:
+            return next((why for r in range(self.tp) if (why := watch.silent(self.worker_rank(rep, r)))), None)
+
+        return silent
 
     def close(self) -> None:
         """Leave the sync group (the store closes with the last handle)."""
