@@ -27,6 +27,7 @@ from megarl.rollout.run_fleet import start_fleet
 from tests.dist_utils import fleet_processes, process_group_members
 
 ROOT = Path(__file__).resolve().parent.parent
+STAGGER_S = 3.0  # replica 1 is killed this long after replica 0's failing restart began (see the test)
 
 
 def _config(model_dir: Path, run_dir: Path, restarts: int, replicas: int = 1) -> Config:
@@ -69,8 +70,9 @@ def test_dead_replicas_are_restarted_a_failed_restart_counts_and_stopping_stops_
         tiny_moe_dir: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     """One fleet of two replicas, rollout.restarts=2 (one fleet start for every case): replica 0 killed is restarted
     (restart 1 of 2); then every start fails (a broken config.json), and replica 0 killed again spends its last
-    restart on a failed start and stays down, nothing restarting it after; replica 1 killed has a failed restart 1,
-    and leaving the block while its restart 2 is under way stops that restart."""
+    restart on a failed start and stays down, nothing restarting it after; replica 1, killed while replica 0's failed
+    restart is under way (the two failed starts overlap), has a failed restart 1, and leaving the block while its
+    restart 2 is under way stops that restart."""
     run_dir, stderr, model = tmp_path / "run", _Stderr(capfd), _model(tiny_moe_dir, tmp_path)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the broken checkpoint must not send vLLM to the network
     # registrations an earlier run left in the same run directory: not this fleet's
@@ -105,9 +107,24 @@ def test_dead_replicas_are_restarted_a_failed_restart_counts_and_stopping_stops_
         assert entry1 is not None and (entry1["url"], entry1["pid"]) == (other_url, other.pid)
 
         (model / "config.json").write_text("{ not json")  # every start from here fails
-        # replica 0 killed again: its restart 2 of 2 fails (counted), and with none left it stays down
+        # replica 0 killed again: its restart 2 of 2 fails (counted), and with none left it stays down. Replica 1 is
+        # killed while that failed start is under way (both failed starts at once, not one after the other: each is
+        # a vLLM import, ~15 s), STAGGER_S after it began, so that replica 0's stays-down line comes about
+        # STAGGER_S before replica 1's first failed restart and its three idle polls are over by then
         os.killpg(second.pid, signal.SIGKILL)
+        _wait(lambda: "===== megarl: restart 2 of 2 of rollout replica 0" in log.read_text(), 300,
+              "replica 0's restart 2 begun", stderr)
+        time.sleep(STAGGER_S)
+        # replica 1 untouched meanwhile: replica 0 died twice and was restarted twice
+        assert other.poll() is None and _registration(run_dir, 1) is not None
+        entry1 = _registration(run_dir, 1)
+        assert entry1 is not None and (entry1["url"], entry1["pid"]) == (other_url, other.pid)
+        # replica 1 killed: restart 1 of 2 fails; restart 2 is under way (its server takes seconds to fail):
+        # leaving the block stops it
+        os.killpg(other.pid, signal.SIGKILL)
+
         _wait(lambda: "stays down" in stderr.read(), 300, "the stays-down line", stderr)
+        down_at = time.monotonic()
         assert (f"megarl: rollout replica 0 ({url}) exited with code -9 (log {log}); restart 2 of 2 failed: "
                 "vLLM server") in stderr.read()
         line = stderr.read().split("restart 2 of 2 failed")[1].splitlines()[0]
@@ -117,16 +134,13 @@ def test_dead_replicas_are_restarted_a_failed_restart_counts_and_stopping_stops_
                 in stderr.read())
         assert _registration(run_dir) is None
         failed = fleet.procs[0]  # the failed restart's server
-        time.sleep(3)  # three polls: nothing restarts it
+
+        _wait(lambda: "restart 1 of 2 failed" in stderr.read(), 300, "replica 1's failed restart's line", stderr)
+        time.sleep(max(0.0, 3 - (time.monotonic() - down_at)))  # three polls since replica 0 stayed down
+        # nothing restarts replica 0
         assert fleet.procs[0] is failed and not any(process_group_members(p.pid) for p in (first, second, failed))
         assert stderr.read().count("megarl: rollout replica 0") == 3  # restarted, failed, stays down
         assert log.read_text().count("===== megarl: restart") == 2
-        assert other.poll() is None and _registration(run_dir, 1) is not None  # replica 1 untouched meanwhile
-
-        # replica 1 killed: restart 1 of 2 fails; restart 2 is under way (its server takes seconds to fail):
-        # leaving the block stops it
-        os.killpg(other.pid, signal.SIGKILL)
-        _wait(lambda: "restart 1 of 2 failed" in stderr.read(), 300, "replica 1's failed restart's line", stderr)
         assert _registration(run_dir, 1) is None
         assert (f"megarl: rollout replica 1 ({other_url}) exited with code -9 (log {log1}); restart 1 of 2 failed: "
                 "vLLM server") in stderr.read()
