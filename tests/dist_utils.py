@@ -39,15 +39,15 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, init_dist: bool =
     return run_ranks(_entry, world_size, world_size, free_port(), fn, args, init_dist, role="test")
 
 
-def process_group_members(pgid: int) -> list[int]:
-    """Running (not zombie) members of process group `pgid`, from /proc."""
+def process_group_members(*pgids: int) -> list[int]:
+    """Running (not zombie) members of the process groups `pgids`, from /proc."""
     members = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
+            continue  # exited while we looked
+        if int(fields[2]) in pgids and fields[0] != "Z":
             members.append(int(stat.parent.name))
     return members
 

@@ -32,6 +32,7 @@ import pytest
 from megarl.models.tiny import make_tiny_checkpoint
 from megarl.rollout.fleet import FleetHandle, FleetSpec, launch
 from megarl.rollout.fleet_auth import SECRET_ENV, new_fleet_secret
+from tests.dist_utils import process_group_members
 
 
 def perturbed_checkpoint(src: Path, out: Path, seed: int) -> Path:
@@ -156,9 +157,9 @@ def _kill_leftovers(group: int) -> None:
     except ProcessLookupError:
         pass
     deadline = time.time() + 10
-    while _live_members({group}) and time.time() < deadline:
+    while process_group_members(group) and time.time() < deadline:
         time.sleep(0.2)
-    assert not _live_members({group}), f"a dead replica's processes outlived it: {_live_members({group})}"
+    assert not process_group_members(group), f"a dead replica's processes outlived it: {process_group_members(group)}"
 
 
 @pytest.fixture(scope="session")
@@ -173,20 +174,6 @@ def fleet_secret(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 def _assert_gone(fleet: FleetHandle) -> None:
     groups = {proc.pid for proc in fleet.procs}  # each server leads its own process group
     deadline = time.time() + 10  # SIGKILL is asynchronous
-    while _live_members(groups) and time.time() < deadline:
+    while process_group_members(*groups) and time.time() < deadline:
         time.sleep(0.2)
-    assert not _live_members(groups), f"vLLM processes outlived the fleet: {_live_members(groups)}"
-
-
-def _live_members(groups: set[int]) -> list[int]:
-    """Pids of running (not zombie) processes in the given process groups, from /proc."""
-    live = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # exited while we looked
-        state, pgid = fields[0], int(fields[2])
-        if pgid in groups and state != "Z":
-            live.append(int(stat.parent.name))
-    return live
+    assert not process_group_members(*groups), f"vLLM processes outlived the fleet: {process_group_members(*groups)}"
