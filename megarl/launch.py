@@ -21,6 +21,7 @@ from megarl.metrics.plot import plot_mismatch, plot_run, plot_timeline
 from megarl.metrics.timeline import load_spans, overlap_summary
 from megarl.metrics.writer import summarize, write_json_atomic
 from megarl.models.hf_config import read_hf_config
+from megarl.parallel.device import cuda_present
 from megarl.parallel.launcher_env import ProcessPlace
 from megarl.parallel.spawn import RankError, free_port, prestart, run_ranks
 from megarl.sync.schedule import SyncSchedule
@@ -31,14 +32,12 @@ def prepare(config_path: str | None, overrides: list[str], create_run_dir: bool 
     """Validate the config and the model layout; make the tiny checkpoint and the run directory.
     `for_gpu`: check the layout for a GPU job (True) or a CPU one (False); None: for this machine.
     `check_files`: also open the dataset files and import the reward (`megarl plan` needs neither)."""
-    import torch
-
     cfg = load_config(config_path, overrides)
     if cfg.model.tiny is not None:
         from megarl.models.tiny import ensure_tiny_checkpoint
 
         ensure_tiny_checkpoint(cfg.model.hf_dir, kind=cfg.model.tiny, seed=cfg.run.seed)
-    cuda = torch.cuda.is_available() if for_gpu is None else for_gpu
+    cuda = cuda_present() if for_gpu is None else for_gpu
     check_against_model(cfg, read_hf_config(cfg.model.hf_dir), cuda=cuda)
     if check_files:
         check_data(cfg)

@@ -42,8 +42,7 @@ from megarl.checks import (
 )
 from megarl.config.load import ConfigError
 from megarl.config.schema import Config
-from megarl.models.hf_config import num_experts, read_hf_config
-from megarl.models.qwen_provider import padded_vocab_size
+from megarl.models.hf_config import num_experts, padded_vocab_size, read_hf_config
 from megarl.models.shapes import active_params, megatron_local_shapes, pipeline_stage_of, total_params
 from megarl.sync.baselines import bytes_per_vllm_rank, hf_tensors
 from megarl.sync.loader_reads import RankReads

@@ -22,3 +22,13 @@ def read_hf_config(hf_dir: Path) -> dict[str, Any]:
 def num_experts(hf: dict[str, Any]) -> int:
     """Expert count of a MoE config (0 for dense); transformers 5 spells it `num_local_experts`."""
     return int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+
+
+def head_dim(hf: dict[str, Any]) -> int:
+    """The attention head size (`head_dim`, or hidden size / heads where the config has none)."""
+    return int(hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"])
+
+
+def padded_vocab_size(hf: dict[str, Any], tp: int) -> int:
+    """Megatron shards the vocabulary evenly over TP ranks: pad up to a multiple of tp."""
+    return -(-hf["vocab_size"] // tp) * tp

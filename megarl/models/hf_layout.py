@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from megarl.models.hf_config import num_experts
-from megarl.models.qwen_provider import head_dim
+from megarl.models.hf_config import head_dim, num_experts
 from megarl.sync.slices import HFSlice
+
+if TYPE_CHECKING:  # the layout is plain data: `megarl check`, `plan` and `prepare` must not import torch for it
+    import torch
 
 Index = tuple[slice, ...]
 

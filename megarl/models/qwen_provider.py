@@ -12,22 +12,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from megarl.models.hf_config import num_experts, read_hf_config  # noqa: F401 - read_hf_config re-exported
+from megarl.models.hf_config import head_dim, num_experts, padded_vocab_size, read_hf_config  # noqa: F401 - re-exported
 
 
 def rope_theta(hf: dict[str, Any]) -> float:
     """transformers 5 nests it in `rope_parameters`; older configs have a top-level `rope_theta`."""
     params = hf.get("rope_parameters") or {}
     return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
-
-
-def head_dim(hf: dict[str, Any]) -> int:
-    return int(hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"])
-
-
-def padded_vocab_size(hf: dict[str, Any], tp: int) -> int:
-    """Megatron shards the vocabulary evenly over TP ranks: pad up to a multiple of tp."""
-    return -(-hf["vocab_size"] // tp) * tp
 
 
 def use_transformer_engine() -> bool:

@@ -7,9 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from megarl.config.schema import TrainerConfig
-from megarl.models.hf_config import num_experts
+from megarl.models.hf_config import head_dim, num_experts, padded_vocab_size
 from megarl.models.hf_layout import HFLayout, RankCoords
-from megarl.models.qwen_provider import head_dim, padded_vocab_size
 from megarl.sync.plan import vllm_rank_slices
 from megarl.sync.slices import HFSlice
 

@@ -171,9 +171,9 @@ def on_gpu(spec: FleetSpec) -> bool:
     """Whether `spec`'s servers run on GPUs: `spec.gpu`, else whether this machine has one."""
     if spec.gpu is not None:
         return spec.gpu
-    import torch
+    from megarl.parallel.device import cuda_present
 
-    return torch.cuda.is_available()
+    return cuda_present()
 
 
 def _gpu_args(spec: FleetSpec) -> list[str]:

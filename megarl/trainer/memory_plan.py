@@ -120,7 +120,7 @@ def layer_elements(hf: dict[str, Any], tp: int, sequence_parallel: bool, moe: bo
 def logits_bytes(hf: dict[str, Any], tokens: int, tp: int, fused: bool, chunk: int, block: int | None = None) -> int:
     """The last stage's log-prob memory beyond the layers (see the module docstring); `block`: the fused path's
     vocabulary rows per tile (None: the shard)."""
-    from megarl.models.qwen_provider import padded_vocab_size
+    from megarl.models.hf_config import padded_vocab_size
 
     vt, h = padded_vocab_size(hf, tp) // tp, hf["hidden_size"]
     chunk = min(chunk, tokens)
