@@ -76,10 +76,20 @@ def new_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def big_fleet(big_dir, fleet_secret, tmp_path_factory):
-    """The server and the log-probs it serves from the checkpoint it started with (before any push)."""
-    with launch(FleetSpec(model_dir=big_dir, tp=1, log_dir=tmp_path_factory.mktemp("big_fleet_logs"),
-                          secret_file=fleet_secret)) as fleet:
+def big_fleet(big_dir, fleet_secret, tmp_path_factory, request):
+    """The server and the log-probs it serves from the checkpoint it started with (before any push). `new_dir`
+    is written while the server starts (in a thread here)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    starting = ThreadPoolExecutor(1).submit(launch, FleetSpec(model_dir=big_dir, tp=1, secret_file=fleet_secret,
+                                                               log_dir=tmp_path_factory.mktemp("big_fleet_logs")))
+    try:
+        request.getfixturevalue("new_dir")
+    except BaseException:
+        if starting.exception() is None:  # waits for the start
+            starting.result().stop()
+        raise
+    with starting.result() as fleet:
         client = RolloutClient(fleet.urls[0])
         yield fleet, [client.prompt_logprobs(s) for s in SEQS]
 
