@@ -76,10 +76,20 @@ def new_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def big_fleet(big_dir, fleet_secret, tmp_path_factory):
-    """The server and the log-probs it serves from the checkpoint it started with (before any push)."""
-    with launch(FleetSpec(model_dir=big_dir, tp=1, log_dir=tmp_path_factory.mktemp("big_fleet_logs"),
-                          secret_file=fleet_secret)) as fleet:
+def big_fleet(big_dir, fleet_secret, tmp_path_factory, request):
+    """The server and the log-probs it serves from the checkpoint it started with (before any push). `new_dir`
+    is written while the server starts (in a thread here)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    starting = ThreadPoolExecutor(1).submit(launch, FleetSpec(model_dir=big_dir, tp=1, secret_file=fleet_secret,
+                                                               log_dir=tmp_path_factory.mktemp("big_fleet_logs")))
+    try:
+        request.getfixturevalue("new_dir")
+    except BaseException:
+        if starting.exception() is None:  # waits for the start
+            starting.result().stop()
+        raise
+    with starting.result() as fleet:
         client = RolloutClient(fleet.urls[0])
         yield fleet, [client.prompt_logprobs(s) for s in SEQS]
 
@@ -88,6 +98,13 @@ def _push_as(url: str, hf_dir: Path, receive: str, version: int, fail_after_bloc
     """One push of `hf_dir` from one sending process holding it whole (TP 1, the hand-written table's needs)."""
     return run_distributed(_push, 1, hf_dir, url, free_port(), "table", 1, BUCKET, receive, False, version,
                            fail_after_blocks, TIMEOUT_S)[0]
+
+
+def _pushes(rank: int, world: int, url: str, pushes: list[tuple[Path, str, int]]) -> list[dict]:
+    """`_push_as`'s push of each (checkpoint, receive mode, version) of `pushes`, in turn, in this one sending
+    process, each through a sync group of its own (one process start instead of one per push)."""
+    return [_push(rank, world, hf_dir, url, free_port(), "table", 1, BUCKET, receive, False, version, None, TIMEOUT_S)
+            for hf_dir, receive, version in pushes]
 
 
 def _extra(out: dict) -> int:
@@ -140,9 +157,9 @@ def test_streamed_push_holds_buckets_not_the_shard(big_fleet, big_dir, new_dir):
     fleet, before = big_fleet
     url = fleet.urls[0]
     shard = sum(t.numel() * t.element_size() for t in load_file(new_dir / "model.safetensors").values())
-    staged = _push_as(url, new_dir, "staged", 1)
-    back = _push_as(url, big_dir, "streamed", 2)  # the original weights again, streamed
-    streamed = _push_as(url, new_dir, "streamed", 3)
+    # one sending process, three pushes: staged, then the original weights again (streamed), then streamed
+    staged, back, streamed = run_distributed(_pushes, 1, url, [(new_dir, "staged", 1), (big_dir, "streamed", 2),
+                                                               (new_dir, "streamed", 3)])[0]
     bound = _streamed_bound(_plan_entries(new_dir))
     extras = {mode: _extra(out) for mode, out in (("staged", staged), ("streamed back", back),
                                                   ("streamed", streamed))}

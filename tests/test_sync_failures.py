@@ -12,7 +12,7 @@ of the session (tests/fleet_fixture.py): no fleet is started here to be killed.
 
 Every failing case checks that each surviving trainer rank raises `WeightSyncError` naming what failed and why within a
 bounded time (`BOUND_S`, against the group's 600 s timeout), and what the replicas serve afterwards, seen from
-outside: paused or not, label, log-probs, sample versions, a next push from fresh trainer processes.
+outside: paused or not, label, log-probs, sample versions, a next push through a new sync group.
 """
 
 from __future__ import annotations
@@ -60,15 +60,22 @@ def _served_by(client):
 def _lose_rejoin_then_fail(rank, world, hf_dir, pushed_dir, urls, doomed_pid, port, sync_port, logs, secret_file):
     """Every trainer rank, over one sync of a 2-replica TP-1 fleet (rollout.min_replicas=1 at first):
     v1 to both; v2 with replica 1 killed mid-update (the push goes on without it); v3 to replica 0 only;
-    replica 1 restarted; first offered through a proxy that accepts the join request and never passes it on (its
-    workers never arrive): with sync.rejoin_timeout_s=5 the trainer ranks give up on it after 5 s and it stays out;
-    then let back in for real; v4 to both; then min_replicas=2 and replica 1 killed mid-update again: v5 fails
-    naming it."""
+    replica 1 restarted (its new server is started by rank 0 in a thread as the rank begins, so that its start-up
+    overlaps the trainer's and the first three pushes: it is only offered to the sync after v3); first offered
+    through a proxy that accepts the join request and never passes it on (its workers never arrive): with
+    sync.rejoin_timeout_s=2 the trainer ranks give up on it after 2 s and it stays out; then let back in for real;
+    v4 to both; then min_replicas=2 and replica 1 killed mid-update again: v5 fails naming it."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from megarl.parallel.groups import TrainerLayout, destroy_trainer_groups, init_trainer_groups
     from megarl.rollout.client import RolloutClient
     from megarl.sync.weight_sync import PartitionedWeightSync, WeightSyncError
     from megarl.trainer.policy import MegatronPolicy
 
+    starting = None
+    if rank == 0:  # the launcher's restart of slot 1 (a new server, at a new URL), begun now, waited for after v3
+        starting = ThreadPoolExecutor(1).submit(launch, FleetSpec(model_dir=hf_dir, tp=1, replicas=1, first_replica=1,
+                                                                   log_dir=logs, secret_file=secret_file))
     init_trainer_groups(TrainerLayout(1, 1, 2), rank, world, "127.0.0.1", port)
     restarted = None
     try:
@@ -97,11 +104,10 @@ def _lose_rejoin_then_fail(rank, world, hf_dir, pushed_dir, urls, doomed_pid, po
         out["v3"] = push(3)
         back = {}
         if rank == 0:  # the launcher's restart: a new server for slot 1, at a new URL
-            restarted = launch(FleetSpec(model_dir=hf_dir, tp=1, replicas=1, first_replica=1, log_dir=logs,
-                                         secret_file=secret_file))
+            restarted = starting.result()
             back = {1: RolloutClient(restarted.urls[0], timeout_s=120)}
             out["restarted_before"] = _served_by(back[1])
-        sync.rejoin_timeout_s = 5.0
+        sync.rejoin_timeout_s = 2.0
         with slow_proxy(restarted.urls[0] if rank == 0 else "", swallow=("/init_weight_transfer_engine",)) as silent:
             dist.barrier()  # rank 0 was starting the new server: time the admit alone
             t0 = time.monotonic()
@@ -119,8 +125,8 @@ def _lose_rejoin_then_fail(rank, world, hf_dir, pushed_dir, urls, doomed_pid, po
             out["served_v5"] = _served_by(clients[0])
         return out
     finally:
-        if restarted is not None:
-            restarted.stop()
+        if starting is not None and starting.exception() is None:  # waits for a start still under way
+            starting.result().stop()
         destroy_trainer_groups()
 
 
@@ -138,7 +144,7 @@ def test_a_replica_killed_mid_update_leaves_the_sync_and_a_restarted_one_rejoins
         assert [r[v]["live"] for v in ("v1", "v2", "v3", "v4", "v5")] == [[0, 1], [0], [0], [0, 1], [0]], r
         for v in ("v1", "v2", "v3", "v4"):
             assert "error" not in r[v] and r[v]["seconds"] < BOUND_S, (v, r[v])
-        # the silent rejoin: given up after sync.rejoin_timeout_s (5 s), not the group timeout (600 s); it stays out
+        # the silent rejoin: given up after sync.rejoin_timeout_s (2 s), not the group timeout (600 s); it stays out
         assert r["admitted_silent"] == [] and r["live_after_silent"] == [0], r
         assert r["silent_seconds"] < 30, r["silent_seconds"]
         assert r["admitted"] == [1]
@@ -228,10 +234,11 @@ def _kill_once_received(pid):
     return action
 
 
-def _inject(sync, what):
+def _inject(sync, what) -> None:
     """Failure injection inside this trainer rank's process (tests only), all after the rank's first bucket:
     "raise": packing its second bucket raises (as a failing copy or allocation would); "die": once its first bucket
-    was received, the rank is SIGKILLed; ("kill", pid): then, process `pid` (a vLLM worker) is SIGKILLed."""
+    was received, the rank is SIGKILLed; ("kill", pid): then, process `pid` (a vLLM worker) is SIGKILLed. A "raise"
+    is undone by `_uninject`."""
     from megarl.sync import stream
 
     if what == "raise":  # the flag, not the wrapper, is shared: nothing but the transport may hold the group
@@ -244,6 +251,7 @@ def _inject(sync, what):
             return real(t)
 
         stream.to_bytes = to_bytes
+        _UNINJECT.append(lambda: setattr(stream, "to_bytes", real))
         sync.transport.group = _AtSecondBucket(sync.transport.group, lambda first: None,
                                                lambda: first_sent.append(True))
     else:
@@ -251,10 +259,16 @@ def _inject(sync, what):
         sync.transport.group = _AtSecondBucket(sync.transport.group, _kill_once_received(pid))
 
 
-def _push(rank, world, hf_dir, urls, tp, port, sync_port, version, inject=None, again=False):
+_UNINJECT: list = []  # in a trainer rank's process: what undoes its "raise" injection
+
+
+def _push(rank, world, hf_dir, urls, tp, port, sync_port, version, inject=None, again=False, fresh=None):
     """Every trainer rank: join, plan, push `hf_dir`'s weights as `version` (rank `inject[0]` injects `inject[1]`);
     returns the stats or the WeightSyncError's message, and the push's seconds; `again`: after a failed push, push
-    once more with the same objects (its error and seconds: "again_error", "again_seconds")."""
+    once more with the same objects (its error and seconds: "again_error", "again_seconds"); `fresh`: (store port,
+    version): then, the injection undone, rank 0 reads what the replica serves ("served_after") and every rank
+    pushes once more as that version through a new PartitionedWeightSync (a new sync group, as a later push after a
+    failure needs; its stats: "fresh")."""
     from megarl.parallel.groups import TrainerLayout, destroy_trainer_groups, init_trainer_groups
     from megarl.rollout.client import RolloutClient
     from megarl.sync.weight_sync import PartitionedWeightSync, WeightSyncError
@@ -284,6 +298,17 @@ def _push(rank, world, hf_dir, urls, tp, port, sync_port, version, inject=None, 
             except WeightSyncError as err:
                 out["again_error"] = str(err)
             out["again_seconds"] = time.monotonic() - t0
+        if fresh is not None:
+            while _UNINJECT:
+                _UNINJECT.pop()()
+            sync.close()
+            if rank == 0:
+                out["served_after"] = _served(clients[0])
+            dist.barrier()  # the replica read before any rank begins the next push
+            sync = PartitionedWeightSync(rank, world, hf, clients, rollout_tp=tp, rollout_replicas=len(urls),
+                                         store_host="127.0.0.1", store_port=fresh[0], bucket_bytes=64 << 10,
+                                         timeout_s=600)
+            out["fresh"] = sync.push(policy.iter_local_hf_slices(), version=fresh[1])
         return out
     finally:
         destroy_trainer_groups()
@@ -321,13 +346,14 @@ def test_trainer_rank_raising_mid_send(moe_fleet, pushed_checkpoint):
     connections, so the vLLM workers waiting for its buckets fail at once, still take trainer rank 0's buckets, and
     refuse the update before touching the model. Checked from outside: both trainer ranks raise naming trainer
     rank 1 and why, well within the group's timeout, and a later push on the same objects is refused on both at once;
-    the replica is not paused and serves exactly what it served before (label, log-probs); a push from fresh
-    trainer processes then succeeds and serves the new weights."""
+    the replica is not paused and serves exactly what it served before (label, log-probs); a push through a new
+    PartitionedWeightSync (a new sync group, in the same trainer processes, the injection undone) then succeeds and
+    serves the new weights."""
     client = RolloutClient(moe_fleet.urls[0], timeout_s=120)
     before = _served(client)
     assert before["paused"] is False
     results = run_distributed(_push, 2, pushed_checkpoint, moe_fleet.urls, 2, free_port(), free_port(), 31,
-                              (1, "raise"), True, init_dist=False)
+                              (1, "raise"), True, (free_port(), 32), init_dist=False)
     for r in results:
         assert "trainer rank 1 failed while sending: RuntimeError: injected failure while packing" in r["error"]
         assert "rejected, model left unchanged on every TP rank" in r["error"], r["error"]
@@ -336,10 +362,10 @@ def test_trainer_rank_raising_mid_send(moe_fleet, pushed_checkpoint):
         assert "unusable since an earlier push failed (trainer rank 1 failed while sending" in r["again_error"]
         assert r["again_seconds"] < 5, r["again_seconds"]
     print(f"trainer rank raised mid-send: reported in {[round(r['seconds'], 1) for r in results]} s")
-    assert _served(client) == before  # unchanged: same label, same log-probs, generation works
-    again = run_distributed(_push, 2, pushed_checkpoint, moe_fleet.urls, 2, free_port(), free_port(), 32,
-                            init_dist=False)
-    assert again[0]["stats"].receive_ratio == {2: 1.0, 3: 1.0}
+    # read by trainer rank 0 after the failed pushes, before the next one: unchanged (same label, same log-probs),
+    # generation works
+    assert results[0]["served_after"] == before
+    assert results[0]["fresh"].receive_ratio == {2: 1.0, 3: 1.0}
     _assert_serves_new(client, before, 32)
 
 
