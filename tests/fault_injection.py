@@ -66,6 +66,8 @@ class FaultInjector(threading.Thread):
     process group left), `back` (a new incarnation registered). `cells[name]` also records the step under way at
     the kill (`step`), the replica, the killed server's pid and, for A, the new incarnation's checks."""
 
+    HOLD_AFTER_PUSH = False  # hold the trainer only right after a push ended (`_recover`)
+
     def __init__(self, run_dir: Path) -> None:
         super().__init__(daemon=True)
         self.run_dir = run_dir
@@ -126,9 +128,11 @@ class FaultInjector(threading.Thread):
         (the run must not end first), until the replica is registered again; meanwhile the times the watcher
         removed the registration and the replica's process group died are taken.
 
-        The hold is a SIGSTOP of the trainer ranks, sent right after a push has resumed the other replica (its log's
-        `POST /resume`), so that they stop while they generate or train, never inside a push: a push's calls are
-        bounded in time, and a trainer stopped inside one would find its bound spent when continued."""
+        The hold is a SIGSTOP of the trainer ranks. With `HOLD_AFTER_PUSH` it is sent only right after a push has
+        resumed the other replica (its log's `POST /resume`), so that they stop while they generate or train, never
+        inside a push: a run whose push bound (sync.timeout_fixed_s) is shorter than a restart would find its bound
+        spent when continued mid-push. Without it (a run with the default 120 s bound), at once: the run spends fewer
+        steps per cell."""
         replica, pid = cell["replica"], cell["pid"]
         held: list[int] = []
         resumed: list[Callable[[], bool]] = []  # the other replica's log, watched for the end of a push
@@ -143,7 +147,8 @@ class FaultInjector(threading.Thread):
                                                 (r.get("sync/served_versions") or {str(replica): 0})
                                                 for r in self._records()):
                 other = self.run_dir / f"vllm_replica{1 - replica}.log"
-                resumed.append(log_grows(other, b"POST /resume", other.stat().st_size))
+                resumed.append(log_grows(other, b"POST /resume", other.stat().st_size) if self.HOLD_AFTER_PUSH
+                               else lambda: True)
             if not held and resumed and resumed[0]():
                 held.extend(trainer_processes())
                 for p in held:

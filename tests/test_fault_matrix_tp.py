@@ -48,6 +48,8 @@ RESTARTS = 2
 
 
 class _Faults(FaultInjector):
+    HOLD_AFTER_PUSH = True  # the push's bound (20 s) is shorter than a restart: never hold the trainer inside a push
+
     def __init__(self, run_dir: Path, generating: bool) -> None:
         super().__init__(run_dir)
         self.generating = generating  # also cell I
