@@ -244,7 +244,7 @@ class RolloutConfig(_Strict):
         120, ge=1, description="vLLM's own bound on one engine step over its TP workers "
         "(VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS, vLLM's default 300), set in every replica's environment: a worker "
         "stopped or wedged while generating (alive, so nothing fails) makes the step time out, vLLM's engine dies, "
-        "its /health turns 503 and the launcher restarts the replica within rollout.health_timeout_s more. It must "
+        "its server exits (or its /health turns 503) and the launcher restarts the replica. It must "
         "exceed the slowest healthy step (the longest prefill at the largest batch). A TP-1 replica's worker is its "
         "engine core, which has no such bound. See docs/pipeline.md.",
     )

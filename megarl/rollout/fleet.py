@@ -201,7 +201,7 @@ def server_env(spec: FleetSpec, secret_file: Path) -> dict[str, str]:
            SECRET_ENV: str(secret_file), **({} if on_gpu(spec) else _cpu_env(spec.tp, spec.kv_cache_gib))}
     if spec.return_routed_experts:
         env["VLLM_USE_V2_MODEL_RUNNER"] = "1"
-    if spec.step_timeout_s is not None:  # a worker stopped mid-step ends the engine (its /health: 503) this soon
+    if spec.step_timeout_s is not None:  # a worker stopped mid-step ends the engine, and its server, this soon
         env["VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"] = str(spec.step_timeout_s)
     return env
 
