@@ -39,6 +39,7 @@ from megarl.checks import (
     receive_mode,
     replica_host_bytes,
     replica_host_mb,
+    table_layout,
 )
 from megarl.config.load import ConfigError
 from megarl.config.schema import Config
@@ -46,7 +47,6 @@ from megarl.models.hf_config import num_experts, padded_vocab_size, read_hf_conf
 from megarl.models.shapes import active_params, megatron_local_shapes, pipeline_stage_of, total_params
 from megarl.sync.baselines import bytes_per_vllm_rank, hf_tensors
 from megarl.sync.loader_reads import RankReads
-from megarl.sync.plan import vllm_rank_slices
 from megarl.sync.receiver_memory import (
     BUCKETS_IN_FLIGHT_PER_SENDER,
     CUDA_RESERVE_BYTES,
@@ -106,8 +106,9 @@ def make_plan(hf: dict[str, Any], cfg: Config, dtype: str = "bf16", needs: RankR
         raise ConfigError(f"--dtype={dtype}: choose one of {', '.join(DTYPE_BYTES)}")
     t, r = cfg.trainer, cfg.rollout
     source = "table" if needs is None else "recorded"
+    memory = push_memory(hf, cfg, dtype, needs)
     if needs is None:
-        needs = {k: vllm_rank_slices(hf, r.tp, k) for k in range(r.tp)}
+        needs = {k: blocks for k, (blocks, _) in enumerate(table_layout(hf, t, r.tp)[1])}
     per_stage = t.world_size // t.pp
     layers_per_stage = hf["num_hidden_layers"] // t.pp
     stages = []
@@ -123,7 +124,7 @@ def make_plan(hf: dict[str, Any], cfg: Config, dtype: str = "bf16", needs: RankR
         total_params=total_params(hf), active_params=active_params(hf), trainer_stages=stages,
         trainer_rank_params=[stages[pipeline_stage_of(rank, t)].params for rank in range(t.world_size)],
         replicas=r.replicas, dtype=dtype, needs=needs, needs_source=source,
-        push_memory=push_memory(hf, cfg, dtype, needs),
+        push_memory=memory,
     )
 
 
@@ -297,7 +298,7 @@ DELTA_FRACTIONS = (0.01, 0.03, 0.1, 0.3)  # changed fractions per sync to projec
 def _delta_lines(plan: Plan, cfg: Config, link_gbps: float, trainer_ranks: int) -> list[str]:
     """What a delta push (`sync.delta`) would move per vLLM rank at a few changed fractions, and the host memory
     both ends keep for it."""
-    from megarl.sync.delta import bytes_per_element
+    from megarl.sync.delta_sizes import bytes_per_element
 
     most = max(plan.rollout_rank_params)
     full = most * plan.bytes_per_param

@@ -27,16 +27,13 @@ from typing import Any
 
 import torch
 
+from megarl.sync.delta_sizes import encoded_nbytes, pad8
 from megarl.sync.slices import Box, HFSlice
 from megarl.sync.wire import WireEntry
 
 BlockKey = tuple[str, Box]
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _FINGERPRINT_CHUNK = 1 << 22  # elements widened to int64 at a time
-
-
-def pad8(n: int) -> int:
-    return (n + 7) // 8 * 8
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -47,25 +44,6 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 def changed_mask(new: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
     """Flat bool mask of the elements whose bits differ."""
     return bits(new) != bits(base.to(new.device))
-
-
-def encoded_nbytes(n: int, changed: int, itemsize: int) -> tuple[str, int]:
-    """The encoding of a block of `n` elements, `changed` of which changed, and its size on the wire (8-aligned)."""
-    if changed == 0:
-        return "nothing", 0
-    values = changed * itemsize
-    options = [("indices", pad8(4 * changed) + values) if n < 2**31 else ("dense", 1 << 62),
-               ("bitmap", pad8((n + 7) // 8) + values), ("dense", n * itemsize)]
-    enc, size = min(options, key=lambda o: (o[1], o[0] != "dense"))  # a tie goes to dense (no decoding)
-    return enc, pad8(size)
-
-
-def bytes_per_element(fraction: float, itemsize: int) -> float:
-    """Wire bytes per element of a large block where `fraction` of the elements changed (`encoded_nbytes` without
-    the padding): for projections (`megarl plan`)."""
-    if fraction <= 0:
-        return 0.0
-    return min(fraction * (4 + itemsize), 1 / 8 + fraction * itemsize, float(itemsize))
 
 
 def fingerprint(t: torch.Tensor) -> int:

@@ -219,9 +219,11 @@ class ReceiverMemory:
 
 
 def receiver_memory(needs: list[HFSlice], holdings: dict[int, list[HFSlice]], itemsize: int, bucket_bytes: int,
-                    stages: int) -> ReceiverMemory:
-    """The model for one vLLM rank whose blocks are `needs`, fed by trainer ranks holding `holdings`."""
-    pieces = held_pieces(holdings, needs)
+                    stages: int, pieces: dict[int, list[int]] | None = None) -> ReceiverMemory:
+    """The model for one vLLM rank whose blocks are `needs`, fed by trainer ranks holding `holdings`; `pieces`:
+    `held_pieces(holdings, needs)` when the caller has it already (it does not depend on the dtype)."""
+    if pieces is None:
+        pieces = held_pieces(holdings, needs)
     return ReceiverMemory(
         served=sum(b.numel for b in needs) * itemsize, senders=len(pieces), bucket_bytes=bucket_bytes,
         in_flight=in_flight_bytes(pieces, needs, itemsize, bucket_bytes),

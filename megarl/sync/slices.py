@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 Box = tuple[tuple[int, int], ...]
 
@@ -36,8 +37,8 @@ class HFSlice:
     def shape(self) -> tuple[int, ...]:
         return tuple(stop - start for start, stop in self.box)
 
-    @property
-    def numel(self) -> int:
+    @cached_property
+    def numel(self) -> int:  # cached: a plan at 30B scale sums it over millions of blocks
         return math.prod(self.shape)
 
     def intersect(self, other: HFSlice) -> HFSlice | None:
