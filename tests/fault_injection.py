@@ -68,9 +68,10 @@ class FaultInjector(threading.Thread):
 
     HOLD_AFTER_PUSH = False  # hold the trainer only right after a push ended (`_recover`)
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, failpoints: Path | None = None) -> None:
         super().__init__(daemon=True)
         self.run_dir = run_dir
+        self.failpoints = failpoints  # the run's MEGARL_FAILPOINTS directory, for `_at_failpoint`
         self.metrics = run_dir / "metrics.jsonl"
         self.cells: dict[str, dict[str, Any]] = {}
         self.error: str | None = None
@@ -109,6 +110,18 @@ class FaultInjector(threading.Thread):
         return (self.run_dir / f"vllm_replica{replica}.log").stat().st_size
 
     # -- one cell
+
+    def _at_failpoint(self, name: str, replica: int, point: str, target: Callable[[int], int]) -> dict[str, Any]:
+        """A kill at an exact moment of a push: arm failpoint `point` (`megarl.sync.failpoints`; the run's
+        MEGARL_FAILPOINTS is `self.failpoints`), wait until trainer rank 0 holds there, `_kill`, and let it go on."""
+        assert self.failpoints is not None, "the run has no failpoint directory"
+        armed = self.failpoints / point
+        armed.write_text("")
+        try:
+            self._until(lambda: (self.failpoints / f"{point}.reached").exists(), f"failpoint {point} reached")
+            return self._kill(name, replica, target)
+        finally:
+            armed.unlink()
 
     def _kill(self, name: str, replica: int, target: Callable[[int], int], step: int | None = None,
               sig: int = signal.SIGKILL) -> dict[str, Any]:

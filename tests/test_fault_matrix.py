@@ -1,7 +1,7 @@
 """The fault matrix on the real stack (issue 36): `megarl train`'s own fleet losing a replica in several phases and
 getting it back (megarl/rollout/restarts.py, megarl/rollout/liveness.py, docs/pipeline.md's fault table).
 
-Marked `slow` (`make test-all`, `pytest -m slow`): six vLLM starts one after another, 5-8 minutes on this 2-core
+Marked `slow` (`make test-all`, `pytest -m slow`): eight vLLM starts one after another, 8-11 minutes on this 2-core
 machine, more than the default suite's budget allows. The default suite keeps the properties underneath each cell in
 faster tests: a real server SIGKILLed and restarted by the watcher (`tests/test_fleet_restarts.py`), a replica lost
 mid-push and its rejoin with a full push (`tests/test_sync_failures.py`), the liveness bound against a server
@@ -20,6 +20,12 @@ rejoin:
     B  replica 1's engine core (`VLLM::EngineCore`) SIGKILLed alone mid-push, right after /start_weight_update (the
        API server must exit by itself, megarl/rollout/engine_death.py)
     C  replica 0's engine core SIGKILLed during a held-out evaluation (its request in flight answered 503)
+    P  replica 1's API server SIGKILLed while it is paused for a push, before its update is opened
+       (/start_weight_update)
+    R  replica 1's engine core SIGKILLed once its workers have loaded a push, before the trainer reads their report
+
+P and R are phases too short to hit from outside: the test arms a failpoint (`megarl.sync.failpoints`, the run's
+MEGARL_FAILPOINTS directory) at which trainer rank 0 waits while the test kills, then lets it go on.
 
 Each cell is checked from outside: the watcher removes the registration (the server's exit or death seen), the
 replica's whole process group is gone, a new incarnation registers (new pid; for A also healthy and guarded, and its
@@ -43,6 +49,7 @@ import pytest
 
 from megarl.launch import prepare, train
 from megarl.rollout.rendezvous import register_replica
+from megarl.sync import failpoints
 from tests.fault_injection import FaultInjector
 from tests.test_end_to_end import _expected_lag
 
@@ -50,9 +57,9 @@ ROOT = Path(__file__).resolve().parent.parent
 BOUND_S = 8.0  # rollout.health_timeout_s of the run
 SLACK_S = 20.0  # a loaded 2-core machine: the server's own shutdown, the push's other steps
 GONE_S = 30.0  # the watcher's kill_group waits this long for a process group to die
-M, N, STEPS, PROMPTS, K, EVAL_EVERY = 3, 1, 36, 16, 8, 6  # eval steps 0, 6, 12, ...: never a push step (m=3, n=1)
-RESTARTS = 3  # replica 0 is killed three times (A, D, C), replica 1 once (B)
-ORDER = ("A", "D", "C", "B")
+M, N, STEPS, PROMPTS, K, EVAL_EVERY = 3, 1, 54, 16, 8, 6  # eval steps 0, 6, 12, ...: never a push step (m=3, n=1)
+RESTARTS = 3  # replica 0 is killed three times (A, D, C), replica 1 three times (B, P, R)
+ORDER = ("A", "D", "C", "B", "P", "R")
 
 
 class _Faults(FaultInjector):
@@ -90,12 +97,24 @@ class _Faults(FaultInjector):
         self._recover(b, b["step"])
         b["rejoined"] = self._rejoined(1, b["step"])
 
+        # P: replica 1's API server killed while it is paused for a push, before its update is opened
+        p = self._at_failpoint("P", 1, "push.paused.replica1", lambda pid: pid)
+        self._recover(p, p["step"])
+        p["rejoined"] = self._rejoined(1, p["step"])
+
+        # R: replica 1's engine core killed once its workers have loaded a push, before its report is read
+        r = self._at_failpoint("R", 1, "push.report.replica1", self._core)
+        self._recover(r, r["step"])
+        r["rejoined"] = self._rejoined(1, r["step"])
+
 
 @pytest.mark.slow
-@pytest.mark.timeout(1800)  # six vLLM starts: a minute each on a loaded 2-core machine
+@pytest.mark.timeout(1800)  # eight vLLM starts: a minute each on a loaded 2-core machine
 def test_fault_matrix_under_megarl_train(tmp_path: Path, capfd: pytest.CaptureFixture[str],
-                                         caplog: pytest.LogCaptureFixture) -> None:
-    run_dir = tmp_path / "run"
+                                         caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    run_dir, points = tmp_path / "run", tmp_path / "failpoints"
+    points.mkdir()
+    monkeypatch.setenv(failpoints.ENV, str(points))  # the trainer ranks take the environment of train()
     # registrations an earlier run left in the same run directory: not this fleet's
     register_replica(run_dir, 3, "http://127.0.0.1:9", "an earlier run's secret", pid=1)
     cfg = prepare(str(ROOT / "configs" / "repro.yaml"), [
@@ -105,7 +124,7 @@ def test_fault_matrix_under_megarl_train(tmp_path: Path, capfd: pytest.CaptureFi
         f"sync.offset={N}", "sync.delta=true", "sync.push_initial=true", f"data.prompts_per_step={PROMPTS}",
         f"rollout.samples_per_prompt={K}", f"eval.interval={EVAL_EVERY}", "eval.prompts=8", "eval.samples=4",
         "eval.max_new_tokens=32", "rollout.overlap=false"])
-    faults = _Faults(run_dir)
+    faults = _Faults(run_dir, points)
     faults.start()
     caplog.set_level(logging.WARNING, logger="megarl")
     started = time.monotonic()
@@ -138,18 +157,21 @@ def test_fault_matrix_under_megarl_train(tmp_path: Path, capfd: pytest.CaptureFi
     # the watcher's lines: what died how, and each restart counted per replica
     said = [ln[ln.index("megarl: rollout replica "):] for ln in err.replace("\r", "\n").splitlines()
             if "megarl: rollout replica " in ln]
-    # A, D: the server itself SIGKILLed (-9); B, C: only the engine core killed, the server exits by itself: code 1
-    # (vLLM's watchdog) or 0 (uvicorn's shutdown finished first; seen in cell C), never a signal
+    # A, D, P: the server itself SIGKILLed (-9); B, C, R: only the engine core killed, the server exits by itself:
+    # code 1 (vLLM's watchdog) or 0 (uvicorn's shutdown finished first; seen in cell C), never a signal
     killed, by_itself = ("exited with code -9",), ("exited with code 0 ", "exited with code 1 ")
-    for name, hows, k in (("A", killed, 1), ("D", killed, 2), ("B", by_itself, 1), ("C", by_itself, 3)):
+    for name, hows, k in (("A", killed, 1), ("D", killed, 2), ("B", by_itself, 1), ("C", by_itself, 3),
+                          ("P", killed, 2), ("R", by_itself, 3)):
         i = cells[name]["replica"]
         line = next((ln for ln in said if ln.startswith(f"megarl: rollout replica {i} (")
                      and f"(restart {k} of {RESTARTS})" in ln), None)
         log_and_restart = f"(log {run_dir / f'vllm_replica{i}.log'}); restarted as http"
         assert line is not None and any(how in line for how in hows) and log_and_restart in line, (name, line, said)
-    assert len(said) == 4 and not any("failed" in ln or "stays down" in ln for ln in said), said
+    assert len(said) == 6 and not any("failed" in ln or "stays down" in ln for ln in said), said
     log0 = (run_dir / "vllm_replica0.log").read_text()
     assert [f"===== megarl: restart {k} of {RESTARTS} of rollout replica 0" in log0 for k in (1, 2, 3)] == [True] * 3
+    log1 = (run_dir / "vllm_replica1.log").read_text()
+    assert [f"===== megarl: restart {k} of {RESTARTS} of rollout replica 1" in log1 for k in (1, 2, 3)] == [True] * 3
 
     # A: killed while generating (the rollout worker lost it with chunks in flight); the new incarnation healthy
     # and guarded
@@ -166,6 +188,11 @@ def test_fault_matrix_under_megarl_train(tmp_path: Path, capfd: pytest.CaptureFi
     d = cells["D"]
     hit_d = by_step[d["step"]]
     assert "0" not in hit_d["sync/served_versions"] and hit_d["time/push_s"] < BOUND_S + SLACK_S, hit_d
+    # P, R: paused but not opened, loaded but not reported: that push went on without it, within the bound
+    for name in ("P", "R"):
+        hit = by_step[cells[name]["step"]]
+        assert "1" not in hit["sync/served_versions"] and hit["time/push_s"] < BOUND_S + SLACK_S, (name, hit)
+    assert (points / "push.paused.replica1.reached").is_file() and not (points / "push.paused.replica1").exists()
     # C: lost during the evaluation, which finished on replica 1 within the bound
     c = cells["C"]
     hit_c = by_step[c["step"]]
@@ -174,13 +201,16 @@ def test_fault_matrix_under_megarl_train(tmp_path: Path, capfd: pytest.CaptureFi
 
     # sync.delta: a push to one replica (TP 1: one worker) sends `one` elements as a delta, a push to both 2 x one
     pushes = [r for r in records if r["sync/versions"] and r["sync/delta_pushes"]]
-    alone = {r["sync/delta_elements"] for r in pushes if len(r["sync/served_versions"]) == 1}
+    hit_r = by_step[cells["R"]["step"]]  # its delta went to both replicas: replica 1 loaded it, then died
+    alone = {r["sync/delta_elements"] for r in pushes if len(r["sync/served_versions"]) == 1 and r is not hit_r}
     assert len(alone) == 1 and (one := alone.pop()) > 0, alone
+    assert hit_r["sync/delta_elements"] == 2 * one, hit_r
     rejoins = {c["rejoined"] for c in cells.values() if "rejoined" in c}
     assert {r["sync/delta_elements"] for r in pushes if len(r["sync/served_versions"]) == 2
             and r["step"] not in rejoins} == {2 * one}
     what_of = {"A": "API server SIGKILL, generating", "D": "SIGKILL while rejoining (its full push)",
-               "B": "engine core SIGKILL, mid-push", "C": "engine core SIGKILL, evaluating"}
+               "B": "engine core SIGKILL, mid-push", "C": "engine core SIGKILL, evaluating",
+               "P": "API server SIGKILL, paused before a push", "R": "engine core SIGKILL, loaded, before reporting"}
     report = []
     for name in ORDER:
         what = what_of[name]
@@ -188,7 +218,8 @@ def test_fault_matrix_under_megarl_train(tmp_path: Path, capfd: pytest.CaptureFi
         assert cell["gone"] - cell["kill"] < BOUND_S + SLACK_S, (name, cell)  # the watcher saw it
         assert cell["group"] - cell["gone"] < GONE_S + 5, (name, cell)  # and its process group died
         hit = by_step[cell["step"]]
-        noticed = {"B": hit.get("time/push_s"), "D": hit.get("time/push_s"), "C": hit.get("eval/seconds")}.get(name)
+        noticed = {"B": hit.get("time/push_s"), "D": hit.get("time/push_s"), "P": hit.get("time/push_s"),
+                   "R": hit.get("time/push_s"), "C": hit.get("eval/seconds")}.get(name)
         rejoined = cell.get("rejoined") or cells["D"]["rejoined"]
         affected = [r["step"] for r in records if cell["step"] <= r["step"] < rejoined
                     and min(r["fleet/replicas"], r["fleet/replicas_in_sync"]) < 2]

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 from megarl.rollout.client import RolloutClient, RolloutServerError, RolloutServerHung, RolloutServerLost
+from megarl.sync import failpoints
 from megarl.sync.needs import RolloutNeeds, recorded_by_fleet
 
 logger = logging.getLogger(__name__)
@@ -189,6 +190,7 @@ class FleetLifecycle:
                 try:
                     client.pause(timeout_s=bound)
                     paused.append(client)
+                    failpoints.hold(f"push.paused.replica{rep}")
                     if rep not in self._stale_closed:  # only an earlier trainer (one that died mid-update) leaves one
                         client.collective_rpc("megarl_end_stale_update", timeout_s=bound)
                     client.start_weight_update(timeout_s=bound)
@@ -282,6 +284,7 @@ class FleetLifecycle:
             try:
                 if thread.error is not None:  # the RPC itself failed (vLLM closed the session): old weights serve
                     raise thread.error
+                failpoints.hold(f"push.report.replica{rep}")
                 replica_reports = client.collective_rpc("megarl_sync_report", timeout_s=bound)
                 errors = _report_errors(replica_reports, update_id)
                 mixed = any(r.get("model_state") == "mixed" for r in replica_reports)
