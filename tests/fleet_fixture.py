@@ -34,7 +34,7 @@ from megarl.rollout.fleet import FleetHandle, FleetSpec, launch
 from megarl.rollout.fleet_auth import SECRET_ENV, new_fleet_secret
 from tests.dist_utils import process_group_members
 
-ENGINE_BOUND_S = 8  # moe_fleet_2x1's rollout.step_timeout_s: how long its engine cores may leave a probe unanswered
+ENGINE_BOUND_S = 10  # moe_fleet_2x1's rollout.step_timeout_s: how long its engine cores may leave a probe unanswered
 
 
 def perturbed_checkpoint(src: Path, out: Path, seed: int) -> Path:
@@ -96,8 +96,8 @@ def moe_fleet(tiny_moe_dir: Path, fleet_secret: Path,
 def moe_fleet_2x1(tiny_moe_dir: Path, fleet_secret: Path,
                   tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetHandle]:
     """Two replicas of the tiny MoE, tensor parallel 1 each: several replicas generate at the same time. Their
-    engine cores are judged hung after `ENGINE_BOUND_S` of silence (`megarl.rollout.engine_probe`; a TP-1 replica
-    has no workers for vLLM's own step bound to time)."""
+    rollout.step_timeout_s is `ENGINE_BOUND_S`: an engine core silent that long is judged hung
+    (`megarl.rollout.engine_probe`), and so is a step of their worker (vLLM's CPU backend runs one at TP 1 too)."""
     spec = FleetSpec(model_dir=tiny_moe_dir, tp=1, replicas=2, log_dir=tmp_path_factory.mktemp("fleet2_logs"),
                      secret_file=fleet_secret, step_timeout_s=ENGINE_BOUND_S)
     with launch(spec) as fleet:

@@ -252,39 +252,30 @@ def test_the_watcher_kills_the_group_of_a_replica_that_hangs(tmp_path: Path, cap
 
 def test_a_replica_whose_engine_core_hangs_fails_health_but_not_during_a_push(moe_fleet_2x1: FleetHandle) -> None:
     """A real TP-1 replica (the session's `moe_fleet_2x1`, engine bound `ENGINE_BOUND_S`) whose engine core
-    (`VLLM::EngineCore`) is stopped (SIGSTOP) while its API server lives, whose /health vLLM answers 200 regardless
-    (megarl/rollout/engine_probe.py). First while a push route is in flight (`/pause`, which waits on the stopped
-    engine core): /health stays 200 past the bound. Then, continued and stopped again with a generation in flight:
-    /health answers 503 after the bound (not before), naming the engine core, and `Liveness` judges it dead; continued
-    again, /health answers 200 and the generation completes."""
+    (`VLLM::EngineCore`) is stopped (SIGSTOP) with a generation in flight, its API server alive (vLLM's own /health
+    would stay 200: megarl/rollout/engine_probe.py): /health answers 503 after the bound (not before), naming the
+    engine core, and `Liveness` judges it dead. Then a push route is called (`/pause`, which waits on the stopped
+    engine core): while it is in flight /health answers 200 although the silence is past the bound. Continued
+    (SIGCONT): the pause completes, and after `/resume` the generation; /health answers 200 after the push."""
     url = moe_fleet_2x1.urls[1]
     client = RolloutClient(url)
     engine = engine_core(moe_fleet_2x1.procs[1].pid)
     assert engine is not None, "no engine core in the replica's process group"
+    samples: list[list[Sample]] = []
 
     def health() -> requests.Response:
         return requests.get(f"{url}/health", timeout=5)
 
-    def stop_and_call(call: Callable[[], object]) -> tuple[float, threading.Thread]:
-        os.kill(engine, signal.SIGSTOP)
-        thread = threading.Thread(target=call, daemon=True)
+    def call(what: Callable[[], object]) -> threading.Thread:
+        thread = threading.Thread(target=what, daemon=True)
         thread.start()
-        return time.monotonic(), thread
+        return thread
 
     try:
-        stopped, pausing = stop_and_call(lambda: client.pause(timeout_s=120))
-        while time.monotonic() - stopped < ENGINE_BOUND_S + 3:
-            assert health().status_code == 200, "the push window was counted"
-            time.sleep(0.5)
-        os.kill(engine, signal.SIGCONT)
-        pausing.join(30)
-        assert not pausing.is_alive()
-        client.resume(timeout_s=30)
         assert health().status_code == 200
-
-        samples: list[list[Sample]] = []
-        stopped, generating = stop_and_call(lambda: samples.extend(client.generate([[1, 2, 3]], n=1, max_tokens=16,
-                                                                                   ignore_eos=True)))
+        os.kill(engine, signal.SIGSTOP)
+        stopped = time.monotonic()
+        generating = call(lambda: samples.extend(client.generate([[1, 2, 3]], n=1, max_tokens=16, ignore_eos=True)))
         live = Liveness(url, bound_s=1.0, every_s=0.2)
         while (reply := health()).status_code == 200:
             assert time.monotonic() - stopped < ENGINE_BOUND_S + SLACK_S, "/health stayed 200 with a hung engine core"
@@ -294,13 +285,24 @@ def test_a_replica_whose_engine_core_hangs_fails_health_but_not_during_a_push(mo
         while not live.dead():
             assert time.monotonic() - stopped < ENGINE_BOUND_S + 2 * SLACK_S, live.why()
             time.sleep(0.2)
-        os.kill(engine, signal.SIGCONT)
-        back = time.monotonic()
+
+        pausing = call(lambda: client.pause(timeout_s=120))  # a push begins; it waits on the stopped engine core
+        pushed = time.monotonic()
         while health().status_code != 200:
-            assert time.monotonic() - back < SLACK_S, "/health stayed 503 after the engine core went on"
+            assert time.monotonic() - pushed < SLACK_S, "/health stayed 503 while a push route was in flight"
             time.sleep(0.2)
+        for _ in range(10):
+            assert health().status_code == 200, "the push window was counted"
+            time.sleep(0.2)
+        assert pausing.is_alive()  # the push route was in flight all along
+
+        os.kill(engine, signal.SIGCONT)
+        pausing.join(30)
+        assert not pausing.is_alive()
+        client.resume(timeout_s=30)  # the push ends; the generation, queued by the pause, runs
         generating.join(30)
         assert len(samples) == 1 and len(samples[0][0].response_ids) == 16
+        assert health().status_code == 200
     finally:
         os.kill(engine, signal.SIGCONT)
         if client.is_paused():
