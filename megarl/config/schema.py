@@ -248,10 +248,10 @@ class RolloutConfig(_Strict):
         "stopped or wedged while generating (alive, so nothing fails) makes the step time out, vLLM's engine dies, "
         "its server exits (or its /health turns 503) and the launcher restarts the replica. It must "
         "exceed the slowest healthy step (the longest prefill at the largest batch). The same bound judges the engine "
-        "core itself (a TP-1 replica's only worker, which vLLM does not time): megarl's middleware probes it with "
-        "an RPC it answers between steps, and while it has left the probe unanswered this long outside a push the "
-        "server's /health answers 503, so the launcher restarts the replica rollout.health_timeout_s later "
-        "(megarl.rollout.engine_probe). See docs/pipeline.md.",
+        "core itself (on GPUs a TP-1 replica's only worker, which vLLM does not time): megarl's middleware probes "
+        "it with an RPC it answers between steps, and while it has left the probe unanswered this long outside a "
+        "push the server's /health answers 503, so the launcher restarts the replica rollout.health_timeout_s "
+        "later (megarl.rollout.engine_probe). See docs/pipeline.md.",
     )
     enforce_eager: bool | None = Field(
         None, description="vLLM --enforce-eager: run the model eagerly, without torch.compile and CUDA graphs. None "

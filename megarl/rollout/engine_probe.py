@@ -3,7 +3,7 @@
 vLLM's `/health` answers from the API server's event loop without an engine round-trip, so an engine core that
 hangs (stopped, or inside a CUDA call that never returns) leaves it 200 forever while every generate call waits for
 its client's read timeout. (A hung TP worker is bounded by vLLM itself, `VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS`; a hung
-API server fails `/health`; a TP-1 replica's worker is its engine core, which nothing else bounds.)
+API server fails `/health`; on GPUs a TP-1 replica's worker is its engine core, which nothing else bounds.)
 
 `EngineProbeMiddleware` (loaded into each server with `--middleware megarl.rollout.engine_probe.EngineProbeMiddleware`,
 `megarl.rollout.fleet.server_command`) keeps one engine-core round-trip going: a utility RPC
