@@ -308,4 +308,4 @@ def test_a_replica_whose_engine_core_hangs_fails_health_but_not_during_a_push(mo
         if client.is_paused():
             client.resume(timeout_s=30)
     print(f"a hung engine core failed /health after {failed:.1f} s (bound {ENGINE_BOUND_S} s)")
-    assert failed >= ENGINE_BOUND_S
+    assert failed >= ENGINE_BOUND_S - 0.5  # not before the bound (a probe sent just before the stop counts from then)

@@ -9,14 +9,15 @@ API server fails `/health`; on GPUs a TP-1 replica's worker is its engine core, 
 `megarl.rollout.fleet.server_command`) keeps one engine-core round-trip going: a utility RPC
 (`is_scheduler_paused`, a field read), sent again `EVERY_S` after each answer. The engine core answers utility RPCs
 between its steps, so the probe costs nothing to generation and a live engine answers within one step. When the
-engine core has not answered for longer than the bound on one engine step (`VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS`,
-which the fleet sets to `rollout.step_timeout_s`; vLLM's default 300 s where unset), `/health` answers 503 with
-the reason, and `megarl.rollout.liveness` judges the replica dead `rollout.health_timeout_s` later: the launchers
-kill and restart it as any dead replica. The engine core answering again turns `/health` back to 200.
+engine core has left a probe unanswered for longer than the bound on one engine step
+(`VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS`, which the fleet sets to `rollout.step_timeout_s`; vLLM's default 300 s where
+unset), `/health` answers 503 with the reason, and `megarl.rollout.liveness` judges the replica dead
+`rollout.health_timeout_s` later: the launchers kill and restart it as any dead replica. The engine core answering
+again turns `/health` back to 200.
 
 The push window is not counted: while a request to one of `PUSH_ROUTES` is in flight in this server the engine core
 is legitimately inside a long RPC (a weight push's collective RPCs, a pause that waits for the running requests), so
-the silence clock restarts when the last of them ends. A push has its own bounds (the trainer's timeouts, the
+a probe's clock restarts when the last of them ends. A push has its own bounds (the trainer's timeouts, the
 workers' heartbeat, `megarl.sync.heartbeat`), which condemn a replica that hangs in it. Standard library only, as
 the other middleware: the API server imports it.
 """
@@ -54,14 +55,14 @@ def bound_s() -> float:
 
 class EngineProbeMiddleware:
     """Pure ASGI middleware: `/health` answers 503 (`{"error": {"message": ..., "code": 503}}`) while the engine core
-    has left the probe unanswered for longer than `bound_s()` outside the push window. One task per server probes,
+    has left a probe unanswered for longer than `bound_s()` outside the push window. One task per server probes,
     from the first request on; other requests pass through, and everything does where the app has no engine client
     (a render-only server) or the engine is not vLLM's multiprocess client (no probe, so never judged)."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
         self.bound_s = bound_s()
-        self._heard = time.monotonic()  # when the engine core last answered, or the push window last ended
+        self._asked: float | None = None  # when the probe in flight was sent, or the push window last ended after it
         self._pushes = 0  # requests to PUSH_ROUTES in flight
         self._probing: asyncio.Task | None = None
         self._failing = False  # whether /health last answered 503 for silence (logged once per run)
@@ -72,7 +73,6 @@ class EngineProbeMiddleware:
             await self.app(scope, receive, send)
             return
         if self._probing is None:
-            self._heard = time.monotonic()
             self._probing = asyncio.ensure_future(self._probe(engine))
         path = scope.get("path", "")
         if path == "/health" and self._silent(engine):
@@ -86,11 +86,12 @@ class EngineProbeMiddleware:
             await self.app(scope, receive, send)
         finally:
             self._pushes -= 1
-            self._heard = time.monotonic()
+            if self._asked is not None:  # the probe in flight waited on the push: its clock starts now
+                self._asked = time.monotonic()
 
     def silent_for(self) -> float:
-        """Seconds the engine core has left the probe unanswered, outside the push window (0 inside it)."""
-        return 0.0 if self._pushes else time.monotonic() - self._heard
+        """Seconds the engine core has left the probe in flight unanswered, outside the push window (0 inside it)."""
+        return 0.0 if self._pushes or self._asked is None else time.monotonic() - self._asked
 
     def why(self) -> str:
         return (f"the engine core has not answered for {self.silent_for():.1f}s (the bound on one engine step, "
@@ -109,13 +110,15 @@ class EngineProbeMiddleware:
         return silent
 
     async def _probe(self, engine: Any) -> None:
-        """Keep one utility RPC to the engine core going until the engine stops; each answer is `_heard`."""
+        """Keep one utility RPC to the engine core going until the engine stops, `EVERY_S` between an answer and
+        the next probe."""
         try:
             call = engine.engine_core.call_utility_async
         except AttributeError:
             logger.warning("megarl: this engine client has no engine core to probe; a hung engine core is not seen")
             return
         while not engine_errored(engine):
+            self._asked = time.monotonic()
             probe = asyncio.ensure_future(call(PROBE_METHOD))
             while not probe.done():  # a dead engine never answers: look at it while waiting
                 await asyncio.wait({probe}, timeout=EVERY_S)
@@ -125,7 +128,7 @@ class EngineProbeMiddleware:
             if probe.exception() is not None:
                 logger.warning("megarl: the engine probe failed (%s); not probing", probe.exception())
                 return
-            self._heard = time.monotonic()
+            self._asked = None
             await asyncio.sleep(EVERY_S)
 
 
