@@ -105,8 +105,8 @@ class EngineProbeMiddleware:
             self._failing = silent
             if silent:
                 logger.error("megarl: /health answers 503: %s", self.why())
-            else:
-                logger.warning("megarl: the engine core answers again; /health passes through")
+            else:  # error level too, as engine_death's: a warning of this logger did not reach the server's log
+                logger.error("megarl: the engine core answers again (or a push route runs); /health passes through")
         return silent
 
     async def _probe(self, engine: Any) -> None:
