@@ -34,6 +34,8 @@ from megarl.rollout.fleet import FleetHandle, FleetSpec, launch
 from megarl.rollout.fleet_auth import SECRET_ENV, new_fleet_secret
 from tests.dist_utils import process_group_members
 
+ENGINE_BOUND_S = 10  # moe_fleet_2x1's rollout.step_timeout_s: how long its engine cores may leave a probe unanswered
+
 
 def perturbed_checkpoint(src: Path, out: Path, seed: int) -> Path:
     """A copy of checkpoint `src` in `out` with every tensor moved by 0.05 * N(0, 1): weights a trainer can push
@@ -93,9 +95,11 @@ def moe_fleet(tiny_moe_dir: Path, fleet_secret: Path,
 @pytest.fixture(scope="session")
 def moe_fleet_2x1(tiny_moe_dir: Path, fleet_secret: Path,
                   tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetHandle]:
-    """Two replicas of the tiny MoE, tensor parallel 1 each: several replicas generate at the same time."""
+    """Two replicas of the tiny MoE, tensor parallel 1 each: several replicas generate at the same time. Their
+    rollout.step_timeout_s is `ENGINE_BOUND_S`: an engine core silent that long is judged hung
+    (`megarl.rollout.engine_probe`), and so is a step of their worker (vLLM's CPU backend runs one at TP 1 too)."""
     spec = FleetSpec(model_dir=tiny_moe_dir, tp=1, replicas=2, log_dir=tmp_path_factory.mktemp("fleet2_logs"),
-                     secret_file=fleet_secret)
+                     secret_file=fleet_secret, step_timeout_s=ENGINE_BOUND_S)
     with launch(spec) as fleet:
         _SPECS[id(fleet)] = spec
         yield fleet

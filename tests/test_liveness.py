@@ -1,7 +1,9 @@
 """Liveness is health, not a pid (megarl/rollout/liveness.py) and no call waits on a dead replica longer than the
 bound (`RolloutClient(health_timeout_s=...)`): against a real HTTP server on a local socket whose `/health` answers
 200, then 503 (what vLLM answers once its engine died), or stops answering (a hung server), while a long call to it
-waits; and `megarl train`'s watcher kills the process group of a replica whose server process hangs (SIGSTOP).
+waits; and `megarl train`'s watcher kills the process group of a replica whose server process hangs (SIGSTOP). And
+a real vLLM replica whose engine core hangs while its API server lives fails /health (megarl/rollout/engine_probe.py),
+except while a push route is in flight.
 The bound is checked from above with slack for a loaded machine, and against the call's own read timeout, which it
 must beat by far."""
 
@@ -15,20 +17,22 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+import requests
 
 from megarl.parallel.spawn import free_port
-from megarl.rollout.client import RolloutClient, RolloutServerLost
+from megarl.rollout.client import RolloutClient, RolloutServerLost, Sample
 from megarl.rollout.fleet import FleetHandle, FleetSpec
 from megarl.rollout.fleet_auth import new_fleet_secret
 from megarl.rollout.liveness import Liveness
 from megarl.rollout.restarts import ReplicaWatcher
 from tests.blackhole_proxy import blackhole_proxy
-from tests.dist_utils import process_group_members
+from tests.dist_utils import engine_core, process_group_members
+from tests.fleet_fixture import ENGINE_BOUND_S
 
 SLACK_S = 15.0  # a loaded 2-core machine: thread start-up, probe intervals
 
@@ -244,3 +248,64 @@ def test_the_watcher_kills_the_group_of_a_replica_that_hangs(tmp_path: Path, cap
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_a_replica_whose_engine_core_hangs_fails_health_but_not_during_a_push(moe_fleet_2x1: FleetHandle) -> None:
+    """A real TP-1 replica (the session's `moe_fleet_2x1`, engine bound `ENGINE_BOUND_S`) whose engine core
+    (`VLLM::EngineCore`) is stopped (SIGSTOP) with a generation in flight, its API server alive (vLLM's own /health
+    would stay 200: megarl/rollout/engine_probe.py): /health answers 503 after the bound (not before), naming the
+    engine core, and `Liveness` judges it dead. Then a push route is called (`/pause`, which waits on the stopped
+    engine core): while it is in flight /health answers 200 although the silence is past the bound. Continued
+    (SIGCONT): the pause completes, and after `/resume` the generation; /health answers 200 after the push."""
+    url = moe_fleet_2x1.urls[1]
+    client = RolloutClient(url)
+    engine = engine_core(moe_fleet_2x1.procs[1].pid)
+    assert engine is not None, "no engine core in the replica's process group"
+    samples: list[list[Sample]] = []
+
+    def health() -> requests.Response:
+        return requests.get(f"{url}/health", timeout=5)
+
+    def call(what: Callable[[], object]) -> threading.Thread:
+        thread = threading.Thread(target=what, daemon=True)
+        thread.start()
+        return thread
+
+    try:
+        assert health().status_code == 200
+        os.kill(engine, signal.SIGSTOP)
+        stopped = time.monotonic()
+        generating = call(lambda: samples.extend(client.generate([[1, 2, 3]], n=1, max_tokens=16, ignore_eos=True)))
+        live = Liveness(url, bound_s=1.0, every_s=0.2)
+        while (reply := health()).status_code == 200:
+            assert time.monotonic() - stopped < ENGINE_BOUND_S + SLACK_S, "/health stayed 200 with a hung engine core"
+            time.sleep(0.2)
+        failed = time.monotonic() - stopped
+        assert reply.status_code == 503 and "the engine core has not answered for" in reply.text, reply.text
+        while not live.dead():
+            assert time.monotonic() - stopped < ENGINE_BOUND_S + 2 * SLACK_S, live.why()
+            time.sleep(0.2)
+
+        pausing = call(lambda: client.pause(timeout_s=120))  # a push begins; it waits on the stopped engine core
+        pushed = time.monotonic()
+        while health().status_code != 200:
+            assert time.monotonic() - pushed < SLACK_S, "/health stayed 503 while a push route was in flight"
+            time.sleep(0.2)
+        for _ in range(10):
+            assert health().status_code == 200, "the push window was counted"
+            time.sleep(0.2)
+        assert pausing.is_alive()  # the push route was in flight all along
+
+        os.kill(engine, signal.SIGCONT)
+        pausing.join(30)
+        assert not pausing.is_alive()
+        client.resume(timeout_s=30)  # the push ends; the generation, queued by the pause, runs
+        generating.join(30)
+        assert len(samples) == 1 and len(samples[0][0].response_ids) == 16
+        assert health().status_code == 200
+    finally:
+        os.kill(engine, signal.SIGCONT)
+        if client.is_paused():
+            client.resume(timeout_s=30)
+    print(f"a hung engine core failed /health after {failed:.1f} s (bound {ENGINE_BOUND_S} s)")
+    assert failed >= ENGINE_BOUND_S - 0.5  # not before the bound (a probe sent just before the stop counts from then)

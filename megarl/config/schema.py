@@ -203,8 +203,10 @@ class RolloutConfig(_Strict):
         "a full push). During a push each vLLM worker also beats on the sync store: a replica one of whose workers "
         "sends no heartbeat for this long (a stopped or wedged worker, whose server's /health stays 200) is failed "
         "for the push and condemned, so that the other replicas still get their buckets (megarl.sync.heartbeat). "
-        "/health answers without an engine round-trip, so a busy replica passes; raise it only where a loaded host "
-        "can leave a healthy server's event loop, or a worker's thread, unanswering that long. See docs/pipeline.md.",
+        "/health also fails while the engine core has left megarl's probe (an RPC answered between engine steps) "
+        "unanswered for rollout.step_timeout_s outside a push (megarl.rollout.engine_probe), so a hung engine core is "
+        "dead after both bounds; a busy replica passes. Raise it only where a loaded host can leave a healthy "
+        "server's event loop, or a worker's thread, unanswering that long. See docs/pipeline.md.",
     )
     samples_per_prompt: int = Field(8, ge=2, description="K responses per prompt (a group).")
     max_new_tokens: int = Field(1, ge=1, description="Maximum response length in tokens.")
@@ -245,8 +247,11 @@ class RolloutConfig(_Strict):
         "(VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS, vLLM's default 300), set in every replica's environment: a worker "
         "stopped or wedged while generating (alive, so nothing fails) makes the step time out, vLLM's engine dies, "
         "its server exits (or its /health turns 503) and the launcher restarts the replica. It must "
-        "exceed the slowest healthy step (the longest prefill at the largest batch). A TP-1 replica's worker is its "
-        "engine core, which has no such bound. See docs/pipeline.md.",
+        "exceed the slowest healthy step (the longest prefill at the largest batch). The same bound judges the engine "
+        "core itself (on GPUs a TP-1 replica's only worker, which vLLM does not time): megarl's middleware probes "
+        "it with an RPC it answers between steps, and while it has left the probe unanswered this long outside a "
+        "push the server's /health answers 503, so the launcher restarts the replica rollout.health_timeout_s "
+        "later (megarl.rollout.engine_probe). See docs/pipeline.md.",
     )
     enforce_eager: bool | None = Field(
         None, description="vLLM --enforce-eager: run the model eagerly, without torch.compile and CUDA graphs. None "

@@ -36,7 +36,7 @@ EXIT_CODE = 1  # the server's exit code after its engine died (vLLM's own return
 logger = logging.getLogger(__name__)
 
 
-def _engine_errored(engine: Any) -> bool:
+def engine_errored(engine: Any) -> bool:
     """Whether vLLM's engine client says its engine is dead or stopped (`AsyncLLM.errored`)."""
     try:
         return bool(engine.errored)
@@ -115,7 +115,7 @@ class EngineDeathMiddleware:
 
     async def _watch_engine(self, engine: Any) -> None:
         assert self._dead is not None
-        while not _engine_errored(engine):
+        while not engine_errored(engine):
             await asyncio.sleep(POLL_S)
         if _died_unexpectedly(engine):
             logger.error("megarl: an engine process died; ending the %d request(s) in flight with 503, the server "

@@ -37,6 +37,7 @@ import requests
 
 from megarl.parallel.spawn import free_port, port_free
 from megarl.rollout.engine_death import EngineDeathMiddleware
+from megarl.rollout.engine_probe import EngineProbeMiddleware
 from megarl.rollout.fleet_auth import SECRET_ENV, FleetAuthMiddleware, bearer_header, new_fleet_secret, read_secret
 from megarl.sync.vllm_plugin import BACKEND_NAME
 
@@ -79,8 +80,9 @@ class FleetSpec:
     # return every token's routed experts (MoE, GPU: vLLM's V2 model runner with prefix caching)
     return_routed_experts: bool = False
     expert_parallel: bool = False  # vLLM --enable-expert-parallel: a MoE's experts split over the TP ranks, whole
-    # VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS: vLLM's bound on one engine step over its TP workers (`rollout.step_timeout_s`;
-    # None: vLLM's own default)
+    # VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS: vLLM's bound on one engine step over its TP workers, and the engine probe's
+    # bound on the engine core's silence (`megarl.rollout.engine_probe`) (`rollout.step_timeout_s`; None: vLLM's
+    # own default, 300)
     step_timeout_s: int | None = None
     # file holding the job's secret (mode 0600, e.g. from `fleet_auth.new_fleet_secret`); None: launch() makes
     # one in a private temporary directory, deleted when the fleet stops
@@ -201,7 +203,8 @@ def server_env(spec: FleetSpec, secret_file: Path) -> dict[str, str]:
            SECRET_ENV: str(secret_file), **({} if on_gpu(spec) else _cpu_env(spec.tp, spec.kv_cache_gib))}
     if spec.return_routed_experts:
         env["VLLM_USE_V2_MODEL_RUNNER"] = "1"
-    if spec.step_timeout_s is not None:  # a worker stopped mid-step ends the engine, and its server, this soon
+    if spec.step_timeout_s is not None:  # a worker stopped mid-step ends the engine this soon, a hung engine core
+        # fails /health this soon (megarl.rollout.engine_probe)
         env["VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"] = str(spec.step_timeout_s)
     return env
 
@@ -216,8 +219,9 @@ def eager(spec: FleetSpec) -> bool:
 def server_command(spec: FleetSpec, port: int) -> list[str]:
     """The command line of one replica: vLLM's OpenAI-compatible server with the token-in/token-out
     routes (`--enable-scale-out`), megarl's weight-transfer backend and its worker extension, the fleet's guard
-    (`megarl.rollout.fleet_auth`) and the middleware that makes the server exit when its engine dies
-    (`megarl.rollout.engine_death`); eager or with CUDA graphs (`eager`), its context the run's longest sequence
+    (`megarl.rollout.fleet_auth`), the middleware that makes the server exit when its engine dies
+    (`megarl.rollout.engine_death`) and the one that fails `/health` while its engine core hangs
+    (`megarl.rollout.engine_probe`); eager or with CUDA graphs (`eager`), its context the run's longest sequence
     (`FleetSpec.max_model_len`)."""
     length = ["--max-model-len", str(spec.max_model_len)] if spec.max_model_len else []
     graphs = ["--enforce-eager"] if eager(spec) else []
@@ -230,6 +234,7 @@ def server_command(spec: FleetSpec, port: int) -> list[str]:
         "--enable-scale-out", "--seed", "0", *length, *routes, *experts, *_gpu_args(spec),
         "--weight-transfer-config", json.dumps({"backend": BACKEND_NAME}),
         "--worker-extension-cls", "megarl.sync.vllm_receiver.MegarlWorkerExtension",
+        "--middleware", f"{EngineProbeMiddleware.__module__}.{EngineProbeMiddleware.__name__}",
         "--middleware", f"{FleetAuthMiddleware.__module__}.{FleetAuthMiddleware.__name__}",
         "--middleware", f"{EngineDeathMiddleware.__module__}.{EngineDeathMiddleware.__name__}",
         *spec.extra_args,

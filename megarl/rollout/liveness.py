@@ -2,9 +2,11 @@
 dead, whatever its processes do.
 
 vLLM's `/health` answers from the API server's event loop without an engine round-trip: 200 while the engine
-lives, 503 once it is dead; a server that is gone refuses the connection, a hung one (stopped, or its loop blocked)
-does not answer within the probe's timeout. Each of those is a failed probe. `Liveness` remembers when the current
-run of failed probes began; the replica is dead once that run has lasted the bound. One answered probe ends the run.
+lives, 503 once it is dead; megarl's middleware also answers 503 while the engine core hangs
+(`megarl.rollout.engine_probe`); a server that is gone refuses the connection, a hung one (stopped, or its loop
+blocked) does not answer within the probe's timeout. Each of those is a failed probe. `Liveness` remembers when the
+current run of failed probes began; the replica is dead once that run has lasted the bound. One answered probe ends
+the run.
 
 Who uses it: `megarl train`'s watcher (`megarl.rollout.restarts`) and `megarl serve` (`megarl.roles.serve`) kill a dead
 replica's whole process group and restart it; `RolloutClient`'s long calls (`megarl.rollout.client`) watch the
