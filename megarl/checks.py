@@ -62,7 +62,8 @@ def push_memory(hf: dict[str, Any], cfg: Config, dtype: str = "bf16", needs: Ran
 def table_layout(hf: dict[str, Any], t: TrainerConfig, rollout_tp: int
                  ) -> tuple[dict[int, list[HFSlice]], tuple[tuple[list[HFSlice], dict[int, list[int]]], ...]]:
     """The trainer ranks' holdings and, per vLLM TP rank of the table (`vllm_rank_slices`), its blocks and the
-    pieces of them each trainer rank holds (`held_pieces`). Kept per layout: at 30B scale it is seconds of work."""
+    pieces of them each trainer rank holds (`held_pieces`). Kept per layout (at 30B scale it is seconds of work), so
+    shared between callers: read it, never change it."""
     return _table_layout(json.dumps(hf, sort_keys=True), t.world_size, t.tp, t.pp, t.ep, t.expert_tp, rollout_tp)
 
 

@@ -1,7 +1,7 @@
 """The sizes of a delta push on the wire: how a changed block is encoded and how many bytes that takes.
 
 Arithmetic only (no torch), so that `megarl plan` can project delta pushes without importing the tensor code that
-encodes them (`megarl.sync.delta`, which re-exports these)."""
+encodes them (`megarl.sync.delta`, which uses these)."""
 
 from __future__ import annotations
 
