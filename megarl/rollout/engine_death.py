@@ -77,7 +77,7 @@ class EngineDeathMiddleware:
             return
         dead = self._dead_event(engine)
         if dead.is_set():
-            await _answer_503(send)
+            await answer_503(send)
             return
         started = False
 
@@ -104,7 +104,7 @@ class EngineDeathMiddleware:
         request.cancel()
         await asyncio.gather(request, return_exceptions=True)
         if not started:
-            await _answer_503(send)
+            await answer_503(send)
 
     def _dead_event(self, engine: Any) -> asyncio.Event:
         """The event set when the engine is dead; the watch task starts with the first request."""
@@ -124,9 +124,12 @@ class EngineDeathMiddleware:
         self._dead.set()
 
 
-async def _answer_503(send: Send) -> None:
-    body = json.dumps({"error": {"message": "the rollout engine died: this server is shutting down",
-                                 "code": 503}}).encode()
+ENGINE_DIED = "the rollout engine died: this server is shutting down"
+
+
+async def answer_503(send: Send, why: str = ENGINE_DIED) -> None:
+    """Answer the request 503, `{"error": {"message": why, "code": 503}}` (also `megarl.rollout.engine_probe`'s)."""
+    body = json.dumps({"error": {"message": why, "code": 503}}).encode()
     await send({"type": "http.response.start", "status": 503,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body})

@@ -25,13 +25,12 @@ the other middleware: the API server imports it.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import time
 from typing import Any
 
-from megarl.rollout.engine_death import ASGIApp, Receive, Scope, Send, engine_errored
+from megarl.rollout.engine_death import ASGIApp, Receive, Scope, Send, answer_503, engine_errored
 
 EVERY_S = 1.0  # the pause between one probe's answer and the next probe
 PROBE_METHOD = "is_scheduler_paused"  # EngineCore's utility method the probe calls: reads one field
@@ -76,7 +75,7 @@ class EngineProbeMiddleware:
             self._probing = asyncio.ensure_future(self._probe(engine))
         path = scope.get("path", "")
         if path == "/health" and self._silent(engine):
-            await _answer_503(send, self.why())
+            await answer_503(send, self.why())
             return
         if path not in PUSH_ROUTES:
             await self.app(scope, receive, send)
@@ -130,10 +129,3 @@ class EngineProbeMiddleware:
                 return
             self._asked = None
             await asyncio.sleep(EVERY_S)
-
-
-async def _answer_503(send: Send, why: str) -> None:
-    body = json.dumps({"error": {"message": why, "code": 503}}).encode()
-    await send({"type": "http.response.start", "status": 503,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body})
