@@ -78,7 +78,8 @@ def wire_training(ddp_model: torch.nn.Module, optimizer: Any) -> None:
     the last microbatch's backward and, with `overlap_grad_reduce`, each bucket's reduction started as soon as
     its gradients are complete (`no_sync_func`, `grad_sync_func`); the reductions finished after the last
     microbatch (`finalize_model_grads_func`, summing); the loss scaled by the optimizer's loss scale
-    (`grad_scale_func`; 1 in fp32 and bf16). Every loss is a contribution to the global loss, so the schedule
+    (`grad_scale_func`; 1 in fp32 and bf16; on the model's device, where megatron's MoE aux-loss scale
+    must be too: a GPU's). Every loss is a contribution to the global loss, so the schedule
     must not average over microbatches (`calculate_per_token_loss`, set before `wrap_model`)."""
     config = ddp_model.config
     assert config.calculate_per_token_loss, "set calculate_per_token_loss before wrap_model (sums, not means)"
@@ -86,7 +87,14 @@ def wire_training(ddp_model: torch.nn.Module, optimizer: Any) -> None:
         config.no_sync_func = ddp_model.no_sync
         config.grad_sync_func = ddp_model.start_grad_sync
     config.finalize_model_grads_func = _finalize_grad_sums
-    config.grad_scale_func = optimizer.scale_loss
+    device = next(ddp_model.parameters()).device
+
+    def scale_loss(loss: torch.Tensor) -> torch.Tensor:
+        # megarl's losses are computed on the CPU (log-probs come back there, `MegatronPolicy._logprobs`), and so is
+        # the `[1]` that megatron scales for MoE aux losses; the optimizer's loss scale lives on the model's device
+        return optimizer.scale_loss(loss.to(device))
+
+    config.grad_scale_func = scale_loss
 
 
 def build_optimizer(ddp_model: torch.nn.Module, optim: OptimizerConfig, precision: Precision,
