@@ -1,7 +1,7 @@
 """The fault matrix's TP-2 cells on the real stack (issue 36): a `megarl train` run whose two replicas are TP 2,
-per receive mode (`sync.receive=streamed`, then staged), losing one vLLM worker mid-push twice, and (streamed run) one
-while it generates (megarl/sync/lifecycle.py, megarl/sync/heartbeat.py, megarl/rollout/restarts.py, docs/pipeline.md's
-fault table):
+per receive mode (`sync.receive=streamed`, then staged), losing one vLLM worker mid-push twice, then (streamed run) one
+while it generates, or (staged run) a hung API server (megarl/sync/lifecycle.py, megarl/sync/heartbeat.py,
+megarl/rollout/restarts.py, docs/pipeline.md's fault table):
 
     E  replica 0's worker `VLLM::Worker_TP1` SIGKILLed mid-push, right after /start_weight_update (vLLM shuts the
        engine down: the update call fails and the server exits or its /health fails)
@@ -14,6 +14,13 @@ fault table):
        engine step (rollout.step_timeout_s, VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS) ends its engine, /health turns 503,
        the trainer's generate call gives up on it within rollout.health_timeout_s (its chunk goes to replica 0) and
        the watcher restarts it
+    T  (staged run) replica 1's API server SIGSTOPped for 3 s, less than rollout.health_timeout_s, as it generates,
+       then continued (SIGCONT): left alone, same process, no restart, the step whole
+    S  (staged run) then replica 1's API server SIGSTOPped for good right after /start_weight_update of a push: alive,
+       its pid unchanged, accepting connections (the kernel completes them) and answering nothing, which is what a
+       black-holed network looks like from the trainer (tests/blackhole_proxy.py makes one for the client's own
+       tests): the push gives it up within the health bound, the watcher kills its whole process group (the stopped
+       server too) and restarts it
 
 Marked `slow` (`make test-all`, `pytest -m slow`): five TP-2 vLLM starts (streamed), four (staged). Each cell is
 checked from outside as in tests/test_fault_matrix.py (whose injector, tests/fault_injection.py, this reuses): the
@@ -28,6 +35,7 @@ together and were condemned, and the run stopped below rollout.min_replicas."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 from pathlib import Path
@@ -35,7 +43,7 @@ from pathlib import Path
 import pytest
 
 from megarl.launch import prepare, train
-from tests.fault_injection import FaultInjector
+from tests.fault_injection import FaultInjector, registration
 from tests.test_end_to_end import _expected_lag
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,7 +51,8 @@ HEALTH_S = 8.0  # rollout.health_timeout_s of the run
 STEP_S = 10  # rollout.step_timeout_s of the run: vLLM's bound on one engine step
 PUSH_BOUND_S = 20.0  # sync.timeout_fixed_s of the run: the push's bound (the tiny model's bytes add milliseconds)
 SLACK_S = 20.0  # a loaded 2-core machine
-M, N, STEPS, PROMPTS, K = 1, 0, 20, 8, 4
+BRIEF_S = 3.0  # cell T: a stop shorter than the health bound
+M, N, STEPS, PROMPTS, K = 1, 0, 24, 8, 4
 RESTARTS = 2
 
 
@@ -67,6 +76,19 @@ class _Faults(FaultInjector):
         self._recover(h, h["step"])
         h["rejoined"] = self._rejoined(0, h["step"])
         if not self.generating:
+            # T: replica 1's API server stopped for less than the bound as it generates after a push, then continued
+            self._tail(1, self._log_end(1), b"POST /resume")
+            t = self._kill("T", 1, lambda pid: pid, sig=signal.SIGSTOP)
+            time.sleep(BRIEF_S)
+            os.kill(t["pid"], signal.SIGCONT)
+            t["cont"] = time.monotonic()
+            self._until(lambda: len(self._records()) > t["step"] + 1, "a step after the brief stop")
+            t["pid_after"] = (registration(self.run_dir, 1) or {}).get("pid")
+            # S: replica 1's API server stopped for good right after a later push opened on it
+            self._tail(1, self._log_end(1), b"POST /start_weight_update")
+            s = self._kill("S", 1, lambda pid: pid, sig=signal.SIGSTOP)
+            self._recover(s, s["step"])
+            s["rejoined"] = self._rejoined(1, s["step"])
             return
         # I: a worker of replica 1 stopped (hung) as it resumes generating after a push
         self._tail(1, self._log_end(1), b"POST /resume")
@@ -100,7 +122,7 @@ def test_tp2_worker_killed_and_hung_under_megarl_train(tmp_path: Path, capfd: py
     cells = faults.cells
     said = [ln[ln.index("megarl: rollout replica "):] for ln in err.replace("\r", "\n").splitlines()
             if "megarl: rollout replica " in ln]
-    last = "I" if generating else "H"
+    last = "I" if generating else "S"
     assert faults.error is None and "rejoined" in cells.get(last, {}), (faults.error, cells, said)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     by_step = {r["step"]: r for r in records}
@@ -133,11 +155,23 @@ def test_tp2_worker_killed_and_hung_under_megarl_train(tmp_path: Path, capfd: py
     if generating:
         line_i = next(ln for ln in said if ln.startswith("megarl: rollout replica 1 ") and "(restart 1 of 2)" in ln)
         assert "restarted as http" in line_i, said
+    else:
+        # T: the brief stop was left alone (same process, both replicas through its step); S: the hung server was
+        # found dead (its /health unanswered, or condemned by the push) and restarted, the first restart of replica 1
+        t = cells["T"]
+        assert t["pid_after"] == t["pid"] and t["cont"] - t["kill"] < HEALTH_S - 2, t
+        assert by_step[t["step"]]["fleet/replicas"] == 2, (t, by_step[t["step"]])
+        line_s = [ln for ln in said if ln.startswith("megarl: rollout replica 1 ")]
+        assert len(line_s) == 1 and "(restart 1 of 2)" in line_s[0] and " is dead: " in line_s[0], said
+        assert "restarted as http" in line_s[0], line_s
+        hit_s = by_step[cells["S"]["step"]]
+        assert "1" not in hit_s["sync/served_versions"] and hit_s["time/push_s"] < HEALTH_S + SLACK_S, hit_s
     report = []
-    for name, what, bound in (("E", f"TP-2 worker SIGKILL, mid-push ({receive})", PUSH_BOUND_S),
-                              ("H", f"TP-2 worker SIGSTOP (hung, /health 200), mid-push ({receive})", HEALTH_S),
-                              ("I", "TP-2 worker SIGSTOP (hung, /health 200), generating", STEP_S + HEALTH_S)
-                              )[:3 if generating else 2]:
+    cells_run = (("E", f"TP-2 worker SIGKILL, mid-push ({receive})", PUSH_BOUND_S),
+                 ("H", f"TP-2 worker SIGSTOP (hung, /health 200), mid-push ({receive})", HEALTH_S),
+                 ("I", "TP-2 worker SIGSTOP (hung, /health 200), generating", STEP_S + HEALTH_S),
+                 ("S", f"API server SIGSTOP (hung or black-holed), mid-push ({receive})", HEALTH_S))
+    for name, what, bound in [c for c in cells_run if c[0] != ("S" if generating else "I")]:
         cell = cells[name]
         assert cell["gone"] - cell["kill"] < bound + SLACK_S, (name, cell)
         hit, rejoined = by_step[cell["step"]], cell["rejoined"]

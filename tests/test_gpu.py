@@ -51,15 +51,17 @@ def test_policy_on_gpu_matches_transformers(tmp_path, kind):
     _assert_blocks_match([[(b, t.cpu()) for b, t in after]], stepped, exact=False, atol=2e-5, rtol=0)
 
 
-def test_bf16_policy_on_gpu_trains_as_megatron_mixed_precision(tmp_path):
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_bf16_policy_on_gpu_trains_as_megatron_mixed_precision(tmp_path, kind):
     """`trainer.precision=bf16` on CUDA (NCCL, world 1, megatron's DDP and distributed optimizer over DP 1): the
     checks of tests/test_trainer_bf16.py (bf16 parameters, log-probs against `transformers` in bf16 on the CPU,
     AdamW from the fp32 main gradients, each bf16 parameter its main value rounded, bf16 parameters offered to the
     push, a state-dict and a `dist_checkpointing` round trip continuing bit for bit). AdamW within a few fp32 ulps:
-    torch's multi-tensor AdamW on CUDA against the reference's single operations."""
+    torch's multi-tensor AdamW on CUDA against the reference's single operations. Dense and MoE (the 30B recipe's
+    precision and model family: expert parameters in their own optimizer of the chain)."""
     from tests.test_trainer_bf16 import _bf16_rank, check_bf16_run
 
-    hf_dir = make_tiny_checkpoint(tmp_path / "dense", kind="dense")
+    hf_dir = make_tiny_checkpoint(tmp_path / kind, kind=kind)
     ranks = run_distributed(_bf16_rank, 1, hf_dir, free_port(), tmp_path / "checkpoints", init_dist=False)
     assert all(p.device.type == "cuda" for p in ranks[0]["params"].values())  # it trained on the GPU
     check_bf16_run(ranks, hf_dir, adam_tol=(1e-8, 1e-6))
