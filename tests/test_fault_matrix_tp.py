@@ -185,4 +185,8 @@ def test_tp2_worker_killed_and_hung_under_megarl_train(tmp_path: Path, capfd: py
                       f"watcher saw it after {cell['gone'] - cell['kill']:.1f} s, its group gone after "
                       f"{cell['group'] - cell['kill']:.1f} s; registered again after {cell['back'] - cell['kill']:.1f}"
                       f" s; rejoined with a full push at step {rejoined}; steps with one replica: {len(affected)}")
+    if not generating:
+        t = cells["T"]
+        report.append(f"T API server SIGSTOP for {t['cont'] - t['kill']:.1f} s (bound {HEALTH_S:g} s), generating, "
+                      f"then SIGCONT: replica 1 at step {t['step']}, left alone (same pid, both replicas in that step)")
     print("\n".join(report) + f"\nrun: {wall:.0f} s for {STEPS} steps")
