@@ -3,10 +3,11 @@ representative subset under the SLURM job"): the shipped script at CPU scale as 
 trainer ranks on node1 and node2, two TP-1 replicas sharing node3), where the launcher that restarts a replica is the
 job script's step monitor and the liveness that kills a hung one is `megarl serve`'s own.
 
-Marked `slow` (`make test-all`, `pytest -m slow`): five vLLM starts, 6-10 minutes on this 2-core machine. The default
-suite's tests/test_slurm_failover.py covers a replica step killed by `scancel`, an engine core SIGKILLed mid-push
-(restart, full-push rejoin) and an API server hung (SIGSTOP) under the same job; tests/test_fault_matrix.py has every
-cell below under `megarl train`.
+Marked `slow` (`make test-all`, `pytest -m slow`): five vLLM starts, about 5 minutes on this 2-core machine (300 s
+at a load average of 3-4), more than the default suite's budget allows. The default suite's
+tests/test_slurm_failover.py covers a replica step killed by `scancel`, an engine core SIGKILLed mid-push (restart,
+full-push rejoin) and an API server hung (SIGSTOP) under the same job; tests/test_fault_matrix.py has cells R and P
+under `megarl train`, tests/test_liveness.py a hung engine core's /health on a real replica.
 
 One job of 18 steps (rollout.health_timeout_s=8, rollout.step_timeout_s=10, ROLLOUT_RESTARTS=2, sync.interval=2
 sync.offset=1), and a thread of the test that watches the run's files (tests/fault_injection.py's injector, with the
