@@ -9,7 +9,7 @@ tests/test_slurm_failover.py covers a replica step killed by `scancel`, an engin
 full-push rejoin) and an API server hung (SIGSTOP) under the same job; tests/test_fault_matrix.py has cells R and P
 under `megarl train`, tests/test_liveness.py a hung engine core's /health on a real replica.
 
-One job of 18 steps (rollout.health_timeout_s=8, rollout.step_timeout_s=10, ROLLOUT_RESTARTS=2, sync.interval=2
+One job of 20 steps (rollout.health_timeout_s=8, rollout.step_timeout_s=10, ROLLOUT_RESTARTS=2, sync.interval=2
 sync.offset=1), and a thread of the test that watches the run's files (tests/fault_injection.py's injector, with the
 job's server pids and trainer ranks) and injects one failure after another, each followed by the job's restart of
 the replica's step and a full-push rejoin:
@@ -17,13 +17,15 @@ the replica's step and a full-push rejoin:
     R  replica 0's engine core (`VLLM::EngineCore`) SIGKILLed once its workers have loaded a push, before the
        trainer reads their report (failpoint `push.report.replica0`: MEGARL_FAILPOINTS reaches trainer rank 0
        through sbatch and srun, whose `--export=ALL` default passes the submitting environment to every step)
-    H  replica 1's engine core hung: SIGSTOPped (never continued) right after a push resumed the replica, as it
-       generates. vLLM's own /health stays 200; megarl's engine probe turns it 503 after rollout.step_timeout_s,
-       `megarl serve` judges the replica dead rollout.health_timeout_s later, kills its whole process group and
-       exits 1, and the job restarts the step. The trainer ranks are held (SIGSTOP) from the engine core's stop
-       until the process group is gone, so that no push starts meanwhile (a push route in flight keeps /health at
-       200, and the push's own bound, 120 s here, would judge it instead); they then meet the replica gone. The
-       trainer's own give-up on a failing /health is tests/test_liveness.py's.
+    H  replica 1's engine core hung: SIGSTOPped (never continued) as it generates, in a step without a push (a
+       chunk of it answered after a push's record). vLLM's own /health stays 200; megarl's engine probe turns it
+       503 after rollout.step_timeout_s, `megarl serve` judges the replica dead rollout.health_timeout_s later,
+       kills its whole process group and exits 1, and the job restarts the step. The trainer ranks are held
+       (SIGSTOP) from just before the engine core's stop until the process group is gone, so that no push starts
+       meanwhile (a push route in flight keeps /health at 200, and the push's own bound, 120 s here, would judge
+       it instead: seen once, when the trainer had reached the next push before it was held; it is now held first
+       and let go again if it may be in a push); they then meet the replica gone. The trainer's own give-up on a
+       failing /health is tests/test_liveness.py's.
     P  replica 1's API server SIGKILLed while it is paused for a push, before its update is opened (failpoint
        `push.paused.replica1`)
 
@@ -73,7 +75,7 @@ from tests.test_slurm_job import (
 pytestmark = pytest.mark.slow
 
 PROMPTS, K = 32, 8  # configs/demo_moe.yaml's data.prompts_per_step and rollout.samples_per_prompt
-STEPS, M, N = 18, 2, 1  # the run's steps; configs/demo_moe.yaml's sync.interval and sync.offset
+STEPS, M, N = 20, 2, 1  # the run's steps; configs/demo_moe.yaml's sync.interval and sync.offset
 BOUND_S = 8.0  # the job's rollout.health_timeout_s
 STEP_BOUND_S = 10  # the job's rollout.step_timeout_s: the engine probe's bound
 SLACK_S = 20.0  # a loaded 2-core machine: the server's own shutdown, the job's polls (POLL_S=1)
@@ -93,6 +95,34 @@ class _SlurmFaults(FaultInjector):
     def _trainer_pids(self) -> list[int]:
         return _rank_pids(self.run_dir)
 
+    def _last_push(self, replica: int, after: int) -> dict[str, Any] | None:
+        """The run's last record, if it is a push's at a step >= `after` that reached `replica`."""
+        records = self._records()
+        last = records[-1] if records else None
+        return last if last is not None and last["step"] >= after and str(replica) in (
+            last.get("sync/served_versions") or {}) else None
+
+    def _hold_between_pushes(self, replica: int, after: int) -> tuple[list[int], int, int]:
+        """Hold the trainer ranks (SIGSTOP) while `replica` generates in a step that has no push: once a push at a
+        step >= `after` reached it and one of its chunks answered after that push's record, the ranks are stopped;
+        if the record of the step after the push is written by then, the trainer may be in the next push (one
+        every M=2 steps), whose routes keep /health at 200 while in flight: continued, and tried at the next push.
+        Returns the held ranks, the tries, and the push's step."""
+        tries = 0
+        while True:
+            tries += 1
+            push = self._until(lambda since=after: self._last_push(replica, since),
+                               f"a push at step >= {after} that reached replica {replica}")
+            self._tail(replica, self._log_end(replica), b"POST /inference/v1/generate")
+            held = self._trainer_pids()
+            for pid in held:
+                signal_quietly(pid, signal.SIGSTOP)
+            if len(self._records()) == push["step"] + 1:
+                return held, tries, push["step"]
+            for pid in held:
+                signal_quietly(pid, signal.SIGCONT)
+            after = push["step"] + 1
+
     def _run(self) -> None:
         self._until(lambda: len(self._records()) >= 1, "the run's first step", every_s=0.2)
 
@@ -103,15 +133,11 @@ class _SlurmFaults(FaultInjector):
         self._recover(r, r["step"])
         r["rejoined"] = self._rejoined(0, r["step"])
 
-        # H: replica 1's engine core stopped as it generates: right after a push resumed it, a chunk answered
-        self._tail(1, self._log_end(1), b"POST /resume")
-        self._tail(1, self._log_end(1), b"POST /inference/v1/generate")
+        # H: replica 1's engine core stopped as it generates, the trainer held first, in a step without a push
+        held, tries, _ = self._hold_between_pushes(1, r["rejoined"])
         log_at_stop = self._log_end(1)
         h = self._kill("H", 1, self._core, sig=signal.SIGSTOP)
-        held = self._trainer_pids()
-        for pid in held:
-            signal_quietly(pid, signal.SIGSTOP)
-        h["log_at_stop"] = log_at_stop
+        h["log_at_stop"], h["tries"] = log_at_stop, tries
         try:
             url = (registration(self.run_dir, 1) or {})["url"]
 
