@@ -57,7 +57,7 @@ import pytest
 import requests
 
 from megarl.sync import failpoints
-from tests.dist_utils import process_group_members
+from tests.dist_utils import engine_core, process_group_members
 from tests.fault_injection import FaultInjector, registration, signal_quietly
 from tests.slurm_cluster import SlurmCluster
 from tests.test_slurm_failover import _rank_pids, _server_pid
@@ -135,10 +135,10 @@ class _SlurmFaults(FaultInjector):
 
         # H: replica 1's engine core stopped as it generates, the trainer held first, in a step without a push
         held, tries, _ = self._hold_between_pushes(1, r["rejoined"])
-        log_at_stop = self._log_end(1)
-        h = self._kill("H", 1, self._core, sig=signal.SIGSTOP)
-        h["log_at_stop"], h["tries"] = log_at_stop, tries
         try:
+            log_at_stop = self._log_end(1)
+            h = self._kill("H", 1, self._core, sig=signal.SIGSTOP)
+            h["log_at_stop"], h["tries"] = log_at_stop, tries
             url = (registration(self.run_dir, 1) or {})["url"]
 
             def step_monitor() -> bool:  # /health turns 503 (the probe), then `megarl serve` ends the replica
@@ -155,7 +155,15 @@ class _SlurmFaults(FaultInjector):
                     h["group"] = now
                 return "gone" in h and "group" in h
 
-            self._until(step_monitor, "replica 1's step ended by `megarl serve`", every_s=0.2)
+            give_up_s = STEP_BOUND_S + BOUND_S + 2 * SLACK_S
+            try:
+                self._until(lambda: step_monitor() or time.monotonic() - h["kill"] > give_up_s,
+                            "replica 1's step ended by `megarl serve`", every_s=0.2)
+                assert "group" in h, f"replica 1 was not judged dead after {give_up_s:g} s: {h}"
+            except BaseException:  # the job goes on to its end, the hung engine core no longer in its way
+                if (core := engine_core(h["server"])) is not None:
+                    signal_quietly(core, signal.SIGKILL)
+                raise
             h["dead"] = h["group"]
         finally:
             for pid in held:
@@ -169,6 +177,7 @@ class _SlurmFaults(FaultInjector):
         p["rejoined"] = self._rejoined(1, p["step"])
 
 
+@pytest.mark.timeout(1800)  # the job's own bound (JOB_TIMEOUT_S) and the checks after it
 def test_newer_cells_under_the_slurm_job(slurm_cluster: SlurmCluster, tmp_path: Path, tiny_moe_dir: Path) -> None:
     run_dir, logs, points = tmp_path / "run", tmp_path / "run" / "logs", tmp_path / "failpoints"
     points.mkdir()
@@ -275,7 +284,8 @@ def test_newer_cells_under_the_slurm_job(slurm_cluster: SlurmCluster, tmp_path: 
                     and min(r["fleet/replicas"], r["fleet/replicas_in_sync"]) < 2]
         noticed = (f"/health 503 after {cell['503'] - cell['kill']:.1f} s (bound {STEP_BOUND_S} s), `megarl serve` "
                    f"killed its group after {cell['dead'] - cell['kill']:.1f} s (bounds {STEP_BOUND_S} + {BOUND_S:g} "
-                   f"s); the push without it (step {hit['step']}) took {hit['time/push_s']:.1f} s"
+                   f"s; the trainer held from the stop, try {cell['tries']}); the push without it (step "
+                   f"{hit['step']}) took {hit['time/push_s']:.1f} s"
                    if name == "H" else f"the push without it took {hit['time/push_s']:.1f} s (bound {BOUND_S:g} s)")
         report.append(f"{name} {what_of[name]}: replica {i} at step {cell['step']}; {noticed}; registration removed "
                       f"after {cell['gone'] - cell['kill']:.1f} s, group gone after {cell['group'] - cell['kill']:.1f} "
