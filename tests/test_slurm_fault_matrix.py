@@ -3,8 +3,8 @@ representative subset under the SLURM job"): the shipped script at CPU scale as 
 trainer ranks on node1 and node2, two TP-1 replicas sharing node3), where the launcher that restarts a replica is the
 job script's step monitor and the liveness that kills a hung one is `megarl serve`'s own.
 
-Marked `slow` (`make test-all`, `pytest -m slow`): five vLLM starts, about 5 minutes on this 2-core machine (300 s
-at a load average of 3-4), more than the default suite's budget allows. The default suite's
+Marked `slow` (`make test-all`, `pytest -m slow`): five vLLM starts, 5-6 minutes on this 2-core machine (300-358 s
+at a load average of 3-8), more than the default suite's budget allows. The default suite's
 tests/test_slurm_failover.py covers a replica step killed by `scancel`, an engine core SIGKILLed mid-push (restart,
 full-push rejoin) and an API server hung (SIGSTOP) under the same job; tests/test_fault_matrix.py has cells R and P
 under `megarl train`, tests/test_liveness.py a hung engine core's /health on a real replica.
