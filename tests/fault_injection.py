@@ -1,6 +1,7 @@
-"""The fault matrix's injector (tests/test_fault_matrix.py, tests/test_fault_matrix_tp.py): a thread that watches a
-`megarl train` run's files (metrics.jsonl, the replicas' vLLM logs, the registrations in <run.dir>/fleet/), injects
-one failure after another into the run's own fleet and times each cell; and the /proc look-ups it needs."""
+"""The fault matrix's injector (tests/test_fault_matrix.py, tests/test_fault_matrix_tp.py; under the SLURM job:
+tests/test_slurm_fault_matrix.py): a thread that watches a run's files (metrics.jsonl, the replicas' vLLM logs, the
+registrations in <run.dir>/fleet/), injects one failure after another into the run's own fleet and times each cell;
+and the /proc look-ups it needs."""
 
 from __future__ import annotations
 
@@ -64,13 +65,19 @@ class FaultInjector(threading.Thread):
     """Injects a test's cells one after another (its `_run`) and times each: `kill` (the signal sent),
     `gone` (the registration removed: the watcher saw the exit or the death), `group` (no process of the replica's
     process group left), `back` (a new incarnation registered). `cells[name]` also records the step under way at
-    the kill (`step`), the replica, the killed server's pid and, for A, the new incarnation's checks."""
+    the kill (`step`), the replica, its registered pid (`pid`: the incarnation), its vLLM server's pid (`server`:
+    its process group's leader) and, for A, the new incarnation's checks.
+
+    Written for `megarl train`'s own fleet, where the registered pid is the server's and the trainer ranks are this
+    process's descendants; another launcher overrides `_server_of` and `_trainer_pids` (and passes `log_dir`, where
+    the vLLM logs are)."""
 
     HOLD_AFTER_PUSH = False  # hold the trainer only right after a push ended (`_recover`)
 
-    def __init__(self, run_dir: Path, failpoints: Path | None = None) -> None:
+    def __init__(self, run_dir: Path, failpoints: Path | None = None, log_dir: Path | None = None) -> None:
         super().__init__(daemon=True)
         self.run_dir = run_dir
+        self.log_dir = run_dir if log_dir is None else log_dir  # where vllm_replica<i>.log are
         self.failpoints = failpoints  # the run's MEGARL_FAILPOINTS directory, for `_at_failpoint`
         self.metrics = run_dir / "metrics.jsonl"
         self.cells: dict[str, dict[str, Any]] = {}
@@ -80,6 +87,14 @@ class FaultInjector(threading.Thread):
 
     def _run(self) -> None:
         raise NotImplementedError
+
+    def _server_of(self, entry: dict[str, Any]) -> int:
+        """The pid of the vLLM server (its process group's leader) of registration `entry`."""
+        return entry["pid"]
+
+    def _trainer_pids(self) -> list[int]:
+        """The processes to hold (SIGSTOP) while a replica restarts: the trainer ranks."""
+        return trainer_processes()
 
     def run(self) -> None:
         try:
@@ -103,11 +118,11 @@ class FaultInjector(threading.Thread):
 
     def _tail(self, replica: int, offset: int, needle: bytes) -> None:
         """Wait until replica `replica`'s vLLM log has `needle` (an access line) after byte `offset`."""
-        log = self.run_dir / f"vllm_replica{replica}.log"
+        log = self.log_dir / f"vllm_replica{replica}.log"
         self._until(log_grows(log, needle, offset), f"{needle!r} in {log.name}", every_s=0.01)
 
     def _log_end(self, replica: int) -> int:
-        return (self.run_dir / f"vllm_replica{replica}.log").stat().st_size
+        return (self.log_dir / f"vllm_replica{replica}.log").stat().st_size
 
     # -- one cell
 
@@ -125,13 +140,13 @@ class FaultInjector(threading.Thread):
 
     def _kill(self, name: str, replica: int, target: Callable[[int], int], step: int | None = None,
               sig: int = signal.SIGKILL) -> dict[str, Any]:
-        """Send `sig` to `target(pid)` (pid: the replica's registered server, its process group's leader)."""
+        """Send `sig` to `target(server)` (server: the replica's vLLM server, its process group's leader)."""
         entry = registration(self.run_dir, replica)
         assert entry is not None, f"{name}: replica {replica} is not registered"
-        pid = entry["pid"]
-        victim = target(pid)
+        pid, server = entry["pid"], self._server_of(entry)
+        victim = target(server)
         os.kill(victim, sig)
-        cell = {"replica": replica, "pid": pid, "kill": time.monotonic(),
+        cell = {"replica": replica, "pid": pid, "server": server, "kill": time.monotonic(),
                 "step": len(self._records()) if step is None else step}
         self.cells[name] = cell
         return cell
@@ -146,7 +161,7 @@ class FaultInjector(threading.Thread):
         inside a push: a run whose push bound (sync.timeout_fixed_s) is shorter than a restart would find its bound
         spent when continued mid-push. Without it (a run with the default 120 s bound), at once: the run spends fewer
         steps per cell."""
-        replica, pid = cell["replica"], cell["pid"]
+        replica, pid, server = cell["replica"], cell["pid"], cell["server"]
         held: list[int] = []
         resumed: list[Callable[[], bool]] = []  # the other replica's log, watched for the end of a push
 
@@ -154,16 +169,16 @@ class FaultInjector(threading.Thread):
             now = time.monotonic()
             if "gone" not in cell and (registration(self.run_dir, replica) or {}).get("pid") != pid:
                 cell["gone"] = now
-            if "group" not in cell and not process_group_members(pid):
+            if "group" not in cell and not process_group_members(server):
                 cell["group"] = now
             if not held and not resumed and any(r["step"] >= out_after and str(replica) not in
                                                 (r.get("sync/served_versions") or {str(replica): 0})
                                                 for r in self._records()):
-                other = self.run_dir / f"vllm_replica{1 - replica}.log"
+                other = self.log_dir / f"vllm_replica{1 - replica}.log"
                 resumed.append(log_grows(other, b"POST /resume", other.stat().st_size) if self.HOLD_AFTER_PUSH
                                else lambda: True)
             if not held and resumed and resumed[0]():
-                held.extend(trainer_processes())
+                held.extend(self._trainer_pids())
                 for p in held:
                     signal_quietly(p, signal.SIGSTOP)
                 cell["held"] = time.monotonic()

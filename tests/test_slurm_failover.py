@@ -134,15 +134,21 @@ def _env_of(pid: int) -> Path:
     return program.parent.parent.resolve()
 
 
+def _rank_pids(run_dir: Path) -> list[int]:
+    """The pids of the job's two trainer ranks (`megarl rank` for the run in `run_dir`)."""
+    found = subprocess.run(["pgrep", "-f", f"megarl rank --config {run_dir}/"], capture_output=True, text=True)
+    pids = [int(p) for p in found.stdout.split()  # the ranks, not the sruns that started them
+            if (program := _interpreter(int(p))) is not None and program.name.startswith("python")]
+    assert len(pids) == 2, (found.stdout, pids)
+    return pids
+
+
 @contextmanager
 def _trainer_frozen(run_dir: Path) -> Iterator[list[int]]:
     """The job's trainer ranks stopped (SIGSTOP) inside the block, so a restart that takes longer than the rest of
     the run (vLLM starts take 30 s to minutes on a loaded machine) still happens mid-run; SIGCONT after. Yields
     the ranks' pids."""
-    found = subprocess.run(["pgrep", "-f", f"megarl rank --config {run_dir}/"], capture_output=True, text=True)
-    pids = [int(p) for p in found.stdout.split()  # the ranks, not the sruns that started them
-            if (program := _interpreter(int(p))) is not None and program.name.startswith("python")]
-    assert len(pids) == 2, (found.stdout, pids)
+    pids = _rank_pids(run_dir)
     for pid in pids:
         os.kill(pid, signal.SIGSTOP)
     try:
