@@ -64,7 +64,8 @@ class FaultInjector(threading.Thread):
     """Injects a test's cells one after another (its `_run`) and times each: `kill` (the signal sent),
     `gone` (the registration removed: the watcher saw the exit or the death), `group` (no process of the replica's
     process group left), `back` (a new incarnation registered). `cells[name]` also records the step under way at
-    the kill (`step`), the replica, the killed server's pid and, for A, the new incarnation's checks."""
+    the kill (`step`), the replica, the killed server's pid and URL, the process signalled (`victim`) and, for A,
+    the new incarnation's checks."""
 
     HOLD_AFTER_PUSH = False  # hold the trainer only right after a push ended (`_recover`)
 
@@ -106,6 +107,24 @@ class FaultInjector(threading.Thread):
         log = self.run_dir / f"vllm_replica{replica}.log"
         self._until(log_grows(log, needle, offset), f"{needle!r} in {log.name}", every_s=0.01)
 
+    def _grows_in_order(self, replica: int, *needles: bytes) -> Callable[[], bool]:
+        """A condition to poll: whether replica `replica`'s vLLM log has had `needles` appended in this order since
+        now (access lines of one request after another)."""
+        log = self.run_dir / f"vllm_replica{replica}.log"
+        at = log.stat().st_size
+
+        def grown() -> bool:
+            with log.open("rb") as f:
+                f.seek(at)
+                text, i = f.read(), 0
+            for needle in needles:
+                i = text.find(needle, i)
+                if i < 0:
+                    return False
+                i += len(needle)
+            return True
+        return grown
+
     def _log_end(self, replica: int) -> int:
         return (self.run_dir / f"vllm_replica{replica}.log").stat().st_size
 
@@ -113,13 +132,21 @@ class FaultInjector(threading.Thread):
 
     def _at_failpoint(self, name: str, replica: int, point: str, target: Callable[[int], int]) -> dict[str, Any]:
         """A kill at an exact moment of a push: arm failpoint `point` (`megarl.sync.failpoints`; the run's
-        MEGARL_FAILPOINTS is `self.failpoints`), wait until trainer rank 0 holds there, `_kill`, and let it go on."""
+        MEGARL_FAILPOINTS is `self.failpoints`), wait until the process that reaches it (trainer rank 0, or a vLLM
+        worker of the replica) holds there, `_kill`, and let it go on. The cell records the holder's pid (`holder`)
+        and whether it was a process of the replica's group (`holder_in_replica`)."""
         assert self.failpoints is not None, "the run has no failpoint directory"
-        armed = self.failpoints / point
+        armed, reached = self.failpoints / point, self.failpoints / f"{point}.reached"
         armed.write_text("")
         try:
-            self._until(lambda: (self.failpoints / f"{point}.reached").exists(), f"failpoint {point} reached")
-            return self._kill(name, replica, target)
+            holder = int(self._until(lambda: reached.exists() and reached.read_text().strip(),
+                                     f"failpoint {point} reached"))
+            entry = registration(self.run_dir, replica)
+            group = process_group_members(entry["pid"]) if entry is not None else []
+            cell = self._kill(name, replica, target)
+            # the process held there: trainer rank 0 (push.paused, push.report) or a worker of the replica
+            cell["holder"], cell["holder_in_replica"] = holder, holder in group
+            return cell
         finally:
             armed.unlink()
 
@@ -131,7 +158,7 @@ class FaultInjector(threading.Thread):
         pid = entry["pid"]
         victim = target(pid)
         os.kill(victim, sig)
-        cell = {"replica": replica, "pid": pid, "kill": time.monotonic(),
+        cell = {"replica": replica, "pid": pid, "url": entry["url"], "victim": victim, "kill": time.monotonic(),
                 "step": len(self._records()) if step is None else step}
         self.cells[name] = cell
         return cell
@@ -181,6 +208,15 @@ class FaultInjector(threading.Thread):
         finally:
             for p in held:
                 signal_quietly(p, signal.SIGCONT)
+
+    def _unhealthy(self, cell: dict[str, Any]) -> tuple[int, str] | None:
+        """The replica's `/health` answer (status, body) if it is not 200 now ((0, why) if it did not answer); None
+        while it passes. For a condition to poll after a hang (`_until`)."""
+        try:
+            reply = requests.get(f"{cell['url']}/health", timeout=2)
+        except requests.RequestException as err:
+            return 0, f"{type(err).__name__}: {err}"
+        return None if reply.status_code == 200 else (reply.status_code, reply.text)
 
     def _rejoined(self, replica: int, after: int) -> int:
         """The step whose push took `replica` back (it reports a version), after step `after`."""
