@@ -33,7 +33,10 @@ def secret_file_of(pid: int) -> Path:
 
 def trainer_processes() -> list[int]:
     """The trainer ranks and their helpers: this process's descendants in its own process group (the fleet's
-    servers lead process groups of their own, and this process runs the watcher that restarts them)."""
+    servers lead process groups of their own, and this process runs the watcher that restarts them), except a fork
+    of this process that has not run its program yet: a server the watcher is starting, still in this process group
+    until it leaves for a session of its own (`start_new_session`). Stopped in that window, the restart would never
+    come (seen once: the trainer held until the replica registered again, the replica's start held with it)."""
     parent, group = {}, {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -42,6 +45,7 @@ def trainer_processes() -> list[int]:
             continue
         parent[int(stat.parent.name)], group[int(stat.parent.name)] = int(fields[1]), int(fields[2])
     me, mine = os.getpid(), os.getpgid(0)
+    program = _cmdline(me)
 
     def descends(pid: int) -> bool:
         while pid > 1:
@@ -50,7 +54,15 @@ def trainer_processes() -> list[int]:
                 return True
         return False
 
-    return [pid for pid in parent if pid != me and group[pid] == mine and descends(pid)]
+    return [pid for pid in parent if pid != me and group[pid] == mine and descends(pid)
+            and not (parent[pid] == me and _cmdline(pid) == program)]
+
+
+def _cmdline(pid: int) -> bytes | None:
+    try:
+        return (Path("/proc") / str(pid) / "cmdline").read_bytes()
+    except OSError:
+        return None
 
 
 def signal_quietly(pid: int, sig: int) -> None:
