@@ -76,8 +76,8 @@ class FaultInjector(threading.Thread):
     """Injects a test's cells one after another (its `_run`) and times each: `kill` (the signal sent),
     `gone` (the registration removed: the watcher saw the exit or the death), `group` (no process of the replica's
     process group left), `back` (a new incarnation registered). `cells[name]` also records the step under way at
-    the kill (`step`), the replica, the killed server's pid and URL, the process signalled (`victim`) and, for A,
-    the new incarnation's checks."""
+    the kill (`step`), the replica, the killed server's pid and URL (`killed_url`; `url` is the new incarnation's),
+    the process signalled (`victim`) and, for A, the new incarnation's checks."""
 
     HOLD_AFTER_PUSH = False  # hold the trainer only right after a push ended (`_recover`)
 
@@ -170,7 +170,7 @@ class FaultInjector(threading.Thread):
         pid = entry["pid"]
         victim = target(pid)
         os.kill(victim, sig)
-        cell = {"replica": replica, "pid": pid, "url": entry["url"], "victim": victim, "kill": time.monotonic(),
+        cell = {"replica": replica, "pid": pid, "killed_url": entry["url"], "victim": victim, "kill": time.monotonic(),
                 "step": len(self._records()) if step is None else step}
         self.cells[name] = cell
         return cell
@@ -225,7 +225,7 @@ class FaultInjector(threading.Thread):
         """The replica's `/health` answer (status, body) if it is not 200 now ((0, why) if it did not answer); None
         while it passes. For a condition to poll after a hang (`_until`)."""
         try:
-            reply = requests.get(f"{cell['url']}/health", timeout=2)
+            reply = requests.get(f"{cell['killed_url']}/health", timeout=2)
         except requests.RequestException as err:
             return 0, f"{type(err).__name__}: {err}"
         return None if reply.status_code == 200 else (reply.status_code, reply.text)
