@@ -314,7 +314,7 @@ def test_fault_matrix_under_megarl_train(tmp_path: Path, capfd: pytest.CaptureFi
             held = f"failpoint held by {by}; "
         report.append(f"{name} {what}: replica {cell['replica']} killed at step {cell['step']}; {held}{health}"
                       f"trainer's call gave up after {'-' if noticed is None else f'{noticed:.1f} s'} "
-                      f"(bound {BOUND_S:g} s); the watcher "
+                      f"(bound {f'{STEP_S} + ' if name == 'G' else ''}{BOUND_S:g} s); the watcher "
                       f"saw it after {cell['gone'] - cell['kill']:.1f} s, its group gone after "
                       f"{cell['group'] - cell['kill']:.1f} s; registered again after "
                       f"{cell['back'] - cell['kill']:.1f} s "
