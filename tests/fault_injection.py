@@ -34,7 +34,10 @@ def secret_file_of(pid: int) -> Path:
 
 def trainer_processes() -> list[int]:
     """The trainer ranks and their helpers: this process's descendants in its own process group (the fleet's
-    servers lead process groups of their own, and this process runs the watcher that restarts them)."""
+    servers lead process groups of their own, and this process runs the watcher that restarts them), except a fork
+    of this process that has not run its program yet: a server the watcher is starting, still in this process group
+    until it leaves for a session of its own (`start_new_session`). Stopped in that window, the restart would never
+    come (seen once: the trainer held until the replica registered again, the replica's start held with it)."""
     parent, group = {}, {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -43,6 +46,7 @@ def trainer_processes() -> list[int]:
             continue
         parent[int(stat.parent.name)], group[int(stat.parent.name)] = int(fields[1]), int(fields[2])
     me, mine = os.getpid(), os.getpgid(0)
+    program = _cmdline(me)
 
     def descends(pid: int) -> bool:
         while pid > 1:
@@ -51,7 +55,15 @@ def trainer_processes() -> list[int]:
                 return True
         return False
 
-    return [pid for pid in parent if pid != me and group[pid] == mine and descends(pid)]
+    return [pid for pid in parent if pid != me and group[pid] == mine and descends(pid)
+            and not (parent[pid] == me and _cmdline(pid) == program)]
+
+
+def _cmdline(pid: int) -> bytes | None:
+    try:
+        return (Path("/proc") / str(pid) / "cmdline").read_bytes()
+    except OSError:
+        return None
 
 
 def signal_quietly(pid: int, sig: int) -> None:
@@ -66,7 +78,8 @@ class FaultInjector(threading.Thread):
     `gone` (the registration removed: the watcher saw the exit or the death), `group` (no process of the replica's
     process group left), `back` (a new incarnation registered). `cells[name]` also records the step under way at
     the kill (`step`), the replica, its registered pid (`pid`: the incarnation), its vLLM server's pid (`server`:
-    its process group's leader) and, for A, the new incarnation's checks.
+    its process group's leader) and URL (`killed_url`; `url` is the new incarnation's), the process signalled
+    (`victim`) and, for A, the new incarnation's checks.
 
     Written for `megarl train`'s own fleet, where the registered pid is the server's and the trainer ranks are this
     process's descendants; another launcher overrides `_server_of` and `_trainer_pids` (and passes `log_dir`, where
@@ -121,6 +134,24 @@ class FaultInjector(threading.Thread):
         log = self.log_dir / f"vllm_replica{replica}.log"
         self._until(log_grows(log, needle, offset), f"{needle!r} in {log.name}", every_s=0.01)
 
+    def _grows_in_order(self, replica: int, *needles: bytes) -> Callable[[], bool]:
+        """A condition to poll: whether replica `replica`'s vLLM log has had `needles` appended in this order since
+        now (access lines of one request after another)."""
+        log = self.log_dir / f"vllm_replica{replica}.log"
+        at = log.stat().st_size
+
+        def grown() -> bool:
+            with log.open("rb") as f:
+                f.seek(at)
+                text, i = f.read(), 0
+            for needle in needles:
+                i = text.find(needle, i)
+                if i < 0:
+                    return False
+                i += len(needle)
+            return True
+        return grown
+
     def _log_end(self, replica: int) -> int:
         return (self.log_dir / f"vllm_replica{replica}.log").stat().st_size
 
@@ -128,13 +159,21 @@ class FaultInjector(threading.Thread):
 
     def _at_failpoint(self, name: str, replica: int, point: str, target: Callable[[int], int]) -> dict[str, Any]:
         """A kill at an exact moment of a push: arm failpoint `point` (`megarl.sync.failpoints`; the run's
-        MEGARL_FAILPOINTS is `self.failpoints`), wait until trainer rank 0 holds there, `_kill`, and let it go on."""
+        MEGARL_FAILPOINTS is `self.failpoints`), wait until the process that reaches it (trainer rank 0, or a vLLM
+        worker of the replica) holds there, `_kill`, and let it go on. The cell records the holder's pid (`holder`)
+        and whether it was a process of the replica's group (`holder_in_replica`)."""
         assert self.failpoints is not None, "the run has no failpoint directory"
-        armed = self.failpoints / point
+        armed, reached = self.failpoints / point, self.failpoints / f"{point}.reached"
         armed.write_text("")
         try:
-            self._until(lambda: (self.failpoints / f"{point}.reached").exists(), f"failpoint {point} reached")
-            return self._kill(name, replica, target)
+            holder = int(self._until(lambda: reached.exists() and reached.read_text().strip(),
+                                     f"failpoint {point} reached"))
+            entry = registration(self.run_dir, replica)
+            group = process_group_members(entry["pid"]) if entry is not None else []
+            cell = self._kill(name, replica, target)
+            # the process held there: trainer rank 0 (push.paused, push.report) or a worker of the replica
+            cell["holder"], cell["holder_in_replica"] = holder, holder in group
+            return cell
         finally:
             armed.unlink()
 
@@ -146,7 +185,8 @@ class FaultInjector(threading.Thread):
         pid, server = entry["pid"], self._server_of(entry)
         victim = target(server)
         os.kill(victim, sig)
-        cell = {"replica": replica, "pid": pid, "server": server, "kill": time.monotonic(),
+        cell = {"replica": replica, "pid": pid, "server": server, "killed_url": entry["url"], "victim": victim,
+                "kill": time.monotonic(),
                 "step": len(self._records()) if step is None else step}
         self.cells[name] = cell
         return cell
@@ -196,6 +236,15 @@ class FaultInjector(threading.Thread):
         finally:
             for p in held:
                 signal_quietly(p, signal.SIGCONT)
+
+    def _unhealthy(self, cell: dict[str, Any]) -> tuple[int, str] | None:
+        """The replica's `/health` answer (status, body) if it is not 200 now ((0, why) if it did not answer); None
+        while it passes. For a condition to poll after a hang (`_until`)."""
+        try:
+            reply = requests.get(f"{cell['killed_url']}/health", timeout=2)
+        except requests.RequestException as err:
+            return 0, f"{type(err).__name__}: {err}"
+        return None if reply.status_code == 200 else (reply.status_code, reply.text)
 
     def _rejoined(self, replica: int, after: int) -> int:
         """The step whose push took `replica` back (it reports a version), after step `after`."""

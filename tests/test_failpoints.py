@@ -1,9 +1,11 @@
 """`megarl.sync.failpoints`: a disarmed point costs nothing and never waits; an armed one holds its caller, says so
-(`<name>.reached`), and lets it go once the test removes the file. The fault matrix (tests/test_fault_matrix.py,
-cells P and R) kills replicas at the two points the push has."""
+(`<name>.reached`), and lets it go once the test removes the file; `hold_before_first` holds a consumer as it asks for
+its first item, and only then. The fault matrix (tests/test_fault_matrix.py, cells P, R and L) kills replicas at the
+three points the push has."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from pathlib import Path
@@ -37,3 +39,47 @@ def test_an_armed_point_holds_until_released(tmp_path: Path, monkeypatch: pytest
     (tmp_path / "push.report.replica1").unlink()
     assert passed.wait(5), "the caller stayed after the point was released"
     caller.join()
+
+
+def test_hold_before_first_holds_the_consumer_at_its_first_item_only(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(failpoints.ENV, str(tmp_path))
+    point = "push.loading.replica1"
+    made: list[int] = []
+
+    def items():  # records when each item is made: the point is reached after the first exists
+        for i in range(3):
+            made.append(i)
+            yield i
+
+    (tmp_path / point).write_text("")
+    consumed: list[int] = []
+    first = threading.Event()
+    before = threading.Event()
+
+    def consume() -> None:
+        before.set()  # what the consumer does before asking for an item is not held
+        for item in failpoints.hold_before_first(point, items()):
+            consumed.append(item)
+            first.set()
+
+    caller = threading.Thread(target=consume)
+    caller.start()
+    deadline = time.monotonic() + 10
+    while not (tmp_path / f"{point}.reached").exists():
+        assert time.monotonic() < deadline, "the consumer never reached the point"
+        time.sleep(0.01)
+    time.sleep(0.2)
+    assert before.is_set() and made == [0] and consumed == [], (made, consumed)  # held between making and handing
+    assert int((tmp_path / f"{point}.reached").read_text()) == os.getpid()
+    (tmp_path / point).unlink()
+    assert first.wait(5), "the consumer stayed after the point was released"
+    caller.join(5)
+    assert consumed == [0, 1, 2]
+    # armed again: an empty iterable never reaches it; disarmed, nothing waits
+    (tmp_path / f"{point}.reached").unlink()
+    (tmp_path / point).write_text("")
+    assert list(failpoints.hold_before_first(point, [])) == []
+    assert not (tmp_path / f"{point}.reached").exists()
+    (tmp_path / point).unlink()
+    assert list(failpoints.hold_before_first(point, iter("ab"))) == ["a", "b"]

@@ -1,15 +1,16 @@
 """The fault matrix on the real stack (issue 36): `megarl train`'s own fleet losing a replica in several phases and
 getting it back (megarl/rollout/restarts.py, megarl/rollout/liveness.py, docs/pipeline.md's fault table).
 
-Marked `slow` (`make test-all`, `pytest -m slow`): eight vLLM starts one after another, 8-11 minutes on this 2-core
+Marked `slow` (`make test-all`, `pytest -m slow`): ten vLLM starts one after another, 10-13 minutes on this 2-core
 machine, more than the default suite's budget allows. The default suite keeps the properties underneath each cell in
 faster tests: a real server SIGKILLed and restarted by the watcher (`tests/test_fleet_restarts.py`), a replica lost
 mid-push and its rejoin with a full push (`tests/test_sync_failures.py`), the liveness bound against a server
 whose /health turns 503 or hangs (`tests/test_liveness.py`), senders giving up a dead receiver
 (`tests/test_stream_failures.py`).
 
-One `megarl train` run (tiny dense model, two TP-1 vLLM replicas, rollout.restarts=3, rollout.health_timeout_s=8,
-sync.interval=3 sync.offset=1 sync.delta=true, rollout.overlap=false, a small held-out evaluation every 6 steps) and
+One `megarl train` run (tiny dense model, two TP-1 vLLM replicas, rollout.restarts=4, rollout.health_timeout_s=8,
+rollout.step_timeout_s=10, sync.interval=3 sync.offset=1 sync.delta=true, rollout.overlap=false, a small held-out
+evaluation every 6 steps) and
 a thread of the test that watches the run's files (metrics.jsonl, the replicas' vLLM logs, the registrations in
 <run.dir>/fleet/) and injects one failure after another, each followed by the watcher's restart and a full-push
 rejoin:
@@ -23,15 +24,28 @@ rejoin:
     P  replica 1's API server SIGKILLed while it is paused for a push, before its update is opened
        (/start_weight_update)
     R  replica 1's engine core SIGKILLed once its workers have loaded a push, before the trainer reads their report
+    G  replica 0's engine core SIGSTOPped (hung, never continued; its API server's own /health stays 200) as it
+       starts generating: right after a push resumed it and read its label, with three batches to generate before
+       the next push, so that its chunks' generate calls wait on it: megarl's engine probe turns /health 503 after
+       rollout.step_timeout_s (megarl/rollout/engine_probe.py), and rollout.health_timeout_s later the trainer's
+       generate calls give up on it (their chunks go back to the queue) and the watcher kills its whole process
+       group (SIGKILL ends a stopped process) and restarts it
+    L  replica 1's engine core SIGKILLed while its worker loads a received push (staged: every byte arrived, vLLM's
+       layerwise reload began, inside `load_weights`; on this CPU backend the TP-1 worker is a process of its own,
+       held there, which dies with its engine core; on GPUs it is the engine core itself)
 
-P and R are phases too short to hit from outside: the test arms a failpoint (`megarl.sync.failpoints`, the run's
-MEGARL_FAILPOINTS directory) at which trainer rank 0 waits while the test kills, then lets it go on.
+P, L and R are phases too short to hit from outside: the test arms a failpoint (`megarl.sync.failpoints`, the run's
+MEGARL_FAILPOINTS directory, which the fleet's servers inherit) at which trainer rank 0 (P, R), or the replica's
+vLLM worker (L), waits while the test kills, then lets it go on.
 
 Each cell is checked from outside: the watcher removes the registration (the server's exit or death seen), the
 replica's whole process group is gone, a new incarnation registers (new pid; for A also healthy and guarded, and its
 log goes on after a restart line), the trainer noticed within the bound (the push's or the evaluation's own time),
-it rejoins at a later push with a full push; and for the whole run: every step, exact lags, every batch whole, both
-replicas in the sync at the end serving the last pushed version. Once the push (or evaluation) without the replica
+it rejoins at a later push with a full push (G: /health answered 503 within rollout.step_timeout_s + the probe's
+interval of the stop, the watcher removed it rollout.health_timeout_s later, the trainer's wait for the batch the hung
+replica held lasted that long and no more, and its lost generate call is named; L: the failpoint was held by a process
+of the replica); and for the whole run: every step, exact lags, every batch whole, both replicas in the sync at the
+end serving the last pushed version. Once the push (or evaluation) without the replica
 is over, the trainer ranks are held (SIGSTOP) until it registers again, so that the run does not end first on a
 machine where vLLM starts take minutes. Each cell's times are printed (docs/pipeline.md's fault table)."""
 
@@ -39,6 +53,7 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import sys
 import threading
 import time
@@ -48,6 +63,7 @@ from pathlib import Path
 import pytest
 
 from megarl.launch import prepare, train
+from megarl.rollout.engine_probe import EVERY_S
 from megarl.rollout.rendezvous import register_replica
 from megarl.sync import failpoints
 from tests.fault_injection import FaultInjector
@@ -55,11 +71,16 @@ from tests.test_end_to_end import _expected_lag
 
 ROOT = Path(__file__).resolve().parent.parent
 BOUND_S = 8.0  # rollout.health_timeout_s of the run
+STEP_S = 10  # rollout.step_timeout_s of the run: the engine probe's bound on a hung engine core (cell G)
 SLACK_S = 20.0  # a loaded 2-core machine: the server's own shutdown, the push's other steps
 GONE_S = 30.0  # the watcher's kill_group waits this long for a process group to die
-M, N, STEPS, PROMPTS, K, EVAL_EVERY = 3, 1, 54, 16, 8, 6  # eval steps 0, 6, 12, ...: never a push step (m=3, n=1)
-RESTARTS = 3  # replica 0 is killed three times (A, D, C), replica 1 three times (B, P, R)
-ORDER = ("A", "D", "C", "B", "P", "R")
+M, N, STEPS, PROMPTS, K, EVAL_EVERY = 3, 1, 72, 16, 8, 6  # eval steps 0, 6, 12, ...: never a push step (m=3, n=1)
+# pushes at the start of steps 2, 5, 8, ... (before batches 3, 6, 9, ...), and take(step) generates batch step + 1
+# (rollout.overlap=false, n=1): after the push at the start of a step 2 (mod 6) the fleet is asked for nothing but
+# generation (batches step + 1 to step + 3) until the next push (no evaluation at steps 3, 4)
+QUIET = 2
+RESTARTS = 4  # replica 0 is killed four times (A, D, C, G), replica 1 four times (B, P, R, L)
+ORDER = ("A", "D", "C", "B", "P", "R", "G", "L")
 
 
 class _Faults(FaultInjector):
@@ -107,9 +128,31 @@ class _Faults(FaultInjector):
         self._recover(r, r["step"])
         r["rejoined"] = self._rejoined(1, r["step"])
 
+        # G: replica 0's engine core stopped (hung, never continued) as it starts generating: right after the push
+        # at the start of step `step` = QUIET (mod 6) resumed it and read its label (/weight_info, an engine-core
+        # round-trip), so the next thing asked of it is batch step + 1's generation: those generate calls hang, and
+        # no push's /pause meets the hang (a push route, during which the probe's clock does not run: the push's
+        # own bounds judge a hang there)
+        step = len(self._records()) + 2
+        step += (QUIET - step) % EVAL_EVERY
+        self._until(lambda: len(self._records()) >= step - 1, f"step {step - 2} written")
+        self._until(self._grows_in_order(0, b"POST /resume", b"GET /weight_info"), f"step {step}'s push labelled",
+                    every_s=0.01)
+        g = self._kill("G", 0, self._core, sig=signal.SIGSTOP)
+        assert g["step"] == step, (step, g)
+        g["status"], g["why"] = self._until(lambda: self._unhealthy(g), "replica 0's /health failing", every_s=0.1)
+        g["unhealthy"] = time.monotonic() - g["kill"]
+        self._recover(g, g["step"])
+        g["rejoined"] = self._rejoined(0, g["step"])
+
+        # L: replica 1's engine core killed while its worker loads a received push (its failpoint, in the worker)
+        ld = self._at_failpoint("L", 1, "push.loading.replica1", self._core)
+        self._recover(ld, ld["step"])
+        ld["rejoined"] = self._rejoined(1, ld["step"])
+
 
 @pytest.mark.slow
-@pytest.mark.timeout(1800)  # eight vLLM starts: a minute each on a loaded 2-core machine
+@pytest.mark.timeout(1800)  # ten vLLM starts: a minute each on a loaded 2-core machine
 def test_fault_matrix_under_megarl_train(tmp_path: Path, capfd: pytest.CaptureFixture[str],
                                          caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     run_dir, points = tmp_path / "run", tmp_path / "failpoints"
@@ -120,8 +163,9 @@ def test_fault_matrix_under_megarl_train(tmp_path: Path, capfd: pytest.CaptureFi
     cfg = prepare(str(ROOT / "configs" / "repro.yaml"), [
         f"model.hf_dir={tmp_path / 'dense'}", "model.tiny=dense", f"run.dir={run_dir}", f"run.steps={STEPS}",
         "run.overwrite=false", "rollout.replicas=2", "rollout.tp=1", f"rollout.restarts={RESTARTS}",
-        f"rollout.health_timeout_s={BOUND_S}", "rollout.startup_timeout_s=300", f"sync.interval={M}",
-        f"sync.offset={N}", "sync.delta=true", "sync.push_initial=true", f"data.prompts_per_step={PROMPTS}",
+        f"rollout.health_timeout_s={BOUND_S}", f"rollout.step_timeout_s={STEP_S}", "rollout.startup_timeout_s=300",
+        f"sync.interval={M}", f"sync.offset={N}", "sync.delta=true", "sync.push_initial=true",
+        f"data.prompts_per_step={PROMPTS}",
         f"rollout.samples_per_prompt={K}", f"eval.interval={EVAL_EVERY}", "eval.prompts=8", "eval.samples=4",
         "eval.max_new_tokens=32", "rollout.overlap=false"])
     faults = _Faults(run_dir, points)
@@ -157,21 +201,23 @@ def test_fault_matrix_under_megarl_train(tmp_path: Path, capfd: pytest.CaptureFi
     # the watcher's lines: what died how, and each restart counted per replica
     said = [ln[ln.index("megarl: rollout replica "):] for ln in err.replace("\r", "\n").splitlines()
             if "megarl: rollout replica " in ln]
-    # A, D, P: the server itself SIGKILLed (-9); B, C, R: only the engine core killed, the server exits by itself:
-    # code 1 (vLLM's watchdog) or 0 (uvicorn's shutdown finished first; seen in cell C), never a signal
+    # A, D, P: the server itself SIGKILLed (-9); B, C, R, L: only the engine core killed, the server exits by itself:
+    # code 1 (vLLM's watchdog) or 0 (uvicorn's shutdown finished first; seen in cell C), never a signal; G: nothing
+    # exits, the watcher judges it dead by its /health (the engine probe's 503) and kills its process group
     killed, by_itself = ("exited with code -9",), ("exited with code 0 ", "exited with code 1 ")
+    hung = ("is dead: /health answered 503 for ",)
     for name, hows, k in (("A", killed, 1), ("D", killed, 2), ("B", by_itself, 1), ("C", by_itself, 3),
-                          ("P", killed, 2), ("R", by_itself, 3)):
+                          ("P", killed, 2), ("R", by_itself, 3), ("G", hung, 4), ("L", by_itself, 4)):
         i = cells[name]["replica"]
         line = next((ln for ln in said if ln.startswith(f"megarl: rollout replica {i} (")
                      and f"(restart {k} of {RESTARTS})" in ln), None)
         log_and_restart = f"(log {run_dir / f'vllm_replica{i}.log'}); restarted as http"
         assert line is not None and any(how in line for how in hows) and log_and_restart in line, (name, line, said)
-    assert len(said) == 6 and not any("failed" in ln or "stays down" in ln for ln in said), said
-    log0 = (run_dir / "vllm_replica0.log").read_text()
-    assert [f"===== megarl: restart {k} of {RESTARTS} of rollout replica 0" in log0 for k in (1, 2, 3)] == [True] * 3
-    log1 = (run_dir / "vllm_replica1.log").read_text()
-    assert [f"===== megarl: restart {k} of {RESTARTS} of rollout replica 1" in log1 for k in (1, 2, 3)] == [True] * 3
+    assert len(said) == 8 and not any("failed" in ln or "stays down" in ln for ln in said), said
+    for i in (0, 1):
+        log = (run_dir / f"vllm_replica{i}.log").read_text()
+        assert [f"===== megarl: restart {k} of {RESTARTS} of rollout replica {i}" in log
+                for k in range(1, RESTARTS + 1)] == [True] * RESTARTS, i
 
     # A: killed while generating (the rollout worker lost it with chunks in flight); the new incarnation healthy
     # and guarded
@@ -193,6 +239,29 @@ def test_fault_matrix_under_megarl_train(tmp_path: Path, capfd: pytest.CaptureFi
         hit = by_step[cells[name]["step"]]
         assert "1" not in hit["sync/served_versions"] and hit["time/push_s"] < BOUND_S + SLACK_S, (name, hit)
     assert (points / "push.paused.replica1.reached").is_file() and not (points / "push.paused.replica1").exists()
+    assert not cells["P"]["holder_in_replica"] and not cells["R"]["holder_in_replica"]  # trainer rank 0 held
+    # L: held by replica 1's vLLM worker inside its load (not by the trainer); the push went on without it within the
+    # bound (its /update_weights failed with the engine), and it was not labelled with that version
+    ld = cells["L"]
+    hit_l = by_step[ld["step"]]
+    assert ld["holder_in_replica"] and ld["holder"] != ld["pid"], ld  # a process of its group, not its API server
+    assert "1" not in hit_l["sync/served_versions"] and hit_l["time/push_s"] < BOUND_S + SLACK_S, hit_l
+    assert (points / "push.loading.replica1.reached").is_file() and not (points / "push.loading.replica1").exists()
+    # G: /health turned 503 for the engine probe's reason within its bound of the stop (never before it: the probe
+    # in flight at the stop was sent at most as the stop landed); the watcher judged it dead rollout.health_timeout_s
+    # later; the trainer's generate calls on it gave up within both bounds (not the 600 s read timeout) and their
+    # chunks went to replica 1: the trainer's longest wait for a batch at the two quiet steps is that give-up
+    g = cells["G"]
+    assert g["status"] == 503 and "the engine core has not answered for" in g["why"], g
+    assert STEP_S - 0.5 <= g["unhealthy"] < STEP_S + EVERY_S + SLACK_S, g
+    assert STEP_S + BOUND_S - 1 <= g["gone"] - g["kill"] < STEP_S + EVERY_S + BOUND_S + SLACK_S, g
+    g_wait = max(by_step[s]["time/wait_for_data_s"] for s in (g["step"], g["step"] + 1))
+    assert STEP_S <= g_wait < STEP_S + EVERY_S + BOUND_S + SLACK_S, (g_wait, [by_step[s] for s in (g["step"],
+                                                                                                g["step"] + 1)])
+    said_g = f"rollout replica 0 ({g['killed_url']}) lost: "  # the incarnation stopped; in the log records or on stderr
+    g_lost = sorted({ln[ln.index(said_g):] for ln in lost.replace("\r", "\n").splitlines() if said_g in ln})
+    assert len(g_lost) == 1 and "/inference/v1/generate" in g_lost[0], (g, g_lost)
+    assert "its unfinished chunks go back to the queue" in g_lost[0], g_lost
     # C: lost during the evaluation, which finished on replica 1 within the bound
     c = cells["C"]
     hit_c = by_step[c["step"]]
@@ -202,32 +271,50 @@ def test_fault_matrix_under_megarl_train(tmp_path: Path, capfd: pytest.CaptureFi
     # sync.delta: a push to one replica (TP 1: one worker) sends `one` elements as a delta, a push to both 2 x one
     pushes = [r for r in records if r["sync/versions"] and r["sync/delta_pushes"]]
     hit_r = by_step[cells["R"]["step"]]  # its delta went to both replicas: replica 1 loaded it, then died
-    alone = {r["sync/delta_elements"] for r in pushes if len(r["sync/served_versions"]) == 1 and r is not hit_r}
+    # L's too: replica 1 received all of it and died loading it
+    alone = {r["sync/delta_elements"] for r in pushes if len(r["sync/served_versions"]) == 1
+             and r is not hit_r and r is not hit_l}
     assert len(alone) == 1 and (one := alone.pop()) > 0, alone
     assert hit_r["sync/delta_elements"] == 2 * one, hit_r
+    assert hit_l["sync/delta_elements"] == 2 * one, hit_l
     rejoins = {c["rejoined"] for c in cells.values() if "rejoined" in c}
     assert {r["sync/delta_elements"] for r in pushes if len(r["sync/served_versions"]) == 2
             and r["step"] not in rejoins} == {2 * one}
     what_of = {"A": "API server SIGKILL, generating", "D": "SIGKILL while rejoining (its full push)",
                "B": "engine core SIGKILL, mid-push", "C": "engine core SIGKILL, evaluating",
-               "P": "API server SIGKILL, paused before a push", "R": "engine core SIGKILL, loaded, before reporting"}
+               "P": "API server SIGKILL, paused before a push", "R": "engine core SIGKILL, loaded, before reporting",
+               "G": "engine core SIGSTOP (hung, never continued), generating",
+               "L": "engine core SIGKILL while its worker loads a push"}
     report = []
     for name in ORDER:
         what = what_of[name]
         cell = cells[name]
-        assert cell["gone"] - cell["kill"] < BOUND_S + SLACK_S, (name, cell)  # the watcher saw it
+        # the watcher saw it (G: once /health had failed for the bound, after the probe's)
+        bound = STEP_S + EVERY_S + BOUND_S if name == "G" else BOUND_S
+        assert cell["gone"] - cell["kill"] < bound + SLACK_S, (name, cell)
         assert cell["group"] - cell["gone"] < GONE_S + 5, (name, cell)  # and its process group died
         hit = by_step[cell["step"]]
         noticed = {"B": hit.get("time/push_s"), "D": hit.get("time/push_s"), "P": hit.get("time/push_s"),
-                   "R": hit.get("time/push_s"), "C": hit.get("eval/seconds")}.get(name)
+                   "R": hit.get("time/push_s"), "L": hit.get("time/push_s"), "C": hit.get("eval/seconds"),
+                   "G": g_wait}.get(name)
         rejoined = cell.get("rejoined") or cells["D"]["rejoined"]
         affected = [r["step"] for r in records if cell["step"] <= r["step"] < rejoined
                     and min(r["fleet/replicas"], r["fleet/replicas_in_sync"]) < 2]
         # each rejoin is a full push: of the two replicas it reached, only the other one took a delta
         full = by_step[rejoined]
         assert full["sync/served_versions"].keys() == {"0", "1"} and full["sync/delta_elements"] == one, full
-        report.append(f"{name} {what}: replica {cell['replica']} killed at step {cell['step']}; trainer's call gave "
-                      f"up after {'-' if noticed is None else f'{noticed:.1f} s'} (bound {BOUND_S:g} s); the watcher "
+        health = ""
+        if name == "G":  # the trainer's generate call gave up by its own health watch, or met the server killed
+            how = "gave up by itself" if "gave up waiting" in g_lost[0] else "met the killed server"
+            health = f"/health 503 after {cell['unhealthy']:.1f} s (bound {STEP_S} s); its generate call {how}; "
+        held = ""
+        if "holder" in cell:  # who held the failpoint
+            by = ("its engine core" if cell["holder"] == cell["victim"] else "a process of it, not its engine core"
+                  if cell["holder_in_replica"] else "trainer rank 0")
+            held = f"failpoint held by {by}; "
+        report.append(f"{name} {what}: replica {cell['replica']} killed at step {cell['step']}; {held}{health}"
+                      f"trainer's call gave up after {'-' if noticed is None else f'{noticed:.1f} s'} "
+                      f"(bound {f'{STEP_S} + ' if name == 'G' else ''}{BOUND_S:g} s); the watcher "
                       f"saw it after {cell['gone'] - cell['kill']:.1f} s, its group gone after "
                       f"{cell['group'] - cell['kill']:.1f} s; registered again after "
                       f"{cell['back'] - cell['kill']:.1f} s "

@@ -80,7 +80,7 @@ class _Faults(FaultInjector):
             self._tail(1, self._log_end(1), b"POST /resume")
             t = self._kill("T", 1, lambda pid: pid, sig=signal.SIGSTOP)
             time.sleep(BRIEF_S)
-            os.kill(t["pid"], signal.SIGCONT)
+            os.kill(t["server"], signal.SIGCONT)
             t["cont"] = time.monotonic()
             self._until(lambda: len(self._records()) > t["step"] + 1, "a step after the brief stop")
             t["pid_after"] = (registration(self.run_dir, 1) or {}).get("pid")

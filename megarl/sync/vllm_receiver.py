@@ -72,6 +72,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from megarl.sync import failpoints
 from megarl.sync.delta import apply, delta_target
 from megarl.sync.group_setup import free_cached_device_memory
 from megarl.sync.heartbeat import Heartbeat
@@ -117,6 +118,7 @@ class PartitionedUpdateInfo(WeightTransferUpdateInfo):
     keep_base: bool = False  # sync.delta: keep the loaded slices (host memory) as the base of the next delta
     delta_base: int | None = None  # the version this update's delta entries were computed against
     beat_key: str = ""  # the sync-store key this worker beats on while its part runs (megarl.sync.heartbeat; "": none)
+    replica: int = -1  # the replica this worker serves (names its failpoint, megarl.sync.failpoints; -1: not given)
 
 
 def _reprepack_cpu_moe_experts(model: torch.nn.Module) -> None:
@@ -261,7 +263,8 @@ class PartitionedWeightTransferEngine(WeightTransferEngine[PartitionedInitInfo, 
         t1 = time.perf_counter()
         reads = ReadLog(digests=update_info.digests)
         try:
-            self._load(((n, b, d) for n, (b, d) in blocks.items()), reads, update_info.fail_loading_after)
+            self._load(((n, b, d) for n, (b, d) in blocks.items()), reads, update_info.fail_loading_after,
+                       _loading_point(update_info))
         except Exception as err:  # noqa: BLE001 - reported; the trainer raises it
             self._drop_base()
             self.report["model_state"] = "mixed"
@@ -320,7 +323,8 @@ class PartitionedWeightTransferEngine(WeightTransferEngine[PartitionedInitInfo, 
         digests: dict[str, str] | None = {} if update_info.digests else None
         t1 = time.perf_counter()
         try:
-            self._load(_digested(stream, digests), reads, update_info.fail_loading_after)
+            self._load(_digested(stream, digests), reads, update_info.fail_loading_after,
+                       _loading_point(update_info))
             self._check_complete(stream.delivered)
         except Exception as err:  # noqa: BLE001 - shared with the other TP ranks, then reported
             error = f"{type(err).__name__}: {err}"
@@ -384,9 +388,10 @@ class PartitionedWeightTransferEngine(WeightTransferEngine[PartitionedInitInfo, 
             )
 
     def _load(self, blocks: Iterable[tuple[str, HFSlice, torch.Tensor]], reads: ReadLog,
-              fail_after: int | None = None) -> None:
+              fail_after: int | None = None, point: str | None = None) -> None:
         """vLLM's layerwise reload around the model's own `load_weights`, fed with received blocks as `blocks`
         yields them (a layer is processed, and its received tensors dropped, as soon as all of it is loaded).
+        `point`: a failpoint (`megarl.sync.failpoints`) held as `load_weights` asks for the first block.
 
         If loading fails part-way the reload is still finalised (best effort) before the error is raised: vLLM keeps
         a layer's buffered tensors, and its progress count, until the layer completes, so an unfinalised reload
@@ -396,7 +401,8 @@ class PartitionedWeightTransferEngine(WeightTransferEngine[PartitionedInitInfo, 
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
         def weights():
-            for i, (name, block, data) in enumerate(blocks):
+            for i, (name, block, data) in enumerate(blocks if point is None else
+                                                    failpoints.hold_before_first(point, blocks)):
                 if fail_after is not None and i == fail_after:
                     raise RuntimeError(f"injected loader failure after {fail_after} tensors (fail_loading_after)")
                 yield name, wrap(block, data, reads)
@@ -417,6 +423,11 @@ class PartitionedWeightTransferEngine(WeightTransferEngine[PartitionedInitInfo, 
         if self.transport is not None:
             self.transport.close()
             self.transport = None
+
+
+def _loading_point(update_info: PartitionedUpdateInfo) -> str | None:
+    """The failpoint this worker holds at once loading began (`megarl.sync.failpoints`), if its replica is known."""
+    return None if update_info.replica < 0 else f"push.loading.replica{update_info.replica}"
 
 
 def _digested(stream: Iterable[tuple[str, HFSlice, torch.Tensor]],

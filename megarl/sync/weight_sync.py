@@ -538,6 +538,7 @@ class PartitionedWeightSync:
                   "fail_loading_after": self.fail_loading_after, "keep_base": self.base is not None,
                   "delta_base": delta_base if self.worker_rank(rep, r) in receivers else None,
                   "beat_key": beat_key(self.pushes, self.worker_rank(rep, r)) if self.silent_s is not None else "",
+                  "replica": rep,
                   "entries": [e.to_json() for e in entries if e.receiver == self.worker_rank(rep, r)]}
                       for r in range(self.tp)] for rep in self.live}
 
