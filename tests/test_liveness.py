@@ -250,13 +250,15 @@ def test_the_watcher_kills_the_group_of_a_replica_that_hangs(tmp_path: Path, cap
             proc.wait()
 
 
-def test_a_replica_whose_engine_core_hangs_fails_health_but_not_during_a_push(moe_fleet_2x1: FleetHandle) -> None:
+def test_a_hung_engine_core_fails_health_but_not_inside_an_engine_rpc(moe_fleet_2x1: FleetHandle) -> None:
     """A real TP-1 replica (the session's `moe_fleet_2x1`, engine bound `ENGINE_BOUND_S`) whose engine core
     (`VLLM::EngineCore`) is stopped (SIGSTOP) with a generation in flight, its API server alive (vLLM's own /health
     would stay 200: megarl/rollout/engine_probe.py): /health answers 503 after the bound (not before), naming the
-    engine core, and `Liveness` judges it dead. Then a push route is called (`/pause`, which waits on the stopped
-    engine core): while it is in flight /health answers 200 although the silence is past the bound. Continued
-    (SIGCONT): the pause completes, and after `/resume` the generation; /health answers 200 after the push."""
+    engine core, and `Liveness` judges it dead. A push's `/pause` in flight changes nothing: 503 still (a pause
+    lets a live engine core step and answer the probe; a hung one that a push begins to pause is judged, not
+    excused). Then an engine RPC that occupies the engine core is called (`/collective_rpc`, as a push's report):
+    while it is in flight /health answers 200 although the silence is past the bound. Continued (SIGCONT): the RPC
+    and the pause complete, and after `/resume` the generation; /health answers 200 after the push."""
     url = moe_fleet_2x1.urls[1]
     client = RolloutClient(url)
     engine = engine_core(moe_fleet_2x1.procs[1].pid)
@@ -287,18 +289,23 @@ def test_a_replica_whose_engine_core_hangs_fails_health_but_not_during_a_push(mo
             time.sleep(0.2)
 
         pausing = call(lambda: client.pause(timeout_s=120))  # a push begins; it waits on the stopped engine core
+        for _ in range(10):
+            assert health().status_code == 503, "a pause excused the hung engine core"
+            time.sleep(0.2)
+        reporting = call(lambda: client.collective_rpc("megarl_sync_report", timeout_s=120))  # occupies the engine
         pushed = time.monotonic()
         while health().status_code != 200:
-            assert time.monotonic() - pushed < SLACK_S, "/health stayed 503 while a push route was in flight"
+            assert time.monotonic() - pushed < SLACK_S, "/health stayed 503 while an engine RPC was in flight"
             time.sleep(0.2)
         for _ in range(10):
-            assert health().status_code == 200, "the push window was counted"
+            assert health().status_code == 200, "the engine RPC's window was counted"
             time.sleep(0.2)
-        assert pausing.is_alive()  # the push route was in flight all along
+        assert pausing.is_alive() and reporting.is_alive()  # both in flight all along
 
         os.kill(engine, signal.SIGCONT)
         pausing.join(30)
-        assert not pausing.is_alive()
+        reporting.join(30)
+        assert not pausing.is_alive() and not reporting.is_alive()
         client.resume(timeout_s=30)  # the push ends; the generation, queued by the pause, runs
         generating.join(30)
         assert len(samples) == 1 and len(samples[0][0].response_ids) == 16

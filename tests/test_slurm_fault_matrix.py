@@ -22,9 +22,10 @@ the replica's step and a full-push rejoin:
        503 after rollout.step_timeout_s, `megarl serve` judges the replica dead rollout.health_timeout_s later,
        kills its whole process group and exits 1, and the job restarts the step. The trainer ranks are held
        (SIGSTOP) from just before the engine core's stop until the process group is gone, so that no push starts
-       meanwhile (a push route in flight keeps /health at 200, and the push's own bound, 120 s here, would judge
-       it instead: seen once, when the trainer had reached the next push before it was held; it is now held first
-       and let go again if it may be in a push); they then meet the replica gone. The trainer's own give-up on a
+       meanwhile (an engine RPC of a push in flight keeps /health at 200, and the push's own bound, 120 s here,
+       would judge it instead; seen once, when the trainer had reached the next push's /pause before it was held,
+       which then excused the silence too: it no longer does, megarl/rollout/engine_probe.py; the trainer is held
+       first and let go again if it may be in a push); they then meet the replica gone. The trainer's own give-up on a
        failing /health is tests/test_liveness.py's.
     P  replica 1's API server SIGKILLed while it is paused for a push, before its update is opened (failpoint
        `push.paused.replica1`)

@@ -15,11 +15,15 @@ unset), `/health` answers 503 with the reason, and `megarl.rollout.liveness` jud
 `rollout.health_timeout_s` later: the launchers kill and restart it as any dead replica. The engine core answering
 again turns `/health` back to 200.
 
-The push window is not counted: while a request to one of `PUSH_ROUTES` is in flight in this server the engine core
-is legitimately inside a long RPC (a weight push's collective RPCs, a pause that waits for the running requests), so
-a probe's clock restarts when the last of them ends. A push has its own bounds (the trainer's timeouts, the
-workers' heartbeat, `megarl.sync.heartbeat`), which condemn a replica that hangs in it. Standard library only, as
-the other middleware: the API server imports it.
+The engine-RPC window is not counted: while a request to one of `PUSH_ROUTES` is in flight in this server the
+engine core is legitimately inside a long RPC (a weight push's collective RPCs: opening the transfer group, receiving
+and loading, the report), so a probe's clock restarts when the last of them ends. A push has its own bounds there
+(the trainer's timeouts, the workers' heartbeat, `megarl.sync.heartbeat`), which condemn a replica that hangs in it.
+`/pause`, `/resume` and `/reset_prefix_cache` are not in that window: a pause (megarl's, mode "wait") lets the engine
+core go on stepping until the running requests are done, answering utility RPCs between steps, so an engine core
+that hangs while a push pauses it is judged by this bound, not by the push's (seen under SLURM: a hung engine core
+that a push began to pause stayed "healthy" until the push's own 120 s bound). Standard library only, as the other
+middleware: the API server imports it.
 """
 
 from __future__ import annotations
@@ -35,12 +39,12 @@ from megarl.rollout.engine_death import ASGIApp, Receive, Scope, Send, answer_50
 EVERY_S = 1.0  # the pause between one probe's answer and the next probe
 PROBE_METHOD = "is_scheduler_paused"  # EngineCore's utility method the probe calls: reads one field
 DEFAULT_BOUND_S = 300.0  # vLLM's default VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS
-# routes whose handlers wait on a long engine-core RPC (vLLM's RL routes megarl's push and evaluation use, and the
-# dev-mode RPC routes): while one is in flight, the engine core's silence is not counted
+# routes whose handlers wait on a long engine-core RPC, one that occupies the engine core (vLLM's RL routes of
+# megarl's push, the dev-mode RPC route, sleep and wake-up): while one is in flight, the engine core's silence is not
+# counted. Not /pause, /resume, /reset_prefix_cache: the engine core answers probes meanwhile (the module docstring)
 PUSH_ROUTES = frozenset({
-    "/pause", "/resume", "/init_weight_transfer_engine", "/shutdown_weight_transfer_engine", "/start_weight_update",
-    "/start_draft_weight_update", "/update_weights", "/finish_weight_update", "/collective_rpc", "/sleep",
-    "/wake_up", "/reset_prefix_cache",
+    "/init_weight_transfer_engine", "/shutdown_weight_transfer_engine", "/start_weight_update",
+    "/start_draft_weight_update", "/update_weights", "/finish_weight_update", "/collective_rpc", "/sleep", "/wake_up",
 })
 
 logger = logging.getLogger(__name__)
