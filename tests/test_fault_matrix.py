@@ -131,8 +131,8 @@ class _Faults(FaultInjector):
         # G: replica 0's engine core stopped (hung, never continued) as it starts generating: right after the push
         # at the start of step `step` = QUIET (mod 6) resumed it and read its label (/weight_info, an engine-core
         # round-trip), so the next thing asked of it is batch step + 1's generation: those generate calls hang, and
-        # no push's /pause meets the hang (a push route, during which the probe's clock does not run: the push's
-        # own bounds judge a hang there)
+        # no push meets the hang (the push's own bounds would judge it there, and its engine RPCs stop the probe's
+        # clock): the cell is the generate calls' give-up
         step = len(self._records()) + 2
         step += (QUIET - step) % EVAL_EVERY
         self._until(lambda: len(self._records()) >= step - 1, f"step {step - 2} written")

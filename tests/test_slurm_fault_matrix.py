@@ -55,7 +55,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import requests
 
 from megarl.sync import failpoints
 from tests.dist_utils import engine_core, process_group_members
@@ -128,8 +127,7 @@ class _SlurmFaults(FaultInjector):
         self._until(lambda: len(self._records()) >= 1, "the run's first step", every_s=0.2)
 
         # R: replica 0's engine core killed once its workers have loaded a push, before its report is read
-        r = self._at_failpoint("R", 0, "push.report.replica0", self._core)
-        r["holder"] = int((self.failpoints / "push.report.replica0.reached").read_text())  # type: ignore[operator]
+        r = self._at_failpoint("R", 0, "push.report.replica0", self._core)  # records the holder's pid
         r["ranks"] = self._trainer_pids()
         self._recover(r, r["step"])
         r["rejoined"] = self._rejoined(0, r["step"])
@@ -140,16 +138,11 @@ class _SlurmFaults(FaultInjector):
             log_at_stop = self._log_end(1)
             h = self._kill("H", 1, self._core, sig=signal.SIGSTOP)
             h["log_at_stop"], h["tries"] = log_at_stop, tries
-            url = (registration(self.run_dir, 1) or {})["url"]
 
             def step_monitor() -> bool:  # /health turns 503 (the probe), then `megarl serve` ends the replica
                 now = time.monotonic()
-                if "503" not in h:
-                    try:
-                        if requests.get(f"{url}/health", timeout=2).status_code == 503:
-                            h["503"] = now
-                    except requests.RequestException:
-                        pass
+                if "503" not in h and (self._unhealthy(h) or (0,))[0] == 503:
+                    h["503"] = now
                 if "gone" not in h and (registration(self.run_dir, 1) or {}).get("pid") != h["pid"]:
                     h["gone"] = now
                 if "group" not in h and not process_group_members(h["server"]):
