@@ -16,6 +16,7 @@ import torch
 
 from megarl.algorithms.registry import Algorithm
 from megarl.config.schema import AlgorithmConfig
+from megarl.token_versions import TokenVersions
 
 
 @dataclass
@@ -33,6 +34,9 @@ class RolloutBatch:
     # response tokens, or one fewer: the engine never forwards the last sampled token), uint8/int16
     # (`megarl.trainer.routing_replay.compact_indices`); None when the engine returned none
     routed_experts: list[torch.Tensor] | None = None
+    # per sample, the policy version of each response token (`megarl.token_versions`): set when a push landed while
+    # some responses were generating (in-flight weight updates); None: every token was sampled with `policy_version`
+    token_versions: list[TokenVersions] | None = None
 
     @property
     def num_seqs(self) -> int:
