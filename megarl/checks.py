@@ -212,6 +212,10 @@ def check_against_model(cfg: Config, hf: dict[str, Any], cuda: bool) -> None:
             f"trainer.pp={t.pp} does not divide num_hidden_layers={hf['num_hidden_layers']} (megatron-core splits "
             "layers evenly over pipeline stages): use a divisor of the layer count"
         )
+    if t.recompute_layers is not None and t.pp <= hf["num_hidden_layers"] \
+            and t.recompute_layers > hf["num_hidden_layers"] // t.pp:
+        problems.append(f"trainer.recompute_layers={t.recompute_layers} exceeds the {hf['num_hidden_layers'] // t.pp} "
+                        f"layers of each pipeline stage: use at most that, or null for every layer")
     if experts == 0 and t.ep > 1:
         problems.append(f"trainer.ep={t.ep} but the model is dense: set trainer.ep=1")
     if experts and experts % t.ep:
@@ -229,6 +233,11 @@ def check_against_model(cfg: Config, hf: dict[str, Any], cuda: bool) -> None:
         problems.append(
             f"trainer.tp={t.tp} with a MoE model needs sequence parallel, which megatron-core's local (CPU) "
             "layer spec cannot do: on CPU use trainer.tp=1 with trainer.ep>1 (GPU runs use Transformer Engine)"
+        )
+    elif experts and t.tp > 1 and t.layer_spec == "local":
+        problems.append(
+            f"trainer.tp={t.tp} with a MoE model needs sequence parallel, which megatron-core's local layer spec "
+            "(trainer.layer_spec=local) cannot do: use trainer.layer_spec=auto (Transformer Engine) or trainer.tp=1"
         )
     if r.expert_parallel and not experts:
         problems.append("rollout.expert_parallel=true but the model is dense: set rollout.expert_parallel=false")

@@ -19,7 +19,8 @@
     megarl bench savings [--intervals 1 2 4]  the same job per sync.interval: bytes, seconds in sync, fleet pause
     megarl bench delta [--fractions ...]      compute cost of delta pushes per GB on this device (CUDA or CPU)
     megarl bench longtail [--chunk 1]         long-tailed responses: static split vs the shared queue, projected
-    megarl bench trainer [--precisions ...]   one training step, fp32 vs bf16: time and memory per rank
+    megarl bench trainer [--variants ...]     one training step per variant (precision, a change on): time, memory
+    megarl bench gpu-step [--out DIR]         on a GPU: bench trainer's variants, bench logprob at 32k, gpu tests
     megarl compare RUN_DIR ... [--out F.md]   sync pushes, bytes, time and rewards of finished runs side by side
     megarl repro rec-f1|rec-red|oapl-lag|offpolicy-grpo|list [--seeds 3] [--smoke]   a paper's claim, re-run
 
@@ -41,7 +42,7 @@ _DELEGATED = {
     "plan": ("megarl.plan_report", "parameters and bytes per trainer / rollout rank and per weight sync"),
     "export": ("megarl.models.hf_export", "write a run checkpoint as a Hugging Face checkpoint"),
     "bench": ("megarl.bench",
-              "benchmarks: `megarl bench logprob|padding|pipeline|sync|longtail|savings|delta|trainer`"),
+              "benchmarks: `megarl bench logprob|padding|pipeline|sync|longtail|savings|delta|trainer|gpu-step`"),
     "compare": ("megarl.metrics.compare", "compare finished runs' sync traffic, time and rewards"),
     "preflight": ("megarl.preflight.cli", "check a cluster job's placement, network, model files and GPUs: "
                                           "`megarl preflight rank|serve|report` (docs/cluster.md); an environment's "
@@ -142,6 +143,10 @@ def _main(argv: list[str]) -> int:
                 from megarl.launch import check_data
 
                 print("\n".join(check_data(cfg)))
+                if for_gpu:
+                    from megarl.models.layer_backend import gpu_layer_spec_note
+
+                    print(gpu_layer_spec_note(cfg.trainer.layer_spec))
                 print(f"config OK{' for a GPU job' if for_gpu else ''}: {args.config}")
                 return 0
             from megarl.metrics.timeline import describe

@@ -225,9 +225,11 @@ def format_plan(plan: Plan, cfg: Config, hf: dict[str, Any], link_gbps: float = 
                                       f"average ({_gb(total)} per step with sync.interval=1)"
                                       if every > 1 else f"one sync after every optimizer step, {_gb(total)} per step"),
     ]
+    from megarl.trainer.layout_search import format_layout_search
     from megarl.trainer.memory_plan import format_trainer_memory
 
-    return "\n".join(lines + format_trainer_memory(hf, cfg) + _push_memory_lines(plan, cfg, hf)
+    return "\n".join(lines + format_trainer_memory(hf, cfg) + format_layout_search(hf, cfg)
+                     + _push_memory_lines(plan, cfg, hf)
                      + _backend_comparison(hf, plan, link_gbps, t.world_size) + _delta_lines(plan, cfg, link_gbps,
                                                                                            t.world_size))
 

@@ -53,7 +53,9 @@ def run_rank(cfg: Config, place: ProcessPlace, sync_port: int, fleet_urls: Calla
                                 routing_replay=t.routing_replay, logprob_vocab_block=t.logprob_vocab_block,
                                 logprob_kernel=t.logprob_kernel, moe_aux_loss_coeff=t.moe_aux_loss_coeff,
                                 precision=t.precision, overlap_grad_reduce=t.overlap_grad_reduce,
-                                grad_bucket_size=t.grad_bucket_size)
+                                grad_bucket_size=t.grad_bucket_size, layer_spec=t.layer_spec,
+                                grad_reduce_in_bf16=t.grad_reduce_in_bf16,
+                                overlap_param_gather=t.overlap_param_gather, recompute_layers=t.recompute_layers)
         urls = fleet_urls() if rank == 0 else []
         clients = [RolloutClient(url, health_timeout_s=cfg.rollout.health_timeout_s) for url in urls]
         roster = Roster(cfg.run.dir, job_secret(), urls, cfg.rollout.health_timeout_s) if rank == 0 else None

@@ -6,7 +6,7 @@
 #   RUN_DIR=/lustre/$USER/guru MEGARL_OVERRIDES="model.hf_dir=/lustre/models/Qwen3-30B-A3B" sbatch slurm/guru_moe.sh
 #   RUN_DIR=/lustre/$USER/guru MEGARL_OVERRIDES="checkpoint.resume=latest" sbatch slurm/guru_moe.sh   # resume
 #
-# 8 nodes x 8 GPUs: trainer on the first 4 (32 ranks: TP 1 x PP 2 x DP 16, EP 8; bf16), 8 vLLM replicas x TP 4 on the
+# 8 nodes x 8 GPUs: trainer on the first 4 (32 ranks: TP 1 x PP 1 x DP 32, EP 8; bf16), 8 vLLM replicas x TP 4 on the
 # other 4. Every setting is an environment variable (documented in slurm/megarl_job.sh and docs/cluster.md);
 # sbatch options given on the command line override the #SBATCH lines below.
 #SBATCH --job-name=megarl-guru-moe

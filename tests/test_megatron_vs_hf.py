@@ -97,6 +97,7 @@ def _hf_reference(hf_dir: Path, clip_fraction: float):
 
 def _megatron_rank(rank, world, hf_dir, layout, clip, port, options=None):
     from megarl.models.hf_layout import layout_for
+    from megarl.models.layer_backend import bench_layer_spec
     from megarl.models.qwen_provider import read_hf_config
     from megarl.parallel.groups import destroy_trainer_groups, dp_rank_and_size, init_trainer_groups
     from megarl.trainer.policy import MegatronPolicy
@@ -104,7 +105,8 @@ def _megatron_rank(rank, world, hf_dir, layout, clip, port, options=None):
     init_trainer_groups(layout, rank, world, "127.0.0.1", port)
     try:
         hf = read_hf_config(hf_dir)
-        options = options or {}  # MegatronPolicy's DDP / optimizer settings
+        # MegatronPolicy's DDP / optimizer settings; a GPU without TE builds the local spec, asked for explicitly
+        options = {"layer_spec": bench_layer_spec(torch.cuda.is_available()), **(options or {})}
         policy = MegatronPolicy(hf_dir, hf, _optimizer(clip), **options)
         tokens, targets, mask, weights = _batch(hf["vocab_size"])
         lp, ent = policy.compute_logprobs(tokens, targets, micro=3)  # 2 uneven microbatches

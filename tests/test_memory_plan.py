@@ -173,12 +173,13 @@ def test_expert_tensor_parallel_in_the_plan():
 # (label, checkpoint kind, expert parallel, precision, distributed optimizer): one spawned pair of gloo ranks runs
 # them all, one after the other; DP 2 (dense) so the distributed optimizer shards, EP 2 (expert DP 1) so experts do not,
 # EP 1 (expert DP 2) so they do
-HELD_CASES = [
-    ("dense-fp32-distopt", "dense", 1, "fp32", True),
-    ("dense-bf16-distopt", "dense", 1, "bf16", True),
-    ("dense-bf16", "dense", 1, "bf16", False),
-    ("moe-ep2-bf16-distopt", "moe", 2, "bf16", True),
-    ("moe-edp2-bf16-distopt", "moe", 1, "bf16", True),
+HELD_CASES = [  # label, model, EP, precision, distributed optimizer, gradient buffers in bf16
+    ("dense-fp32-distopt", "dense", 1, "fp32", True, False),
+    ("dense-bf16-distopt", "dense", 1, "bf16", True, False),
+    ("dense-bf16", "dense", 1, "bf16", False, False),
+    ("dense-bf16-distopt-bf16grads", "dense", 1, "bf16", True, True),
+    ("moe-ep2-bf16-distopt", "moe", 2, "bf16", True, False),
+    ("moe-edp2-bf16-distopt", "moe", 1, "bf16", True, False),
 ]
 
 
@@ -192,14 +193,14 @@ def _held_rank(rank, world, hf_dirs, port):
     init_trainer_groups(TrainerLayout(), rank, world, "127.0.0.1", port)
     out = {}
     try:
-        for label, kind, ep, precision, distributed in HELD_CASES:
+        for label, kind, ep, precision, distributed, bf16_grads in HELD_CASES:
             if ep != parallel_state.get_expert_model_parallel_world_size():
                 parallel_state.destroy_model_parallel()  # the same world, regrouped
                 parallel_state.initialize_model_parallel(expert_model_parallel_size=ep)
                 init_rng_tracker()
             hf = read_hf_config(hf_dirs[kind])
             policy = MegatronPolicy(hf_dirs[kind], hf, OptimizerConfig(lr=1e-3), precision=precision,
-                                    distributed_optimizer=distributed)
+                                    distributed_optimizer=distributed, grad_reduce_in_bf16=bf16_grads)
             g = torch.Generator().manual_seed(rank)
             tokens = torch.randint(3, hf["vocab_size"], (2, 8), generator=g)
             mb = {"tokens": tokens, "targets": torch.roll(tokens, -1, 1)}
@@ -212,7 +213,8 @@ def _held_rank(rank, world, hf_dirs, port):
 
 
 def test_fixed_terms_match_what_a_training_step_allocates(tmp_path):
-    """Per rank, the plan's weights (4 or 2 B/param), fp32 gradient buffers, fp32 main parameters (bf16 only) and
+    """Per rank, the plan's weights (4 or 2 B/param), fp32 (or, asked for, bf16) gradient buffers, fp32 main
+    parameters (bf16 only) and
     Adam moments (sharded over DP with the distributed optimizer, experts over expert DP) against the storages a real
     CPU training step of the tiny models holds (`held_bytes`), in fp32 and bf16, with and without the distributed
     optimizer. Within 2%: megatron pads every parameter to 64 elements and every bucket to lcm(DP, 128) with the
@@ -221,9 +223,10 @@ def test_fixed_terms_match_what_a_training_step_allocates(tmp_path):
     moments would be off by 25% or more in some term."""
     hf_dirs = {kind: make_tiny_checkpoint(tmp_path / kind, kind=kind) for kind in ("dense", "moe")}
     runs = run_distributed(_held_rank, 2, hf_dirs, free_port(), init_dist=False)
-    for label, kind, ep, precision, distributed in HELD_CASES:
+    for label, kind, ep, precision, distributed, bf16_grads in HELD_CASES:
         hf = read_hf_config(hf_dirs[kind])
-        trainer = TrainerConfig(world_size=2, ep=ep, precision=precision, distributed_optimizer=distributed)
+        trainer = TrainerConfig(world_size=2, ep=ep, precision=precision, distributed_optimizer=distributed,
+                                grad_reduce_in_bf16=bf16_grads)
         planned = trainer_memory(hf, Config(model=ModelConfig(hf_dir=hf_dirs[kind]), trainer=trainer,
                                             rollout=RolloutConfig(dtype="bfloat16")))[0]
         for rank, run in enumerate(runs):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from megarl.models.qwen_provider import EXPERT_PARAM, layer_spec, moe_grouped_gemm, transformer_config_from_hf
+from megarl.models.qwen_provider import EXPERT_PARAM, layer_spec, transformer_config_from_hf
 
 # a Qwen3-MoE config.json as the hub ships it: a pre-training aux-loss coefficient of 0.001
 QWEN3_MOE = dict(model_type="qwen3_moe", vocab_size=32, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -39,17 +39,17 @@ def test_expert_tensor_parallel_is_independent_of_tp():
 
 
 def test_no_grouped_gemm_without_transformer_engine():
-    """On this machine (no CUDA, no TE) the experts are the local spec's SequentialMLP, one GEMM per expert."""
+    """On the local spec the experts are SequentialMLP, one GEMM per expert, with no TE fusion asked for."""
     from megatron.core.transformer.moe.experts import SequentialMLP
 
-    assert moe_grouped_gemm() is False
     config = transformer_config_from_hf(QWEN3_MOE, 1, 1, 1)
-    assert config.moe_grouped_gemm is False
-    spec = layer_spec(QWEN3_MOE, config)
+    assert config.moe_grouped_gemm is False and config.moe_permute_fusion is False
+    assert not (config.bias_activation_fusion or config.apply_rope_fusion or config.gradient_accumulation_fusion)
+    spec = layer_spec(QWEN3_MOE, config, "local")
     assert spec.submodules.mlp.submodules.experts.module is SequentialMLP
     config.moe_grouped_gemm = True  # as on a GPU with TE, but the TE spec is not available here
     with pytest.raises(ValueError, match="moe_grouped_gemm needs the Transformer Engine layer spec"):
-        layer_spec(QWEN3_MOE, config)
+        layer_spec(QWEN3_MOE, config, "local")
 
 
 @pytest.mark.parametrize(("name", "expert"), [

@@ -181,15 +181,21 @@ def test_plan_command_on_the_30b_recipe(capsys, table_30b):
     assert re.search(r"nccl +61\.06 GB per rank +1\.221 s", out)
     assert re.search(r"nccl_m2n +60\.46 GB per rank", out)  # 61,064,245,248 - 805,306,368 * 3 / 4 bytes
     assert re.search(r"megarl +15\.29 GB per rank +0\.306 s", out)
-    # 16 ranks per stage: 8 expert ranks of whole experts (expert-TP 1) leave expert data parallel 2
-    assert "trainer: 32 ranks = tp 1 x pp 2 x dp 16" in out
-    assert "experts: ep 8 x expert-tp 1 x expert-dp 2 per stage, 16 experts per rank" in out
-    # bf16 with the distributed optimizer (the recipe): 2,582,484,992 parameters on stage 0, of which 1,811,939,328
-    # experts; weights 2 B, gradient buffers 4 B; main 4 B and Adam 8 B of dense / 16 + experts / 2 per rank
-    assert re.search(r" +0 +5\.2 GB +10\.3 GB +3\.8 GB +7\.6 GB +9\.4 GB +2 +0\.0 GB +3\.0 GB +39\.4 GB", out)
+    # one stage of 32 ranks: 8 expert ranks of whole experts (expert-TP 1) leave expert data parallel 4
+    assert "trainer: 32 ranks = tp 1 x pp 1 x dp 32" in out
+    assert "experts: ep 8 x expert-tp 1 x expert-dp 4 per stage, 16 experts per rank" in out
+    # bf16 with the distributed optimizer (the recipe): 5,164,972,032 parameters per rank, of which 3,623,878,656
+    # experts (16 of 128 in each of 48 layers: 48 x 16 x 3 x 768 x 2048); weights 2 B = 10.33 GB, gradient buffers
+    # 4 B = 20.66 GB; main 4 B and Adam 8 B of dense / 32 + experts / 4 per rank = 954 M: 3.82 and 7.63 GB
+    assert 48 * 16 * 3 * 768 * 2048 == 3_623_878_656
+    assert round(4 * ((5_164_972_032 - 3_623_878_656) / 32 + 3_623_878_656 / 4) / 1e9, 1) == 3.8
+    assert re.search(r" +0 +10\.3 GB +20\.7 GB +3\.8 GB +7\.6 GB +[\d.]+ GB +1 +1\.6 GB +3\.0 GB +[\d.]+ GB", out)
+    # the layout search: this is the best layout the suite trains, with the least recompute that fits
+    assert "least recompute that fits this layout: tp 1 x pp 1 x ep 8, recompute full, recompute_layers=42" in out
+    assert "best layout: tp 1 x pp 1 x ep 8, recompute full, recompute_layers=42 of 48" in out
     assert "trainer.precision=bf16" in out
     assert run(_args(recipe, f"model.hf_dir={MODELS / 'qwen3-30b-a3b'}", "trainer.expert_tp=2")) == 0
-    assert "experts: ep 8 x expert-tp 2 x expert-dp 1 per stage, 16 experts per rank" in capsys.readouterr().out
+    assert "experts: ep 8 x expert-tp 2 x expert-dp 2 per stage, 16 experts per rank" in capsys.readouterr().out
     # the recipe's layout is one the CPU stack trains (trainer.tp=1); trainer.tp=2 with a MoE model is a GPU-only
     # layout: the CPU check refuses it, plan checks it as for the GPU
     from megarl.config.load import load_config
@@ -224,7 +230,7 @@ def test_plan_refuses_layouts_megatron_refuses(capsys):
     recipe = ROOT / "configs" / "qwen3_30b_a3b_guru.yaml"
     hf_dir = f"model.hf_dir={MODELS / 'qwen3-30b-a3b'}"
     # 16 ranks = tp 1 x pp 2 x dp 8: experts split over 2 expert-TP ranks need expert_tp*ep*pp = 32 ranks
-    assert run(_args(recipe, hf_dir, "trainer.world_size=16", "trainer.expert_tp=2")) == 2
+    assert run(_args(recipe, hf_dir, "trainer.world_size=16", "trainer.pp=2", "trainer.expert_tp=2")) == 2
     assert ("trainer.expert_tp=2 x trainer.ep=8 x trainer.pp=2 = 32 does not divide trainer.world_size=16"
             in capsys.readouterr().err)
     assert run(_args(recipe, hf_dir, "trainer.pp=5", "trainer.world_size=80")) == 2  # 48 layers over 5 stages

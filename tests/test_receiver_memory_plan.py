@@ -44,7 +44,8 @@ HF_DIR = f"model.hf_dir={ROOT / 'configs' / 'models' / 'qwen3-30b-a3b'}"
 MIB = 2**20
 
 
-HAND_LAYOUT = ["trainer.tp=2", "trainer.expert_tp=2"]  # the trainer layout the hand numbers below are for
+# the trainer layout the hand numbers below are for (the recipe itself now trains at TP 1 x PP 1)
+HAND_LAYOUT = ["trainer.tp=2", "trainer.pp=2", "trainer.expert_tp=2", "trainer.recompute_layers=null"]
 
 
 def _recipe(*overrides: str):

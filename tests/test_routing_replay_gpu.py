@@ -69,13 +69,15 @@ def _hf_routes(hf_dir, tokens: list[int]) -> torch.Tensor:
 
 def _replay_rank(rank, world, hf_dir, port, tokens, routes):
     from megarl.config.schema import OptimizerConfig
+    from megarl.models.layer_backend import bench_layer_spec
     from megarl.models.qwen_provider import read_hf_config
     from megarl.parallel.groups import destroy_trainer_groups, init_trainer_groups
     from megarl.trainer.policy import MegatronPolicy
 
     init_trainer_groups(TrainerLayout(), rank, world, "127.0.0.1", port)
     try:
-        policy = MegatronPolicy(hf_dir, read_hf_config(hf_dir), OptimizerConfig(), routing_replay=True)
+        policy = MegatronPolicy(hf_dir, read_hf_config(hf_dir), OptimizerConfig(), routing_replay=True,
+                                layer_spec=bench_layer_spec(torch.cuda.is_available()))
         calls = _record_routers(policy)
         t = torch.tensor([tokens])
         policy.compute_logprobs(t, torch.roll(t, -1, 1), routed_experts=routes[None])
@@ -110,6 +112,7 @@ def test_demo_sized_moe_run_with_replay(tmp_path):
     from pathlib import Path
 
     from megarl.launch import prepare, train
+    from megarl.models.layer_backend import bench_layer_spec
     from megarl.rollout.fleet import FleetSpec, launch
 
     hf_dir = make_tiny_checkpoint(tmp_path / "moe", kind="moe")
@@ -121,7 +124,8 @@ def test_demo_sized_moe_run_with_replay(tmp_path):
                              "trainer.world_size=1", "trainer.ep=1", "trainer.routing_replay=true",
                              "rollout.return_routed_experts=true", "rollout.tp=1", "rollout.max_new_tokens=4",
                              f"rollout.samples_per_prompt={k_samples}", f"data.prompts_per_step={prompts}",
-                             "data.answer_digits=true", "sync.interval=1", "sync.offset=0", "eval.interval=0"])
+                             "data.answer_digits=true", "sync.interval=1", "sync.offset=0", "eval.interval=0",
+                             f"trainer.layer_spec={bench_layer_spec(torch.cuda.is_available())}"])
         train(cfg, fleet_urls=fleet.urls)
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(steps))

@@ -77,6 +77,7 @@ def _main_shards(policy) -> list[tuple[torch.nn.Parameter, torch.Tensor, slice]]
 
 def _bf16_rank(rank, world, hf_dir, port, root):
     from megarl.checkpoint import open_checkpoint, save_checkpoint
+    from megarl.models.layer_backend import bench_layer_spec
     from megarl.models.qwen_provider import read_hf_config
     from megarl.parallel.groups import destroy_trainer_groups, dp_rank_and_size, init_trainer_groups
     from megarl.trainer.policy import MegatronPolicy
@@ -84,7 +85,8 @@ def _bf16_rank(rank, world, hf_dir, port, root):
     init_trainer_groups(TrainerLayout(), rank, world, "127.0.0.1", port)
     try:
         hf = read_hf_config(hf_dir)
-        policy = MegatronPolicy(hf_dir, hf, OPTIM, distributed_optimizer=True, precision="bf16")
+        spec = bench_layer_spec(torch.cuda.is_available())  # a GPU without TE: the local spec, asked for explicitly
+        policy = MegatronPolicy(hf_dir, hf, OPTIM, distributed_optimizer=True, precision="bf16", layer_spec=spec)
         out = {"dtypes": sorted({str(p.dtype) for p in policy.model.parameters()})}
         probe = _batch(hf["vocab_size"], 0)
         out["logprobs"] = policy.compute_logprobs(probe["tokens"], probe["targets"], micro=3)
@@ -110,10 +112,10 @@ def _bf16_rank(rank, world, hf_dir, port, root):
         path = save_checkpoint(root, 1, rank, world, {"version": policy.version}, {}, {"world_size": world},
                                keep_last=1, sharded_state=policy.sharded_state_dict())  # the same as a v4 checkpoint
         _train(policy, 2, dp_rank, dp)
-        resumed = MegatronPolicy(hf_dir, hf, OPTIM, distributed_optimizer=True, precision="bf16")
+        resumed = MegatronPolicy(hf_dir, hf, OPTIM, distributed_optimizer=True, precision="bf16", layer_spec=spec)
         resumed.load_state_dict(saved)
         _train(resumed, 2, dp_rank, dp)
-        from_ckpt = MegatronPolicy(hf_dir, hf, OPTIM, distributed_optimizer=True, precision="bf16")
+        from_ckpt = MegatronPolicy(hf_dir, hf, OPTIM, distributed_optimizer=True, precision="bf16", layer_spec=spec)
         ckpt = open_checkpoint(path, {})
         from_ckpt.load_sharded_state_dict(ckpt.load_sharded(from_ckpt.sharded_state_dict(is_loading=True)), 2)
         _train(from_ckpt, 2, dp_rank, dp)

@@ -7,9 +7,10 @@
   coefficient, is summed over other partial sums); each rank holds about half the dense Adam moments, and the
   two ranks' moments add up to exactly the unsharded ones (every element once); a save/load round trip of
   `policy.state_dict()` into a fresh policy, then one more step, equals the uninterrupted run bit for bit.
-- `recompute` full / selective: the same loss and gradients as without, and the recomputation happens:
-  megatron's config carries the fields, and a forward hook counts the transformer layer (full) or its core
-  attention (selective) running twice per microbatch.
+- `recompute` full / selective / full over the first `recompute_layers` layers only: the same loss and gradients
+  as without, and the recomputation happens: megatron's config carries the fields, and forward hooks count the
+  transformer layers (full; block: the first layer, not the last) or the core attention (selective) running twice
+  per microbatch.
 """
 
 import io
@@ -74,10 +75,11 @@ def _round_trip(state):
 
 
 def _count_forwards(policy) -> dict[str, int]:
-    """Forward calls of the first transformer layer and of its core attention, counted by hooks."""
-    counts = {"layer": 0, "core_attn": 0}
+    """Forward calls of the first transformer layer, of its core attention and of the last layer, counted by hooks."""
+    counts = {"layer": 0, "core_attn": 0, "last_layer": 0}
     layer = policy.model.decoder.layers[0]
-    for name, module in (("layer", layer), ("core_attn", layer.self_attention.core_attention)):
+    for name, module in (("layer", layer), ("core_attn", layer.self_attention.core_attention),
+                         ("last_layer", policy.model.decoder.layers[-1])):
         module.register_forward_hook(lambda *_, name=name: counts.__setitem__(name, counts[name] + 1))
     return counts
 
@@ -106,6 +108,8 @@ def _optimizer_cases(hf_dir, resume: bool, root=None) -> dict:
     _train(zero, 1)
     out["diff_step2"], out["bytes_zero"] = _max_diff(_params(zero), plain_p2), zero.optimizer_state_bytes()
     if resume:
+        _overlap_param_gather_case(hf_dir, hf, zero, out)
+    if resume:
         saved = _round_trip(zero.state_dict())
         ckpt_path = _save(zero, root, 1, {"world_size": 2, "tp": 1})
         _train(zero, 2)
@@ -128,6 +132,33 @@ def _optimizer_cases(hf_dir, resume: bool, root=None) -> dict:
             out["mismatch_error"] = str(err)
     out["none_grads"] = none_grads
     return out
+
+
+def _overlap_param_gather_case(hf_dir, hf, zero, out: dict) -> None:
+    """`overlap_param_gather`: the same two steps as `zero` (distributed optimizer, gathered inside the step). After
+    a step this rank's parameters still hold the other rank's shard from before it (gathered by the next forward's
+    pre-hooks); a forward-only pass and a push's read (`iter_local_hf_slices`) see the updated parameters."""
+    from megarl.trainer.policy import MegatronPolicy
+
+    batch = _batch(hf["vocab_size"], 7)
+    zero_lp = zero.compute_logprobs(batch["tokens"], batch["targets"])[0]
+    zero_slices = {s.name: t.clone() for s, t in zero.iter_local_hf_slices()}
+    overlap = MegatronPolicy(hf_dir, hf, OPTIM, distributed_optimizer=True, overlap_param_gather=True)
+    _train(overlap, 0)
+    stale = _params(overlap)
+    _train(overlap, 1)  # its forwards gather step 1's update first
+    lp = overlap.compute_logprobs(batch["tokens"], batch["targets"])[0]
+    out["overlap_lp_diff"] = float((lp - zero_lp).abs().max())
+    slices = {s.name: t.clone() for s, t in overlap.iter_local_hf_slices()}
+    out["overlap_slices_diff"] = max(float((slices[k] - zero_slices[k]).abs().max()) for k in zero_slices)
+    out["overlap_params_diff"] = _max_diff(_params(overlap), _params(zero))
+    fresh = MegatronPolicy(hf_dir, hf, OPTIM, distributed_optimizer=True, overlap_param_gather=True)
+    _train(fresh, 0)
+    before = _params(fresh)
+    fresh.iter_local_hf_slices()  # gathers
+    out["overlap_deferred"] = _max_diff(before, _params(fresh))  # > 0: the gather really waited for a reader
+    out["overlap_stale_vs_gathered"] = _max_diff(stale, before)  # the same deferred state both times
+    del overlap, fresh
 
 
 def _regroup(tp: int = 1, pp: int = 1, ep: int = 1) -> None:
@@ -192,8 +223,9 @@ def _recompute_cases(hf_dir, none_grads: dict[str, torch.Tensor]) -> dict:
 
     hf = read_hf_config(hf_dir)
     out = {}
-    for mode in ("full", "selective"):
-        policy = MegatronPolicy(hf_dir, hf, OPTIM, recompute=mode)
+    for mode in ("full", "selective", "block1"):  # block1: recompute='full' of the first layer only
+        options = {"recompute": "full", "recompute_layers": 1} if mode == "block1" else {"recompute": mode}
+        policy = MegatronPolicy(hf_dir, hf, OPTIM, **options)
         counts = _count_forwards(policy)
         metrics = _train(policy, 0)
         c = policy.model.config
@@ -257,6 +289,13 @@ def test_distributed_optimizer_dense_dp2(scale_runs):
     assert runs[0]["bytes_zero"]["dense"] + runs[1]["bytes_zero"]["dense"] == runs[0]["bytes_plain"]["dense"]
 
 
+def test_overlap_param_gather_defers_the_gather_to_the_next_reader(scale_runs):
+    for r in (run["dense"] for run in scale_runs):
+        assert r["overlap_deferred"] > 0 and r["overlap_stale_vs_gathered"] == 0.0, r  # deferred, deterministically
+        # after two steps: the forward-only pass, the push's slices and the parameters equal the in-step gather's
+        assert r["overlap_lp_diff"] == 0.0 and r["overlap_slices_diff"] == 0.0 and r["overlap_params_diff"] == 0.0, r
+
+
 def test_distributed_optimizer_moe_ep2(scale_runs):
     runs = [r["moe"] for r in scale_runs]
     _report(scale_runs, "moe")
@@ -282,7 +321,7 @@ def test_resume_at_another_layout_continues_the_losses(scale_runs, case):
         assert got["uninterrupted"][2] != got["uninterrupted"][1]  # the steps change the model
 
 
-@pytest.mark.parametrize("mode", ["full", "selective"])
+@pytest.mark.parametrize("mode", ["full", "selective", "block1"])
 def test_recompute_same_loss_and_gradients(scale_runs, mode):
     for r in scale_runs:
         dense = r["dense"]
@@ -291,8 +330,11 @@ def test_recompute_same_loss_and_gradients(scale_runs, mode):
         # 2 microbatches on this rank: each layer (core attention) forward runs once more in backward
         if mode == "full":
             assert got["config"][:3] == ("full", "uniform", 1)
-            assert got["counts"] == {"layer": 4, "core_attn": 4}
+            assert got["counts"] == {"layer": 4, "core_attn": 4, "last_layer": 4}
+        elif mode == "block1":  # trainer.recompute_layers=1 of the tiny model's 2: the first layer reruns, not the last
+            assert got["config"][:3] == ("full", "block", 1)
+            assert got["counts"] == {"layer": 4, "core_attn": 4, "last_layer": 2}
         else:
             assert got["config"] == ("selective", None, None, ["core_attn"])
-            assert got["counts"] == {"layer": 2, "core_attn": 4}
-        assert dense["none_counts"] == {"layer": 2, "core_attn": 2}
+            assert got["counts"] == {"layer": 2, "core_attn": 4, "last_layer": 2}
+        assert dense["none_counts"] == {"layer": 2, "core_attn": 2, "last_layer": 2}

@@ -8,7 +8,8 @@
     megarl bench longtail   long-tailed responses on the real fleet: static split vs shared queue, and projected
     megarl bench savings    the same short job at several sync.interval values: bytes, sync seconds, fleet pause
     megarl bench delta      compute cost of delta pushes per GB (count + encode, apply, base copy) on this device
-    megarl bench trainer    one training step per trainer.precision (fp32 vs bf16): time and memory per rank
+    megarl bench trainer    one training step per variant (fp32, bf16, bf16 with one change on): time, MFU, memory
+    megarl bench gpu-step   on a GPU, in one command: bench trainer's variants, bench logprob --hidden, gpu tests
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import importlib
 BENCHES = {"logprob": "megarl.bench.logprob", "padding": "megarl.bench.padding",
            "pipeline": "megarl.bench.pipeline", "sync": "megarl.bench.sync", "longtail": "megarl.bench.longtail",
            "savings": "megarl.bench.savings", "delta": "megarl.bench.delta_codec",
-           "trainer": "megarl.bench.trainer"}
+           "trainer": "megarl.bench.trainer", "gpu-step": "megarl.bench.gpu_step"}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -44,6 +44,17 @@ from typing import Any
 import torch
 
 PRECISIONS = ("fp32", "bf16")
+# name -> the `MegatronPolicy` options of one row: each GPU-step change on (a row) against its base row (`bf16`)
+VARIANTS: dict[str, dict[str, Any]] = {
+    "fp32": {"precision": "fp32"},
+    "bf16": {"precision": "bf16"},
+    "bf16+compiled-logprob": {"precision": "bf16", "logprob_kernel": "compiled"},  # trainer.logprob_kernel
+    "bf16+bf16-grads": {"precision": "bf16", "grad_reduce_in_bf16": True},  # trainer.grad_reduce_in_bf16
+    "bf16+unfused-logprob": {"precision": "bf16", "fused_logprobs": False},  # the logits whole, for comparison
+    "bf16+te": {"precision": "bf16", "layer_spec": "te"},  # Transformer Engine's spec and fusions (needs TE)
+}
+# dense bf16 / fp32 peak of the GPUs the recipes name, TFLOP/s (NVIDIA's data sheets; fp32 without TF32): MFU's base
+PEAK_TFLOPS = {"H100": {"bf16": 989.4, "fp32": 66.9}, "H200": {"bf16": 989.4, "fp32": 66.9}}
 
 
 @dataclass(frozen=True)
@@ -134,11 +145,12 @@ def _step_peak(policy, mbs, loss_fn) -> int:
 
 
 def _rank_main(rank: int, port: int, hf_dir: Path, cfg: TrainerBenchConfig,
-               precisions: tuple[str, ...]) -> list[dict[str, Any]]:
+               variants: tuple[str, ...]) -> list[dict[str, Any]]:
     import torch.distributed as dist
 
     from megarl.config.schema import OptimizerConfig
     from megarl.models.hf_config import read_hf_config
+    from megarl.models.layer_backend import TransformerEngineMissing, bench_layer_spec
     from megarl.parallel.groups import TrainerLayout, destroy_trainer_groups, init_trainer_groups
     from megarl.trainer.policy import MegatronPolicy
 
@@ -154,9 +166,15 @@ def _rank_main(rank: int, port: int, hf_dir: Path, cfg: TrainerBenchConfig,
     try:
         hf = read_hf_config(hf_dir)
         mbs = _microbatches(cfg, rank)
-        for precision in precisions:
-            policy = MegatronPolicy(hf_dir, hf, OptimizerConfig(lr=1e-5), precision=precision,
-                                    distributed_optimizer=cfg.distributed_optimizer and cfg.world > 1)
+        for variant in variants:
+            # a variant's own layer spec, else `auto`, or on a GPU without TE `local` (the row's `layer_spec` says)
+            options = {"layer_spec": bench_layer_spec(torch.cuda.is_available()), **VARIANTS[variant]}
+            try:
+                policy = MegatronPolicy(hf_dir, hf, OptimizerConfig(lr=1e-5),
+                                        distributed_optimizer=cfg.distributed_optimizer and cfg.world > 1, **options)
+            except TransformerEngineMissing as err:  # `bf16+te` where TE is missing: a row that says so
+                out.append({"variant": variant, "precision": options["precision"], "rank": rank, "skipped": str(err)})
+                continue
             policy.train_step(mbs, loss_fn)  # warm-up: Adam's state is created at the first step
             held = held_bytes(policy)
             times = []
@@ -169,7 +187,8 @@ def _rank_main(rank: int, port: int, hf_dir: Path, cfg: TrainerBenchConfig,
                 times.append(time.perf_counter() - start)
             dist.barrier()
             peak = _step_peak(policy, mbs, loss_fn)
-            out.append({"precision": precision, "rank": rank, "times_s": times, "held": held,
+            out.append({"variant": variant, "precision": options["precision"], "layer_spec": policy.layer_spec,
+                        "rank": rank, "times_s": times, "held": held,
                         "step_peak_bytes": peak,
                         "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                         "params": sum(p.numel() for p in policy.model.parameters())})
@@ -180,12 +199,34 @@ def _rank_main(rank: int, port: int, hf_dir: Path, cfg: TrainerBenchConfig,
     return out
 
 
-def planned_fixed_bytes(hf: dict[str, Any], cfg: TrainerBenchConfig, precision: str) -> dict[str, int]:
+def step_flops(cfg: TrainerBenchConfig) -> float:
+    """Model FLOPs of one training step (forward + backward = 3 x forward): every matrix product's 2 x m x n x k
+    over the step's tokens (attention projections, SwiGLU MLP, output layer; not the input embedding's lookup) plus
+    causal attention's scores and weighted sum (half of `s x s` per head)."""
+    hf = cfg.hf_config()
+    h, heads, kv, d = hf["hidden_size"], hf["num_attention_heads"], hf["num_key_value_heads"], hf["head_dim"]
+    per_token = hf["num_hidden_layers"] * (2 * h * (heads + 2 * kv) * d + 2 * heads * d * h  # q, k, v, o
+                                           + 2 * 3 * h * hf["intermediate_size"]  # gate, up, down
+                                           + 2 * 2 * heads * d * cfg.seq / 2)  # QK^T and PV, causal
+    per_token += 2 * h * hf["vocab_size"]  # output layer
+    return 3.0 * per_token * cfg.rows * cfg.seq
+
+
+def peak_tflops(precision: str) -> float | None:
+    """The GPU's dense peak for `precision` (`PEAK_TFLOPS`), None on a CPU or an unlisted GPU (no MFU then)."""
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    return next((peaks[precision] for gpu, peaks in PEAK_TFLOPS.items() if gpu in name), None)
+
+
+def planned_fixed_bytes(hf: dict[str, Any], cfg: TrainerBenchConfig, precision: str,
+                        grad_reduce_in_bf16: bool = False) -> dict[str, int]:
     """The plan's weights, gradient buffers, main parameters and Adam moments per rank for the bench's layout."""
     from megarl.config.schema import Config, ModelConfig, RolloutConfig, TrainerConfig
     from megarl.trainer.memory_plan import trainer_memory
 
-    trainer = TrainerConfig(world_size=cfg.world, precision=precision,
+    trainer = TrainerConfig(world_size=cfg.world, precision=precision, grad_reduce_in_bf16=grad_reduce_in_bf16,
                             distributed_optimizer=cfg.distributed_optimizer and cfg.world > 1)
     rank = trainer_memory(hf, Config(model=ModelConfig(hf_dir="."), trainer=trainer,
                                      rollout=RolloutConfig(dtype="bfloat16")))[0]
@@ -193,8 +234,9 @@ def planned_fixed_bytes(hf: dict[str, Any], cfg: TrainerBenchConfig, precision: 
             "optimizer": rank.optimizer}
 
 
-def measure(cfg: TrainerBenchConfig, precisions: tuple[str, ...] = PRECISIONS) -> list[dict[str, Any]]:
-    """One row per precision: the slowest rank's step time (median over steps) and the largest rank's memory."""
+def measure(cfg: TrainerBenchConfig, variants: tuple[str, ...] = PRECISIONS) -> list[dict[str, Any]]:
+    """One row per variant (`VARIANTS`): the slowest rank's step time (median over steps), tokens per second and MFU,
+    and the largest rank's memory; a variant this machine cannot build (TE missing) is a row with `skipped`."""
     from megarl.parallel.spawn import free_port, run_ranks
 
     if cfg.rows % (cfg.world * cfg.micro):
@@ -202,50 +244,67 @@ def measure(cfg: TrainerBenchConfig, precisions: tuple[str, ...] = PRECISIONS) -
                          f"{cfg.micro}")
     with tempfile.TemporaryDirectory(prefix="megarl-bench-trainer-") as tmp:
         hf_dir = write_checkpoint(cfg, Path(tmp) / "model")
-        per_rank = run_ranks(_rank_main, cfg.world, free_port(), hf_dir, cfg, precisions)
+        per_rank = run_ranks(_rank_main, cfg.world, free_port(), hf_dir, cfg, variants)
     hf = cfg.hf_config()
-    rows = []
-    for i, precision in enumerate(precisions):
+    rows, skipped = [], []
+    for i, variant in enumerate(variants):
         ranks = [r[i] for r in per_rank]
+        precision = ranks[0]["precision"]
+        if "skipped" in ranks[0]:
+            skipped.append({"variant": variant, "precision": precision, "skipped": ranks[0]["skipped"]})
+            continue
         step_times = [max(t) for t in zip(*(r["times_s"] for r in ranks), strict=True)]
         held = max((r["held"] for r in ranks), key=lambda h: sum(h.values()))
         peak = max(sum(r["held"].values()) + r["step_peak_bytes"] for r in ranks)
-        rows.append({"precision": precision, "params_per_rank": ranks[0]["params"],
-                     "step_s": statistics.median(step_times), "step_times_s": step_times,
+        step_s = statistics.median(step_times)
+        peak_flops = peak_tflops(precision)
+        rows.append({"variant": variant, "precision": precision, "layer_spec": ranks[0]["layer_spec"],
+                     "params_per_rank": ranks[0]["params"],
+                     "step_s": step_s, "step_times_s": step_times,
+                     "tokens_per_s": cfg.rows * cfg.seq / step_s,
+                     "mfu": step_flops(cfg) / step_s / (peak_flops * 1e12) if peak_flops else None,
                      "held": held, "held_bytes": sum(held.values()),
-                     "planned": planned_fixed_bytes(hf, cfg, precision),
+                     "planned": planned_fixed_bytes(hf, cfg, precision,
+                                                    VARIANTS[variant].get("grad_reduce_in_bf16", False)),
                      "step_peak_bytes": max(r["step_peak_bytes"] for r in ranks), "peak_bytes": peak,
                      "max_rss_bytes": max(r["max_rss_bytes"] for r in ranks)})
     base = rows[0]
     for row in rows:
         for key in ("step_s", "held_bytes", "step_peak_bytes", "peak_bytes"):
-            row[f"{key}_vs_{base['precision']}"] = row[key] / base[key]
-    return rows
+            row[f"{key}_vs_{base['variant']}"] = row[key] / base[key]
+            row[f"{key}_vs_base"] = row[key] / base[key]
+    return rows + skipped
 
 
 def _mib(n: float) -> str:
     return f"{n / 2**20:.1f}"
 
 
-def format_table(cfg: TrainerBenchConfig, rows: list[dict[str, Any]]) -> str:
-    base = rows[0]["precision"]
+def format_table(cfg: TrainerBenchConfig, all_rows: list[dict[str, Any]]) -> str:
+    rows = [r for r in all_rows if "skipped" not in r]
+    base = rows[0]["variant"]
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)"
     lines = [
         f"one training step (MegatronPolicy.train_step: megatron DDP + optimizer), dense Qwen3 hidden {cfg.hidden} x "
         f"{cfg.layers} layers, vocab {cfg.vocab}, {rows[0]['params_per_rank']:,} parameters; {cfg.rows} x {cfg.seq} "
         f"tokens per step over DP {cfg.world} (microbatches of {cfg.micro}), distributed optimizer "
         f"{'on' if cfg.distributed_optimizer and cfg.world > 1 else 'off'}; {device}; per rank, MiB",
-        f"{'precision':<9} {'step s':>7} {'weights':>8} {'grads':>7} {'main':>7} {'Adam':>7} {'held':>7} "
-        f"{'(plan)':>7} {'step pk':>8} {'peak':>7} {'max RSS':>8} {'time x':>7} {'peak x':>7}",
+        f"{'variant':<22} {'spec':<5} {'step s':>7} {'tok/s':>9} {'MFU':>5} {'weights':>8} {'grads':>7} "
+        f"{'main':>7} {'Adam':>7} {'held':>7} {'(plan)':>7} {'step pk':>8} {'peak':>7} {'max RSS':>8} {'time x':>7} "
+        f"{'peak x':>7}",
     ]
     for r in rows:
         h = r["held"]
+        mfu = f"{r['mfu']:.0%}" if r.get("mfu") is not None else "-"
         lines.append(
-            f"{r['precision']:<9} {r['step_s']:>7.3f} {_mib(h['weights']):>8} {_mib(h['grads']):>7} "
+            f"{r['variant']:<22} {r['layer_spec']:<5} {r['step_s']:>7.3f} {r['tokens_per_s']:>9,.0f} {mfu:>5} "
+            f"{_mib(h['weights']):>8} {_mib(h['grads']):>7} "
             f"{_mib(h['main_params']):>7} {_mib(h['optimizer']):>7} {_mib(r['held_bytes']):>7} "
             f"{_mib(sum(r['planned'].values())):>7} {_mib(r['step_peak_bytes']):>8} {_mib(r['peak_bytes']):>7} "
-            f"{_mib(r['max_rss_bytes']):>8} {r[f'step_s_vs_{base}']:>7.2f} {r[f'peak_bytes_vs_{base}']:>7.2f}")
-    lines.append(f"time x / peak x: against {base} in this run. held: storages the policy keeps between steps "
+            f"{_mib(r['max_rss_bytes']):>8} {r['step_s_vs_base']:>7.2f} {r['peak_bytes_vs_base']:>7.2f}")
+    lines += [f"{r['variant']:<22} not run: {r['skipped']}" for r in all_rows if "skipped" in r]
+    lines.append(f"time x / peak x: against {base} in this run; MFU: model FLOPs (step_flops) over the GPU's dense "
+                 f"peak (PEAK_TFLOPS), '-' on a CPU. held: storages the policy keeps between steps "
                  "(plan: megarl.trainer.memory_plan's same terms); step pk: rise of live allocations during a step; "
                  "peak = held + step pk; max RSS includes torch and megatron themselves. No megarl-vs-megatron "
                  "column: the trainer's only path is megatron-core's.")
@@ -258,8 +317,9 @@ def plot(rows: list[dict[str, Any]], out_png: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
-    names = [r["precision"] for r in rows]
+    rows = [r for r in rows if "skipped" not in r]
+    fig, axes = plt.subplots(1, 2, figsize=(max(9, 1.6 * len(rows)), 3.6))
+    names = [r["variant"] for r in rows]
     axes[0].bar(names, [r["step_s"] for r in rows])
     axes[0].set_ylabel("one training step (s, slowest rank)")
     bottom = [0.0] * len(rows)
@@ -272,7 +332,7 @@ def plot(rows: list[dict[str, Any]], out_png: Path) -> None:
     axes[1].legend(fontsize=8)
     for ax in axes:
         ax.grid(axis="y", alpha=0.3)
-    fig.suptitle("megarl bench trainer: fp32 vs bf16 (megatron DDP + distributed optimizer)")
+    fig.suptitle("megarl bench trainer: one step per variant (megatron DDP + distributed optimizer)")
     fig.tight_layout()
     fig.savefig(out_png, dpi=100)
     plt.close(fig)
@@ -291,7 +351,9 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--world", type=int, default=d.world, help="gloo ranks (data parallel)")
     p.add_argument("--no-distributed-optimizer", action="store_true", help="megatron's unsharded optimizer")
     p.add_argument("--steps", type=int, default=d.steps, help="timed steps after one warm-up step")
-    p.add_argument("--precisions", nargs="+", choices=PRECISIONS, default=list(PRECISIONS))
+    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(PRECISIONS),
+                   help="rows: a precision, or bf16 with one change on (VARIANTS in megarl/bench/trainer.py); the "
+                   "first is the base of the ratios")
     p.add_argument("--out", type=Path, default=Path("docs/figures/bench_trainer.json"),
                    help="JSON output; a bar chart goes next to it (.png)")
     return p
@@ -302,7 +364,7 @@ def run(args: argparse.Namespace) -> int:
                              micro=args.micro, world=args.world,
                              distributed_optimizer=not args.no_distributed_optimizer, steps=args.steps)
     try:
-        rows = measure(cfg, tuple(args.precisions))
+        rows = measure(cfg, tuple(args.variants))
     except ValueError as err:
         print(f"megarl bench trainer: {err}", file=sys.stderr)
         return 2

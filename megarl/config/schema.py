@@ -158,6 +158,33 @@ class TrainerConfig(_Strict):
         "transformer layer's input and reruns the layer in backward; 'selective' reruns only the core attention "
         "(its [b, heads, s, s] scores). Same loss and gradients, less activation memory, more compute.",
     )
+    recompute_layers: int | None = Field(
+        None, ge=1, description="With trainer.recompute=full: recompute only the first this many transformer layers "
+        "of each pipeline stage (megatron's recompute_method='block'); the other layers keep their activations, so "
+        "their forward is not run twice. Less compute where memory allows: `megarl plan` reports the fewest that "
+        "fit (megarl.trainer.layout_search). null: every layer.",
+    )
+    layer_spec: Literal["auto", "te", "local"] = Field(
+        "auto", description="The megatron-core layer spec a trainer rank builds (megarl/models/layer_backend.py). "
+        "'auto': Transformer Engine's on a GPU (flash attention, grouped-GEMM experts, the SwiGLU/RoPE/permutation "
+        "fusions and fused weight-gradient accumulation), megatron's local spec on a CPU; a GPU rank without "
+        "transformer_engine is refused with one line naming the trainer container, never silently run on the "
+        "local spec. 'te': Transformer Engine or refuse. 'local': megatron's local spec everywhere, for debugging on "
+        "a GPU without TE (unfused attention keeping every [b, heads, s, s] score matrix, one GEMM per expert, "
+        "torch's AdamW: slower, and `megarl plan` then counts the scores).",
+    )
+    grad_reduce_in_bf16: bool = Field(
+        False, description="trainer.precision=bf16 only: megatron DDP's gradient buffers, their accumulation over "
+        "microbatches and their all-reduce / reduce-scatter in bf16 instead of fp32 (NeMo-RL's "
+        "grad_reduce_in_fp32=false): half the gradient memory and reduction bytes, at bf16 rounding of the summed "
+        "gradients (the optimizer still steps fp32 main parameters). `megarl plan` counts 2 bytes per gradient.",
+    )
+    overlap_param_gather: bool = Field(
+        True, description="With trainer.distributed_optimizer: the all-gather of the updated parameters after an "
+        "optimizer step runs bucket by bucket during the next step's forward (megatron DDP's forward pre-hooks) "
+        "instead of inside the step. Before anything else reads the parameters (a weight push, a checkpoint, a "
+        "log-prob recompute) they are gathered at once. Ignored without the distributed optimizer.",
+    )
     routing_replay: bool = Field(
         False, description="MoE routing replay (R3): microbatches that carry `routed_experts [b, s, layers, top_k]` "
         "(the experts the rollout engine routed each token to, per MoE layer) are routed to exactly those experts, "
@@ -169,6 +196,12 @@ class TrainerConfig(_Strict):
 
     @model_validator(mode="after")
     def _replay_layout(self) -> TrainerConfig:
+        if self.recompute_layers is not None and self.recompute != "full":
+            raise ValueError(f"trainer.recompute_layers={self.recompute_layers} needs trainer.recompute=full: set it, "
+                             "or drop trainer.recompute_layers")
+        if self.grad_reduce_in_bf16 and self.precision != "bf16":
+            raise ValueError("trainer.grad_reduce_in_bf16 needs trainer.precision=bf16 (fp32 training keeps fp32 "
+                             "gradients): set trainer.precision=bf16 or drop trainer.grad_reduce_in_bf16")
         if self.routing_replay and self.recompute == "full":
             raise ValueError("trainer.routing_replay does not support trainer.recompute='full' (the routers would "
                              "rerun in backward with another microbatch's indices): use 'none' or 'selective'")

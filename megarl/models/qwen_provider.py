@@ -1,11 +1,13 @@
 """From a Hugging Face Qwen3 / Qwen3-MoE / Qwen2 `config.json` to a megatron-core `GPTModel`.
 
 The mapping of every HF field to its `TransformerConfig` counterpart is spelt out below; the layer
-spec is megatron's local spec on CPU and the Transformer Engine spec when TE and CUDA are present.
+spec is megatron's local spec on CPU and Transformer Engine's on GPUs, as `megarl.models.layer_backend` resolves
+`trainer.layer_spec` (a GPU without TE is refused there, never silently built on the local spec).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from typing import Any
 
@@ -13,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from megarl.models.hf_config import head_dim, num_experts, padded_vocab_size, read_hf_config  # noqa: F401 - re-exported
+from megarl.models.layer_backend import LayerSpec
 
 
 def rope_theta(hf: dict[str, Any]) -> float:
@@ -21,32 +24,41 @@ def rope_theta(hf: dict[str, Any]) -> float:
     return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
 
 
-def use_transformer_engine() -> bool:
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import transformer_engine  # noqa: F401
-    except ImportError:
-        return False
-    return True
+def apex_wgrad_fusion_installed() -> bool:
+    """Whether Apex's `fused_weight_gradient_mlp_cuda` is importable: megatron-core's own linears (the output
+    layer) need it for `gradient_accumulation_fusion`; TE's linears fuse the accumulation themselves."""
+    return importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
 
 
-def moe_grouped_gemm() -> bool:
-    """Whether the experts run as Transformer Engine's grouped GEMM (`TEGroupedMLP`: all of a rank's local experts in
-    one kernel, parameters `mlp.experts.linear_fc1.weight{j}` / `linear_fc2.weight{j}`): exactly where the TE layer
-    spec is used (a GPU with TE). Elsewhere the experts are megatron's `SequentialMLP` (one GEMM per local expert,
-    `mlp.experts.local_experts.{j}.linear_fc1.weight`): megatron's other grouped path (`GroupedMLP`) needs the
-    `grouped_gemm` package, which the CPU stack does not have. The HF layout reads both spellings."""
-    return use_transformer_engine()
+def te_fusions(apex_wgrad: bool) -> dict[str, Any]:
+    """The `TransformerConfig` fast paths the TE layer spec turns on (those verl, NeMo-RL and slime set for the same
+    models): flash attention; the SwiGLU, RoPE and masked-softmax fusions; MoE token permutation fused
+    (`moe_permute_fusion`, TE >= 2.1); weight-gradient accumulation straight into megatron DDP's `main_grad`
+    buffers (`gradient_accumulation_fusion`) where Apex provides it for the output layer (`apex_wgrad`)."""
+    from megatron.core.transformer.enums import AttnBackend
+
+    return dict(attention_backend=AttnBackend.flash, bias_activation_fusion=True, apply_rope_fusion=True,
+                masked_softmax_fusion=True, gradient_accumulation_fusion=apex_wgrad)
 
 
-def recompute_fields(recompute: str) -> dict[str, Any]:
-    """`trainer.recompute` -> megatron's activation-recomputation fields (megatron-core 0.16.1 names).
-    "full": every transformer layer is its own recompute unit (only each layer's input is kept; the layer runs
-    again in backward); "selective": only the core attention reruns (its [b, heads, s, s] scores and softmax
-    are not kept); "none": megatron's defaults (everything kept)."""
+def local_fusions() -> dict[str, Any]:
+    """megatron's local spec: no fused kernels (none run on a CPU, and a debugging run on a GPU keeps them off)."""
+    return dict(bias_activation_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
+                gradient_accumulation_fusion=False)
+
+
+def recompute_fields(recompute: str, layers: int | None = None) -> dict[str, Any]:
+    """`trainer.recompute` (and `trainer.recompute_layers`) -> megatron's activation-recomputation fields
+    (megatron-core 0.16.1 names). "full": every transformer layer is its own recompute unit (only each layer's input
+    is kept; the layer runs again in backward), or with `layers` only the first `layers` layers of each pipeline
+    stage (megatron's "block" method; the others keep their activations); "selective": only the core attention
+    reruns (its [b, heads, s, s] scores and softmax are not kept); "none": megatron's defaults (everything kept)."""
+    if layers is not None and recompute != "full":
+        raise ValueError(f"recompute_layers={layers} needs recompute='full' (got {recompute!r})")
     if recompute == "none":
         return {}
+    if recompute == "full" and layers is not None:
+        return dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=layers)
     if recompute == "full":
         return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     if recompute == "selective":
@@ -56,13 +68,15 @@ def recompute_fields(recompute: str) -> dict[str, Any]:
 
 def transformer_config_from_hf(hf: dict[str, Any], tp: int, pp: int, ep: int,
                                params_dtype: torch.dtype = torch.float32, recompute: str = "none",
-                               routing_replay: bool = False, expert_tp: int = 1, moe_aux_loss_coeff: float = 0.0):
+                               routing_replay: bool = False, expert_tp: int = 1, moe_aux_loss_coeff: float = 0.0,
+                               backend: LayerSpec = "local", recompute_layers: int | None = None):
     """The megatron `TransformerConfig` equivalent to an HF Qwen config (dropout 0, as RL training uses),
     with the activation recomputation of `recompute_fields(recompute)`; `routing_replay` gives every MoE router
     megatron's replay hook (`megarl.trainer.routing_replay`). MoE: experts split `expert_tp` ways (megatron's
     `expert_tensor_parallel_size`, independent of `tp`), router load-balancing loss at `moe_aux_loss_coeff`
     (`trainer.moe_aux_loss_coeff`; the HF config's `router_aux_loss_coef` is a pre-training setting and is not
-    read), grouped GEMM where `moe_grouped_gemm()`."""
+    read). `backend` (`megarl.models.layer_backend.resolve_layer_spec`): "te" turns on grouped-GEMM experts and the
+    fast paths of `te_fusions`, "local" keeps every fusion off (`local_fusions`)."""
     from megatron.core.transformer import TransformerConfig
 
     qwen2 = hf.get("model_type", "").startswith("qwen2")
@@ -84,7 +98,8 @@ def transformer_config_from_hf(hf: dict[str, Any], tp: int, pp: int, ep: int,
             moe_router_load_balancing_type="aux_loss" if aux > 0 else "none",
             moe_aux_loss_coeff=aux,
             moe_token_dispatcher_type="allgather" if not torch.cuda.is_available() else "alltoall",
-            moe_grouped_gemm=moe_grouped_gemm(),
+            moe_grouped_gemm=backend == "te",
+            moe_permute_fusion=backend == "te",
             moe_router_dtype="fp32",
             moe_enable_routing_replay=routing_replay,
         )
@@ -106,12 +121,9 @@ def transformer_config_from_hf(hf: dict[str, Any], tp: int, pp: int, ep: int,
         qk_layernorm=not qwen2,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
+        bias_dropout_fusion=False,  # no dropout in RL training
         persist_layer_norm=False,
-        gradient_accumulation_fusion=False,
+        **(te_fusions(apex_wgrad_fusion_installed()) if backend == "te" else local_fusions()),
         use_cpu_initialization=not torch.cuda.is_available(),
         perform_initialization=False,  # every weight is loaded from the HF checkpoint
         params_dtype=params_dtype,
@@ -123,15 +135,15 @@ def transformer_config_from_hf(hf: dict[str, Any], tp: int, pp: int, ep: int,
         pipeline_dtype=params_dtype,  # dtype of the activations sent between pipeline stages
         sequence_parallel=bool(experts) and tp > 1,
         **moe,
-        **recompute_fields(recompute),
+        **recompute_fields(recompute, recompute_layers),
     )
 
 
-def layer_spec(hf: dict[str, Any], config):
+def layer_spec(hf: dict[str, Any], config, backend: LayerSpec):
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     experts = num_experts(hf) or None
-    if use_transformer_engine():
+    if backend == "te":
         return specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=experts, moe_grouped_gemm=bool(config.moe_grouped_gemm), qk_layernorm=config.qk_layernorm)
     if config.moe_grouped_gemm:
@@ -141,10 +153,12 @@ def layer_spec(hf: dict[str, Any], config):
 
 def build_gpt_model(hf: dict[str, Any], tp: int, pp: int, ep: int, params_dtype: torch.dtype = torch.float32,
                     recompute: str = "none", routing_replay: bool = False, expert_tp: int = 1,
-                    moe_aux_loss_coeff: float = 0.0):
-    """This rank's megatron `GPTModel` stage (parallel groups must already be initialised); weights are
-    uninitialised until `megarl.models.hf_import.load_hf_weights`. Tied embeddings (`tie_word_embeddings`) are
-    megatron's `share_embeddings_and_output_weights`: at PP=1 the output layer uses the embedding weight itself;
+                    moe_aux_loss_coeff: float = 0.0, backend: LayerSpec = "local",
+                    recompute_layers: int | None = None):
+    """This rank's megatron `GPTModel` stage on `backend`'s layer spec (`megarl.models.layer_backend`); parallel
+    groups must already be initialised; weights are uninitialised until `megarl.models.hf_import.load_hf_weights`.
+    Tied embeddings (`tie_word_embeddings`) are megatron's `share_embeddings_and_output_weights`: at PP=1 the
+    output layer uses the embedding weight itself;
     at PP>1 the last stage holds a copy (`output_layer.weight`, marked `shared`), loaded from the same HF tensor
     and kept equal by summing both copies' gradients over megatron's embedding group (megatron-core's
     `finalize_model_grads`, wired by `megarl.trainer.optimizer`)."""
@@ -152,10 +166,10 @@ def build_gpt_model(hf: dict[str, Any], tp: int, pp: int, ep: int, params_dtype:
     from megatron.core.models.gpt import GPTModel
 
     config = transformer_config_from_hf(hf, tp, pp, ep, params_dtype, recompute, routing_replay, expert_tp,
-                                        moe_aux_loss_coeff)
+                                        moe_aux_loss_coeff, backend, recompute_layers)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(hf, config),
+        transformer_layer_spec=layer_spec(hf, config, backend),
         vocab_size=padded_vocab_size(hf, tp),
         max_sequence_length=hf.get("max_position_embeddings", 4096),
         pre_process=parallel_state.is_pipeline_first_stage(),

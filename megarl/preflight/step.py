@@ -16,6 +16,7 @@ from typing import Any
 
 from megarl.config.load import ConfigError
 from megarl.config.schema import Config
+from megarl.models.layer_backend import te_installed
 from megarl.preflight import files
 from megarl.preflight.analysis import describe
 from megarl.preflight.gpu import DRIVER_FILE, check_gpus
@@ -23,7 +24,7 @@ from megarl.preflight.host_memory import host_memory_finding, step_memory_bytes
 from megarl.preflight.identity import visible_devices, who
 from megarl.preflight.model_files import check_model
 from megarl.preflight.net import Listeners, probe
-from megarl.preflight.versions import check_versions
+from megarl.preflight.versions import check_versions, layer_spec_problems
 from megarl.roles import SYNC_PORT_ENV, gpu_replica_host_mb, node_address
 from megarl.stacks import stack_for
 
@@ -87,6 +88,7 @@ def run_step(cfg: Config, me: dict[str, Any], listeners: Listeners, plan: Plan, 
             versions = check_versions(stack_for(me["role"], gpus["driver"]), role=me["role"])
         except ValueError as err:
             versions = {"stack": None, "lock": None, "packages": {}, "problems": [str(err)]}
+        versions["problems"] += layer_spec_problems(cfg.trainer.layer_spec, me["role"], gpus["driver"], te_installed())
         others = [k for k in files.expected_keys(cfg) if k != key]
         hellos = files.wait_for(directory, "hello", others, wait_s) | {key: hello}
         probes = plan(hellos)

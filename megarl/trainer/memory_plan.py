@@ -6,8 +6,8 @@ Its inputs are the HF config, the trainer layout and the microbatch token budget
 (`megarl.trainer.optimizer`), in `trainer.precision` fp32 or bf16 (mixed precision):
 
 - weights: the rank's parameters (`megarl.models.shapes.megatron_local_shapes`) x 4 (fp32) or x 2 (bf16);
-- gradients: megatron DDP's contiguous fp32 gradient buffers (`grad_reduce_in_fp32`), 4 bytes per parameter in
-  either precision;
+- gradients: megatron DDP's contiguous gradient buffers, fp32 (`grad_reduce_in_fp32`), 4 bytes per parameter in
+  either precision, or 2 with `trainer.grad_reduce_in_bf16`;
 - main parameters (bf16 only): the fp32 copies Adam steps, 4 bytes per parameter (fp32 steps the parameters
   themselves: none);
 - optimizer: Adam's `exp_avg` and `exp_avg_sq`, fp32, 8 bytes per parameter;
@@ -35,7 +35,8 @@ every row to the batch's longest sequence. The longest sequence (`s`) is at most
 Assumptions, each a bound or a stated simplification: routing is balanced over experts (a rank's experts process
 top_k routed copies per token of its microbatch, on average); `trainer.recompute='full'` keeps each layer's input
 plus one layer's activations, 'selective' drops the attention scores; attention on a GPU is Transformer Engine's flash
-attention (no `s x s` scores kept), on CPU megatron's local spec (scores and probabilities kept, fp32); the
+attention (no `s x s` scores kept), or with `trainer.layer_spec=local` megatron's local spec (scores and
+probabilities kept, as on CPU); the
 optimizer's transient buffers and the all-reduce buckets are inside the reserve. The per-token inventory was
 checked against a measured CPU run of a tiny model at two token budgets, and the weights, gradient buffers, main
 parameters and moments against the tensors a real CPU training step allocates, fp32 and bf16, with and without the
@@ -50,6 +51,7 @@ from typing import Any
 
 from megarl.config.schema import Config
 from megarl.models.hf_config import num_experts
+from megarl.models.layer_backend import planned_layer_spec
 
 GB = 10**9
 FP32 = 4
@@ -131,7 +133,7 @@ def logits_bytes(hf: dict[str, Any], tokens: int, tp: int, fused: bool, chunk: i
 
 def activation_bytes(
     hf: dict[str, Any], tokens: int, longest: int, layers: int, tp: int, flash: bool, recompute: str = "none",
-    expert_tp: int | None = None, precision: str = "fp32",
+    expert_tp: int | None = None, precision: str = "fp32", recompute_layers: int | None = None,
 ) -> int:
     """One microbatch's activations in `layers` decoder layers of one rank: `tokens` tokens in rows of `longest`,
     `WEIGHT_BYTES[precision]` bytes per element."""
@@ -141,9 +143,16 @@ def activation_bytes(
     scores = 0.0 if flash or recompute == "selective" else 2 * hf["num_attention_heads"] / tp * longest
     h = hf["hidden_size"] / (tp if sp else 1)
     size = WEIGHT_BYTES[precision]
-    if recompute == "full":  # each layer's input kept; one layer's activations rebuilt at a time in backward
-        return int(size * tokens * (layers * h + per_token + scores + 2 * h))
+    if recompute == "full":  # recomputed layers keep their input; one layer's activations rebuilt at a time
+        rerun = layers if recompute_layers is None else min(recompute_layers, layers)
+        kept = layers - rerun  # trainer.recompute_layers: the stage's other layers keep everything
+        return int(size * tokens * (rerun * h + kept * (per_token + scores) + per_token + scores + 2 * h))
     return int(size * tokens * (layers * (per_token + scores) + 2 * h))
+
+
+def grad_bytes(t: Any) -> int:
+    """Bytes per element of megatron DDP's gradient buffers: fp32, or bf16 with `trainer.grad_reduce_in_bf16`."""
+    return 2 if t.grad_reduce_in_bf16 else FP32
 
 
 def optimizer_shard(params: int, expert: int, t: Any) -> float:
@@ -156,11 +165,15 @@ def optimizer_shard(params: int, expert: int, t: Any) -> float:
     return (params - expert) / dp + expert / expert_dp
 
 
-def trainer_memory(hf: dict[str, Any], cfg: Config, flash: bool = True, fused: bool = True) -> list[TrainerRankMemory]:
-    """By pipeline stage: what each of its ranks holds at its peak."""
+def trainer_memory(hf: dict[str, Any], cfg: Config, flash: bool | None = None, fused: bool = True
+                   ) -> list[TrainerRankMemory]:
+    """By pipeline stage: what each of its ranks holds at its peak. `flash`: attention keeps no scores (None: as the
+    GPU job's layer spec does, Transformer Engine's flash attention unless `trainer.layer_spec=local`)."""
     from megarl.models.shapes import megatron_local_shapes
 
     t = cfg.trainer
+    if flash is None:
+        flash = planned_layer_spec(t.layer_spec) == "te"
     tokens, longest = microbatch_tokens(cfg)
     layers = hf["num_hidden_layers"] // t.pp
     out = []
@@ -176,11 +189,11 @@ def trainer_memory(hf: dict[str, Any], cfg: Config, flash: bool = True, fused: b
                 stage=stage,
                 params=params,
                 weights=WEIGHT_BYTES[t.precision] * params,
-                grads=FP32 * params,
+                grads=grad_bytes(t) * params,
                 main_params=int(FP32 * shard) if t.precision == "bf16" else 0,
                 optimizer=int(2 * FP32 * shard),
                 activations=in_flight * activation_bytes(hf, tokens, longest, layers, t.tp, flash, t.recompute,
-                                                         t.expert_tp, t.precision),
+                                                         t.expert_tp, t.precision, t.recompute_layers),
                 logits=logits_bytes(hf, tokens, t.tp, fused, t.logprob_chunk_tokens, t.logprob_vocab_block)
                 if last else 0,
                 reserve=RESERVE_BYTES,
@@ -206,13 +219,16 @@ def format_trainer_memory(hf: dict[str, Any], cfg: Config) -> list[str]:
         if t.max_tokens_per_microbatch
         else f"count-based: micro_batch_size {t.micro_batch_size} x {longest} tokens (rows padded to the longest)"
     )
-    weights = ("bf16 weights and activations, fp32 gradient buffers, fp32 main parameters and Adam moments"
+    grads = "bf16" if t.grad_reduce_in_bf16 else "fp32"
+    weights = (f"bf16 weights and activations, {grads} gradient buffers, fp32 main parameters and Adam moments"
                if t.precision == "bf16" else "fp32 weights, gradient buffers, Adam moments and activations")
     shard = " (main and Adam sharded over data parallel)" if t.distributed_optimizer else ""
+    attention = ("flash attention (Transformer Engine)" if planned_layer_spec(t.layer_spec) == "te"
+                 else "unfused attention keeping its scores (trainer.layer_spec=local)")
     lines = [
         "",
         f"trainer memory per rank at its peak (trainer.precision={t.precision}: {weights}{shard}; "
-        f"megarl.trainer.memory_plan): microbatch of {tokens:,} tokens ({how}), flash attention, fused output log-prob",
+        f"megarl.trainer.memory_plan): microbatch of {tokens:,} tokens ({how}), {attention}, fused output log-prob",
         f"  {'stage':>5} {'weights':>9} {'grads':>9} {'main':>9} {'Adam':>9} {'activations':>12} {'mb held':>7} "
         f"{'logits':>8} {'reserve':>8} {'total':>9}",
     ]

@@ -43,18 +43,26 @@ def params_dtype(precision: Precision) -> torch.dtype:
 
 
 def wrap_model(model: torch.nn.Module, precision: Precision, distributed_optimizer: bool,
-               overlap_grad_reduce: bool, bucket_size: int | None) -> torch.nn.Module:
+               overlap_grad_reduce: bool, bucket_size: int | None, grad_reduce_in_bf16: bool = False,
+               overlap_param_gather: bool = False) -> torch.nn.Module:
     """`model` (a `GPTModel` stage built with `params_dtype(precision)`) inside megatron's
     `DistributedDataParallel`, in `Float16Module` first when bf16 (which keeps the stage's input and, on the last
     stage, its output in the model's dtype when called with `fp32_output=False`). `bucket_size`: parameters
     per gradient bucket (None: megatron's default, max(4e7, 1e6 x DP); only with `overlap_grad_reduce`, else one
-    bucket)."""
+    bucket). `grad_reduce_in_bf16` (bf16 only): the gradient buffers and their reduction in bf16 instead of fp32;
+    `overlap_param_gather` (distributed optimizer only): the updated parameters all-gathered bucket by bucket in the
+    next forward's pre-hooks instead of inside the optimizer step."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    if grad_reduce_in_bf16 and precision != "bf16":
+        raise ValueError("grad_reduce_in_bf16 needs precision='bf16'")
     from megatron.core.transformer.module import Float16Module
 
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True,  # the gradient buffers and their reduction in fp32 (bf16 gradients add into them)
+        # the gradient buffers and their reduction in fp32 (bf16 gradients add into them), unless asked for in bf16
+        grad_reduce_in_fp32=not grad_reduce_in_bf16,
         overlap_grad_reduce=overlap_grad_reduce,
+        overlap_param_gather=overlap_param_gather and distributed_optimizer,
         use_distributed_optimizer=distributed_optimizer,
         bucket_size=bucket_size,
         average_in_collective=False,  # sums (see the module docstring)

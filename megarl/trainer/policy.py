@@ -30,6 +30,7 @@ import torch.distributed as dist
 from megarl.config.schema import OptimizerConfig
 from megarl.models.hf_import import load_hf_weights
 from megarl.models.hf_slices import iter_local_hf_slices
+from megarl.models.layer_backend import resolve_layer_spec, te_installed
 from megarl.models.qwen_provider import build_gpt_model, padded_vocab_size
 from megarl.parallel.fused_output_logprobs import fused_output_logprobs_entropy
 from megarl.parallel.vocab_logprobs import vocab_parallel_logprobs_entropy
@@ -115,7 +116,9 @@ class MegatronPolicy:
                  distributed_optimizer: bool = False, recompute: str = "none", routing_replay: bool = False,
                  fused_logprobs: bool = True, logprob_vocab_block: int | None = None,
                  logprob_kernel: str = "eager", moe_aux_loss_coeff: float = 0.0, precision: Precision = "fp32",
-                 overlap_grad_reduce: bool = True, grad_bucket_size: int | None = None):
+                 overlap_grad_reduce: bool = True, grad_bucket_size: int | None = None, layer_spec: str = "auto",
+                 grad_reduce_in_bf16: bool = False, overlap_param_gather: bool = False,
+                 recompute_layers: int | None = None):
         """`fused_logprobs`: on the last stage, the output projection fused with the log-probs
         (`fused_output_logprobs_entropy`: the same values and gradients without the whole logits) wherever the
         output layer allows it (`_fusable_output_layer`); elsewhere, or when False, the output layer's logits
@@ -124,9 +127,12 @@ class MegatronPolicy:
         `distributed_optimizer`: megatron's distributed optimizer (gradients reduce-scattered, AdamW state and fp32
         main parameters sharded over data-parallel replicas, updated parameters all-gathered);
         `precision`: "fp32" (the exact reference) or "bf16" (bf16 parameters and compute, fp32 main parameters and
-        gradient buffers); `overlap_grad_reduce` / `grad_bucket_size`: megatron's DDP settings
-        (`megarl.trainer.optimizer.wrap_model`);
-        `recompute`: activation recomputation, "none" / "full" / "selective" (`qwen_provider.recompute_fields`);
+        gradient buffers); `overlap_grad_reduce` / `grad_bucket_size` / `grad_reduce_in_bf16` /
+        `overlap_param_gather`: megatron's DDP settings (`megarl.trainer.optimizer.wrap_model`);
+        `layer_spec`: `trainer.layer_spec`, resolved by `megarl.models.layer_backend.resolve_layer_spec` from what this
+        rank has (a GPU without Transformer Engine is refused unless "local");
+        `recompute`: activation recomputation, "none" / "full" / "selective", with `recompute_layers` for "full"
+        over the first layers of each stage only (`qwen_provider.recompute_fields`);
         `routing_replay`: microbatches that carry `routed_experts [b, s, L, k]` are routed to exactly those
         experts (`megarl.trainer.routing_replay`); `moe_aux_loss_coeff`: the router's load-balancing loss
         (`trainer.moe_aux_loss_coeff`, 0 = none). Expert tensor parallel is the parallel state's."""
@@ -137,17 +143,22 @@ class MegatronPolicy:
         self.hf, self.optim_cfg, self.chunk, self.vocab_block = hf, optim, logprob_chunk, logprob_vocab_block
         self.logprob_kernel, self.precision = logprob_kernel, precision
         _check_replay_layout(routing_replay, recompute, ps.get_tensor_model_parallel_world_size())
+        self.layer_spec = resolve_layer_spec(layer_spec, torch.cuda.is_available(), te_installed())
         self.model = build_gpt_model(hf, ps.get_tensor_model_parallel_world_size(),
                                      ps.get_pipeline_model_parallel_world_size(),
                                      ps.get_expert_model_parallel_world_size(), params_dtype=params_dtype(precision),
                                      recompute=recompute, routing_replay=routing_replay,
                                      expert_tp=ps.get_expert_tensor_parallel_world_size(),
-                                     moe_aux_loss_coeff=moe_aux_loss_coeff)
+                                     moe_aux_loss_coeff=moe_aux_loss_coeff, backend=self.layer_spec,
+                                     recompute_layers=recompute_layers)
         self.routers = stage_routers(self.model) if routing_replay else None  # this stage's MoE routers
         _configure_schedule(self.model.config, ps.get_pipeline_model_parallel_world_size())
         load_hf_weights(self.model, hf_dir, hf)  # rounded to bf16 in bf16, as transformers loads in bf16
         self.ddp_model = wrap_model(self.model, precision, distributed_optimizer, overlap_grad_reduce,
-                                    grad_bucket_size)
+                                    grad_bucket_size, grad_reduce_in_bf16, overlap_param_gather)
+        # overlap_param_gather: after a step the updated parameters are gathered by the next forward's pre-hooks;
+        # anything else that reads them first (a push, a checkpoint) gathers them (`_gathered_params`)
+        self._params_pending = False
         # bf16: the last stage's logits / hidden states stay bf16 (the log-prob paths compute in fp32 themselves)
         self.forward_kwargs = {"fp32_output": False} if precision == "bf16" else {}
         self.distributed_optimizer = distributed_optimizer
@@ -322,6 +333,7 @@ class MegatronPolicy:
         self._set_hyperparameters()
         # the same norm on every rank; not finite: the step is skipped, weights and optimizer state as they were
         grad_norm, stepped = optimizer_step(self.optimizer)
+        self._params_pending = self.ddp_model.ddp_config.overlap_param_gather
         skipped = not stepped
         self.version += 1  # a skipped step still counts: the lag schedule is in steps
         metrics = self._sum_metrics(outs) if self.is_last_stage else {}
@@ -363,6 +375,13 @@ class MegatronPolicy:
         scale = min(1.0, (self.version + 1) / warm) if warm else 1.0
         set_hyperparameters(self.optimizer, self.optim_cfg.lr * scale, self.optim_cfg.weight_decay)
 
+    def _gathered_params(self) -> None:
+        """With `overlap_param_gather`, finish the all-gather of the last step's updated parameters now (collective
+        over the data-parallel ranks), for a reader outside the forward pass; otherwise nothing to do."""
+        if self._params_pending:
+            self.ddp_model.start_param_sync(force_sync=True)
+            self._params_pending = False
+
     # ---- checkpoints -----------------------------------------------------------------------------------------
     def _optimizer_setting(self) -> dict[str, Any]:
         return {"distributed_optimizer": self.distributed_optimizer, "precision": self.precision}
@@ -371,6 +390,7 @@ class MegatronPolicy:
         """This rank's model shard (in the model's dtype), optimizer state (Adam moments and fp32 main
         parameters of what this rank steps: its data-parallel shard with the distributed optimizer) and version.
         Local shapes: resume needs the same layout, `distributed_optimizer` and `precision`."""
+        self._gathered_params()
         return {"model": self.model.state_dict(),
                 "optimizer": optimizer_state(self.optimizer, self._optimizer_setting()), "version": self.version}
 
@@ -385,6 +405,7 @@ class MegatronPolicy:
         with `dist_checkpointing`): the model's tensors with their place in the global tensors, the optimizer's
         fp32 main parameters and Adam moments per parameter in model space, so it loads at any TP / PP / EP / DP.
         `is_loading`: for a fresh policy about to load (its optimizer state is created first)."""
+        self._gathered_params()
         init_adam_state(self.optimizer)
         model = self.model.sharded_state_dict()
         return {"model": model, "optimizer": self.optimizer.sharded_state_dict(
@@ -403,4 +424,5 @@ class MegatronPolicy:
 
     # ---- weight sync -----------------------------------------------------------------------------------------
     def iter_local_hf_slices(self) -> Iterator[tuple[HFSlice, torch.Tensor]]:
+        self._gathered_params()  # every trainer rank pushes together: a collective is safe here
         return iter_local_hf_slices(self.model, self.hf)
