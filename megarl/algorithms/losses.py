@@ -72,6 +72,9 @@ class PolicyLossInput:
     ref_logprobs: torch.Tensor | None = None  # [B, S] KL reference pi_ref (off-policy GRPO); None: old_logprobs
     seq_mask: torch.Tensor | None = None  # [B] per-sequence 0/1 weight from `Algorithm.sequence_mask`; None: 1
     token_weight: torch.Tensor | None = None  # [B, S] train-inference correction (corrections.py, no grad); None: 1
+    # [B, S] proximal policy of the decoupled objective (decoupled.py); None: logprobs.detach(), the trainer's
+    # log-probs at its current (pre-update) weights
+    prox_logprobs: torch.Tensor | None = None
 
     def engine(self) -> torch.Tensor:
         return self.old_logprobs if self.engine_logprobs is None else self.engine_logprobs
