@@ -50,7 +50,8 @@ def check_token_versions(token_versions: list[TokenVersions] | None, group_size:
         raise RuntimeError(
             f"batch holds {len(stale)} samples with tokens outside the staleness bound (trainer version "
             f"{trainer_version}, bound {bound} versions; (sample, oldest lag, newest lag): {stale[:8]}): the rollout "
-            "side must drop and count such groups before they reach the trainer; raise algorithm.max_token_lag to train on them"
+            "side must drop and count such groups before they reach the trainer; raise algorithm.max_token_lag to "
+            "train on them"
         )
     if algorithm_name in SINGLE_VERSION_GROUPS:
         mixed = mixed_version_groups(token_versions, group_size)

@@ -568,7 +568,8 @@ class AlgorithmConfig(_Strict):
         if self.correction.kind != "none":
             raise ValueError(
                 f"algorithm.decoupled.enabled=true with algorithm.correction.kind={self.correction.kind!r} weights "
-                "the same trainer / engine ratio twice (the decoupled behaviour weight is a capped pi_trainer / pi_engine): "
+                "the same trainer / engine ratio twice (the decoupled behaviour weight is a capped pi_trainer / "
+                "pi_engine): "
                 "set algorithm.correction.kind=none"
             )
         if self.old_logprobs != "engine":
