@@ -1,9 +1,10 @@
-"""The decoupled objective and the per-token versions through the REAL trainer (`train_on_batch` ->
-`MegatronPolicy.train_step`, one gloo rank, tiny dense Qwen3), on the batch of tests/test_trainer_invariance.py with
-in-flight versions: the trainer is at version 3, half the responses span versions 2 and 3, one holds version 2 only.
-Engine log-probs: the reference's on lag-0 tokens (the engine held the trainer's weights), the reference's shifted by
-fixed offsets on lag-1 tokens (behaviour weights pi_prox / mu = 1.82 / 0.90 / 1.11 / 0.55; C = 1.5 truncates 1.82).
-Split into 1 x 8 and 4 x 2 microbatches.
+"""The decoupled objective and the per-token versions through the REAL trainer: the cases that
+tests/test_corrections_trainer.py runs in its trainer process (one gloo rank, tiny dense Qwen3; sharing it saves a
+process start and a checkpoint), on the batch of tests/test_trainer_invariance.py with in-flight versions: the
+trainer is at version 3, half the responses span versions 2 and 3, one holds version 2 only. Engine log-probs: the
+reference's on lag-0 tokens (the engine held the trainer's weights), the reference's shifted by fixed offsets on lag-1
+tokens (behaviour weights pi_prox / mu = 1.82 / 0.90 / 1.11 / 0.55; C = 1.5 truncates 1.82). Split into 1 x 8 and
+4 x 2 microbatches.
 
 The reference is independent: `transformers` log-probs of each sequence alone and the decoupled objective written
 out here (megarl's proximal policy is the training forward itself, so r = s = 1 in value and the gradient is
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import math
 
-import pytest
 import torch
 
 from megarl.config.schema import (
@@ -24,14 +24,10 @@ from megarl.config.schema import (
     Config,
     DecoupledConfig,
     ModelConfig,
-    OptimizerConfig,
     SyncConfig,
     TrainerConfig,
 )
-from megarl.models.tiny import make_tiny_checkpoint
-from megarl.parallel.groups import TrainerLayout
 from megarl.token_versions import TokenVersions
-from tests.dist_utils import free_port, run_distributed
 from tests.test_megatron_vs_hf import _per_expert
 from tests.test_trainer_invariance import (
     DELTAS,
@@ -42,7 +38,6 @@ from tests.test_trainer_invariance import (
     _batch,
     _grad_errors,
     _hf_logprobs,
-    _responses,
 )
 
 TRAINER_VERSION = 3
@@ -90,52 +85,40 @@ def _reference_loss(name: str, lp: list[torch.Tensor], engine: list[torch.Tensor
     return total, value
 
 
-def _rank(rank, world, port, hf_dir, responses, engine, references):
+def run_in_rank(policy, hf, hf_dir, world, dp_rank, dp, responses, engine, references) -> tuple[dict, dict]:
+    """Rank side: the refusals, then each case and split from the policy's initial weights (restored after each)."""
     import dataclasses
 
     from megarl.algorithms.registry import get_algorithm
-    from megarl.models.qwen_provider import read_hf_config
-    from megarl.parallel.groups import destroy_trainer_groups, dp_rank_and_size, init_trainer_groups
-    from megarl.trainer.policy import MegatronPolicy
     from megarl.trainer.step import train_on_batch
 
-    init_trainer_groups(TrainerLayout(), rank, world, "127.0.0.1", port)
     results, refusals = {}, {}
-    try:
-        hf = read_hf_config(hf_dir)
-        policy = MegatronPolicy(hf_dir, hf, OptimizerConfig(lr=1e-3, grad_clip=1e9))
-        initial = [p.detach().clone() for p in policy.model.parameters()]
-        dp_rank, dp = dp_rank_and_size()
-        base = dataclasses.replace(_batch(responses, engine), policy_version=2, token_versions=TV)
-        for refused, interval in (("oapl", 2), ("grpo", 1)):  # mixed-version groups; a bound of 0 < the lag of 1
-            cfg = _cfg(refused, hf_dir, interval, decoupled=refused != "oapl")
+    initial = [p.detach().clone() for p in policy.model.parameters()]
+    version = policy.version
+    base = dataclasses.replace(_batch(responses, engine), policy_version=2, token_versions=TV)
+    for refused, interval in (("oapl", 2), ("grpo", 1)):  # mixed-version groups; a bound of 0 < the lag of 1
+        cfg = _cfg(refused, hf_dir, interval, decoupled=refused != "oapl")
+        policy.version = TRAINER_VERSION
+        try:
+            train_on_batch(policy, base, get_algorithm(refused), cfg, PAD, dp_rank, dp, lag=1)
+            refusals[refused] = None
+        except (ValueError, RuntimeError) as e:
+            refusals[refused] = (type(e).__name__, str(e), policy.version)
+    for i, name in enumerate(CASES):
+        algorithm = get_algorithm(name)
+        cfg = _cfg(name, hf_dir)
+        batch = dataclasses.replace(base, advantages=algorithm.advantages(REWARDS, cfg.algorithm))
+        for micro in MICRO_BATCH_SIZES:
             policy.version = TRAINER_VERSION
-            try:
-                train_on_batch(policy, base, get_algorithm(refused), cfg, PAD, dp_rank, dp, lag=1)
-                refusals[refused] = None
-            except (ValueError, RuntimeError) as e:
-                refusals[refused] = (type(e).__name__, str(e), policy.version)
-        for i, name in enumerate(CASES):
-            algorithm = get_algorithm(name)
-            cfg = _cfg(name, hf_dir)
-            batch = dataclasses.replace(base, advantages=algorithm.advantages(REWARDS, cfg.algorithm))
-            for micro in MICRO_BATCH_SIZES:
-                policy.version = TRAINER_VERSION
-                cfg = cfg.model_copy(update={"trainer": TrainerConfig(world_size=world, micro_batch_size=micro)})
-                metrics = train_on_batch(policy, batch, algorithm, cfg, PAD, dp_rank, dp, lag=1)
-                rows = _grad_errors(policy, hf, references[i][1])
-                results[(i, micro)] = (metrics, max(r[2] for r in rows))
-                with torch.no_grad():
-                    for p, p0 in zip(policy.model.parameters(), initial, strict=True):
-                        p.copy_(p0)
-    finally:
-        destroy_trainer_groups()
+            cfg = cfg.model_copy(update={"trainer": TrainerConfig(world_size=world, micro_batch_size=micro)})
+            metrics = train_on_batch(policy, batch, algorithm, cfg, PAD, dp_rank, dp, lag=1)
+            rows = _grad_errors(policy, hf, references[i][1])
+            results[(i, micro)] = (metrics, max(r[2] for r in rows))
+            with torch.no_grad():
+                for p, p0 in zip(policy.model.parameters(), initial, strict=True):
+                    p.copy_(p0)
+    policy.version = version
     return results, refusals
-
-
-@pytest.fixture(scope="module")
-def dense_checkpoint(tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "dense", kind="dense")
 
 
 def _expected_metrics(lp, engine) -> dict[str, float]:
@@ -152,32 +135,33 @@ def _expected_metrics(lp, engine) -> dict[str, float]:
             "mismatch/lag1/abs_diff_mean": sum(lag1) / len(lag1)}
 
 
-def test_decoupled_objective_through_the_real_trainer(dense_checkpoint):
-    from transformers import AutoModelForCausalLM
-
-    responses = _responses()
-    model = AutoModelForCausalLM.from_pretrained(dense_checkpoint, dtype=torch.float32)
+def references(model, responses) -> tuple[list[torch.Tensor], list[tuple[float, dict]], dict[str, float]]:
+    """Test side, before the trainer runs: (engine log-probs, per case (reported loss, HF gradients), metrics)."""
     with torch.no_grad():
         engine = _engine(_hf_logprobs(model, responses))
-    references = []
+    refs = []
     for name in CASES:
         model.zero_grad(set_to_none=True)
         lp = _hf_logprobs(model, responses)
         expected = _expected_metrics(lp, engine)
         loss, value = _reference_loss(name, lp, engine)
         loss.backward()
-        references.append((value, _per_expert({n: p.grad.clone() for n, p in model.named_parameters()})))
+        refs.append((value, _per_expert({n: p.grad.clone() for n, p in model.named_parameters()})))
     assert 0 < expected["decoupled/capped_frac"] < 1
+    return engine, refs, expected
 
-    ((results, refusals),) = run_distributed(_rank, 1, free_port(), dense_checkpoint, responses, engine, references,
-                                             init_dist=False)
+
+def failures(results, refusals, refs, expected) -> list[str]:
+    """What the trainer got wrong against the references (empty: nothing)."""
+    out = []
     kind, message, version = refusals["oapl"]
-    assert kind == "ValueError" and "refuses groups" in message and version == TRAINER_VERSION  # nothing trained
+    if not (kind == "ValueError" and "refuses groups" in message and version == TRAINER_VERSION):
+        out.append(f"oapl on mixed-version groups: {refusals['oapl']}")
     kind, message, version = refusals["grpo"]
-    assert kind == "RuntimeError" and "staleness bound" in message and version == TRAINER_VERSION
-    failures = []
+    if not (kind == "RuntimeError" and "staleness bound" in message and version == TRAINER_VERSION):
+        out.append(f"a token past the bound: {refusals['grpo']}")
     for i, name in enumerate(CASES):
-        ref_loss, ref_grads = references[i]
+        ref_loss, ref_grads = refs[i]
         scale = max(float(g.abs().max()) for g in ref_grads.values())
         for micro in MICRO_BATCH_SIZES:
             case = f"{name} decoupled micro={micro}"
@@ -185,11 +169,11 @@ def test_decoupled_objective_through_the_real_trainer(dense_checkpoint):
             for key, want in expected.items():
                 got = metrics[key]
                 if not (math.isfinite(got) and math.isclose(got, want, rel_tol=1e-5, abs_tol=1e-7)):
-                    failures.append(f"{case}: {key} {got} vs {want}")
+                    out.append(f"{case}: {key} {got} vs {want}")
             if not metrics["mismatch/lag0/abs_diff_mean"] < 1e-5:  # same weights: numerics only
-                failures.append(f"{case}: mismatch/lag0/abs_diff_mean {metrics['mismatch/lag0/abs_diff_mean']}")
+                out.append(f"{case}: mismatch/lag0/abs_diff_mean {metrics['mismatch/lag0/abs_diff_mean']}")
             if not math.isclose(metrics["loss"], ref_loss, rel_tol=1e-5, abs_tol=1e-6):
-                failures.append(f"{case}: loss {metrics['loss']} vs reference {ref_loss}")
+                out.append(f"{case}: loss {metrics['loss']} vs reference {ref_loss}")
             if worst > GRAD_TOL * scale:
-                failures.append(f"{case}: max gradient error {worst:.3g} > {GRAD_TOL} * {scale:.3g}")
-    assert not failures, "\n".join(failures)
+                out.append(f"{case}: max gradient error {worst:.3g} > {GRAD_TOL} * {scale:.3g}")
+    return out
