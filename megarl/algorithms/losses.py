@@ -14,6 +14,10 @@ per-token term `l_i^t` by `w_i^t` before aggregating (value and gradient weighte
 log-probs through `PolicyLossInput.weighted_logprobs()` (value unchanged, gradient `w_i^t dlogp_i^t`), so their masks
 and ratios keep their definitions and their reported loss value is the unweighted one. OAPL refuses a weight.
 
+The decoupled objective for mixed-version responses (`decoupled.py`, `algorithm.decoupled`) reaches every loss but
+OAPL's and OPMD's through its input, applied by the registry: `old_logprobs` becomes the proximal policy
+(`prox_logprobs`; None: `logprobs.detach()`) and `token_weight` the capped behaviour weight `pi_prox / pi_engine`.
+
 Two kinds of loss:
 - token-level losses (REINFORCE and the advantage-reweighted variants, GRPO, REC-*, off-policy GRPO, OPMD-token)
   build a per-token loss `l_i^t` and reduce it with `aggregation.aggregate_tokens` (`algorithm.loss_agg`);
