@@ -247,3 +247,8 @@ def test_staleness_bound_and_mixed_version_groups():
     check_token_versions(tv[2:], 2, 5, 2, "oapl")  # one version per group: accepted
     with pytest.raises(RuntimeError, match=r"staleness bound.*bound 1 .*algorithm.max_token_lag"):
         check_token_versions(tv, 2, 5, 1, "grpo")
+
+
+def test_registry_flags():
+    assert [n for n, a in ALGORITHMS.items() if not a.decouplable] == ["opmd_sequence", "opmd_token", "oapl"]
+    assert [n for n, a in ALGORITHMS.items() if not a.accepts_mixed_version_groups] == ["oapl"]
