@@ -6,6 +6,7 @@ The reference is independent: `transformers` log-probs of each sequence alone an
 its correction weight from the definition. Checked: the loss, every parameter gradient (tolerances of the invariance
 test: loss rtol 1e-5, gradients 1e-5 of the largest), and the `correction/*` metrics against hand counts (finite,
 present, no ratio within 1e-2 in log space of a cap or band edge, so 1e-6 numerics cannot flip a weight).
+The same trainer process then runs the decoupled objective's cases (tests/decoupled_trainer_cases.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from megarl.config.schema import AlgorithmConfig, Config, CorrectionConfig, ModelConfig, OptimizerConfig, TrainerConfig
 from megarl.models.tiny import make_tiny_checkpoint
 from megarl.parallel.groups import TrainerLayout
+from tests import decoupled_trainer_cases
 from tests.dist_utils import free_port, run_distributed
 from tests.test_megatron_vs_hf import _per_expert
 from tests.test_trainer_invariance import (
@@ -104,7 +106,7 @@ def _check_margins(lp, engine, corr) -> None:
         assert (logratio[:, None] - edges).abs().min() > 1e-2
 
 
-def _rank(rank, world, port, hf_dir, responses, engine, references):
+def _rank(rank, world, port, hf_dir, responses, engine, references, decoupled_engine, decoupled_refs):
     import dataclasses
 
     from megarl.algorithms.registry import get_algorithm
@@ -132,9 +134,11 @@ def _rank(rank, world, port, hf_dir, responses, engine, references):
                 with torch.no_grad():
                     for p, p0 in zip(policy.model.parameters(), initial, strict=True):
                         p.copy_(p0)
+        decoupled = decoupled_trainer_cases.run_in_rank(policy, hf, hf_dir, world, dp_rank, dp, responses,
+                                                        decoupled_engine, decoupled_refs)
     finally:
         destroy_trainer_groups()
-    return results
+    return results, decoupled
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +146,9 @@ def dense_checkpoint(tmp_path_factory):
     return make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "dense", kind="dense")
 
 
-def test_corrections_through_the_real_trainer(dense_checkpoint):
+@pytest.fixture(scope="module")
+def trainer_run(dense_checkpoint):
+    """One trainer process for the module's tests: the correction cases and the decoupled ones."""
     from transformers import AutoModelForCausalLM
 
     responses = _responses()
@@ -160,8 +166,15 @@ def test_corrections_through_the_real_trainer(dense_checkpoint):
         references.append((value, _per_expert({n: p.grad.clone() for n, p in model.named_parameters()})))
     assert all(0 < e["correction/truncated_frac"] + e["correction/masked_frac"] < 1 for e in expected)
 
-    (results,) = run_distributed(_rank, 1, free_port(), dense_checkpoint, responses, engine, references,
-                                 init_dist=False)
+    model.zero_grad(set_to_none=True)
+    decoupled_engine, decoupled_refs, decoupled_expected = decoupled_trainer_cases.references(model, responses)
+    ((results, decoupled),) = run_distributed(_rank, 1, free_port(), dense_checkpoint, responses, engine, references,
+                                              decoupled_engine, decoupled_refs, init_dist=False)
+    return results, references, expected, decoupled, decoupled_refs, decoupled_expected
+
+
+def test_corrections_through_the_real_trainer(trainer_run):
+    results, references, expected = trainer_run[:3]
     failures = []
     for i, (name, corr) in enumerate(CASES):
         ref_loss, ref_grads = references[i]
@@ -177,4 +190,10 @@ def test_corrections_through_the_real_trainer(dense_checkpoint):
                 failures.append(f"{case}: loss {metrics['loss']} vs reference {ref_loss}")
             if worst > GRAD_TOL * scale:
                 failures.append(f"{case}: max gradient error {worst:.3g} > {GRAD_TOL} * {scale:.3g}")
+    assert not failures, "\n".join(failures)
+
+
+def test_decoupled_objective_through_the_real_trainer(trainer_run):
+    (results, refusals), refs, expected = trainer_run[3:]
+    failures = decoupled_trainer_cases.failures(results, refusals, refs, expected)
     assert not failures, "\n".join(failures)

@@ -14,6 +14,10 @@ per-token term `l_i^t` by `w_i^t` before aggregating (value and gradient weighte
 log-probs through `PolicyLossInput.weighted_logprobs()` (value unchanged, gradient `w_i^t dlogp_i^t`), so their masks
 and ratios keep their definitions and their reported loss value is the unweighted one. OAPL refuses a weight.
 
+The decoupled objective for mixed-version responses (`decoupled.py`, `algorithm.decoupled`) reaches every loss but
+OAPL's and OPMD's through its input, applied by the registry: `old_logprobs` becomes the proximal policy
+(`prox_logprobs`; None: `logprobs.detach()`) and `token_weight` the capped behaviour weight `pi_prox / pi_engine`.
+
 Two kinds of loss:
 - token-level losses (REINFORCE and the advantage-reweighted variants, GRPO, REC-*, off-policy GRPO, OPMD-token)
   build a per-token loss `l_i^t` and reduce it with `aggregation.aggregate_tokens` (`algorithm.loss_agg`);
@@ -72,6 +76,9 @@ class PolicyLossInput:
     ref_logprobs: torch.Tensor | None = None  # [B, S] KL reference pi_ref (off-policy GRPO); None: old_logprobs
     seq_mask: torch.Tensor | None = None  # [B] per-sequence 0/1 weight from `Algorithm.sequence_mask`; None: 1
     token_weight: torch.Tensor | None = None  # [B, S] train-inference correction (corrections.py, no grad); None: 1
+    # [B, S] proximal policy of the decoupled objective (decoupled.py); None: logprobs.detach(), the trainer's
+    # log-probs at its current (pre-update) weights
+    prox_logprobs: torch.Tensor | None = None
 
     def engine(self) -> torch.Tensor:
         return self.old_logprobs if self.engine_logprobs is None else self.engine_logprobs

@@ -8,22 +8,27 @@ it calls:
 - `loss(PolicyLossInput, cfg) -> (loss, metrics)` per microbatch (global-batch contributions).
 A train-inference correction (`algorithm.correction`, `corrections.py`) reaches every loss the same way, as
 `PolicyLossInput.token_weight`; an algorithm that is not `reweightable` (OAPL, `catalog.NOT_REWEIGHTABLE`) is
-refused with one at config time. Add an algorithm by registering it here and naming it in `catalog.py` (which the
+refused with one at config time. The decoupled objective (`algorithm.decoupled`, `decoupled.py`) wraps every
+registered loss at registration (`_with_decoupling`): the loss the trainer calls applies it when the switch is on,
+and an algorithm that is not `decouplable` (OAPL, OPMD: `catalog.NOT_DECOUPLABLE`) is refused at config time; one
+that refuses mixed-version groups (`catalog.SINGLE_VERSION_GROUPS`) is checked per batch (`versions.py`).
+Add an algorithm by registering it here and naming it in `catalog.py` (which the
 config validates against without importing torch); `config_keys` lists the `AlgorithmConfig` fields it reads.
 Layers: this module imports the config schema, which imports only the torch-free catalogue.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from megarl.algorithms import advantages as adv
-from megarl.algorithms import filters, losses
+from megarl.algorithms import decoupled, filters, losses
 from megarl.algorithms.aggregation import Aggregation
-from megarl.algorithms.catalog import ALGORITHM_NAMES, NOT_REWEIGHTABLE
+from megarl.algorithms.catalog import ALGORITHM_NAMES, NOT_DECOUPLABLE, NOT_REWEIGHTABLE, SINGLE_VERSION_GROUPS
 from megarl.algorithms.clipping import CLIP_MASKS, ClipParams
 from megarl.config.schema import AlgorithmConfig
 
@@ -52,6 +57,35 @@ class Algorithm:
     def reweightable(self) -> bool:
         """The loss takes a train-inference correction (`PolicyLossInput.token_weight`, `algorithm.correction`)."""
         return self.name not in NOT_REWEIGHTABLE
+
+    @property
+    def decouplable(self) -> bool:
+        """The loss takes the decoupled objective (`algorithm.decoupled`)."""
+        return self.name not in NOT_DECOUPLABLE
+
+    @property
+    def accepts_mixed_version_groups(self) -> bool:
+        """A group may hold tokens of several policy versions (in-flight weight updates)."""
+        return self.name not in SINGLE_VERSION_GROUPS
+
+
+def _with_decoupling(algorithm: Algorithm) -> Algorithm:
+    """`algorithm` whose loss applies the decoupled objective when `cfg.decoupled.enabled` (`decoupled.py`): the
+    base loss on `decoupled_input(inp)`, with the behaviour weight's metrics added; unchanged when it is off."""
+    base = algorithm.loss
+
+    def loss(inp: losses.PolicyLossInput, cfg: AlgorithmConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        if not cfg.decoupled.enabled:
+            return base(inp, cfg)
+        if not algorithm.decouplable:
+            raise ValueError(f"algorithm {algorithm.name!r} does not take the decoupled objective: "
+                             f"{NOT_DECOUPLABLE[algorithm.name]}; set algorithm.decoupled.enabled=false")
+        inp, metrics = decoupled.decoupled_input(inp, decoupled.DecoupledParams(cfg.decoupled.cap,
+                                                                                cfg.decoupled.cap_mode))
+        value, loss_metrics = base(inp, cfg)
+        return value, {**loss_metrics, **metrics}
+
+    return dataclasses.replace(algorithm, loss=loss)
 
 
 def _clip(cfg: AlgorithmConfig) -> ClipParams:
@@ -115,7 +149,7 @@ def _rec(mask: str, importance_sampling: bool) -> Algorithm:
 
 
 ALGORITHMS: dict[str, Algorithm] = {
-    a.name: a
+    a.name: _with_decoupling(a)
     for a in (
         Algorithm(
             "reinforce",

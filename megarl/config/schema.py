@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from megarl.algorithms.catalog import ALGORITHM_NAMES, NOT_REWEIGHTABLE
+from megarl.algorithms.catalog import ALGORITHM_NAMES, NOT_DECOUPLABLE, NOT_REWEIGHTABLE
 from megarl.rewards.registry import check_reward_name
 
 
@@ -455,6 +455,30 @@ class CorrectionConfig(_Strict):
         return self
 
 
+class DecoupledConfig(_Strict):
+    """The decoupled objective (AReaL's decoupled PPO; `megarl/algorithms/decoupled.py`, docs/algorithms.md) for
+    responses whose tokens come from several policy versions (in-flight weight updates)."""
+
+    enabled: bool = Field(
+        False, description="On: every registered loss (but OAPL and OPMD, refused) clips its ratio against the "
+        "proximal policy (the trainer's log-probs at its current weights before the update: the training forward's, "
+        "detached) and weights each response token's gradient by the behaviour weight w_t from pi_prox / pi_behav "
+        "(pi_behav: the engine's log-prob of the token, from whichever version sampled it); GSPO-family sequence "
+        "ratios become s_i = exp(mean_t(logp - logp_prox)) with w_t on each token's gradient. Off (default): the "
+        "losses as they are, ratio against algorithm.old_logprobs. Needs old_logprobs=engine and correction.kind=none "
+        "(w_t IS a capped pi_trainer / pi_engine correction).",
+    )
+    cap: float = Field(
+        5.0, gt=1, description="C, the bound on the behaviour weight pi_prox / pi_behav (> 1). Default 5.0, the value "
+        "of AReaL's example configs (its behav_imp_weight_cap).",
+    )
+    cap_mode: Literal["truncate", "mask"] = Field(
+        "truncate", description="How C bounds the weight: truncate (default): w_t = min(pi_prox / pi_behav, C) "
+        "(truncated IS: a token past the cap keeps weight C); mask: w_t = pi_prox / pi_behav where it is <= C, else 0 "
+        "(AReaL's code: such a token is filtered out of the loss).",
+    )
+
+
 class AlgorithmConfig(_Strict):
     """Algorithm hyper-parameters. Each algorithm reads only the keys listed for it in docs/algorithms.md
     (and in `Algorithm.config_keys`); the others are ignored."""
@@ -534,6 +558,18 @@ class AlgorithmConfig(_Strict):
         "applied to the loss of any algorithm except OAPL; default none.",
     )
 
+    decoupled: DecoupledConfig = Field(
+        default_factory=DecoupledConfig, description="The decoupled objective for mixed-version responses "
+        "(proximal-policy clip, capped behaviour weight); default off.",
+    )
+    max_token_lag: int | None = Field(
+        None, ge=0, description="Staleness bound of in-flight weight updates: the most policy versions a trained "
+        "token may lag the trainer (trainer version - the version that sampled it). None (default): the schedule's "
+        "own maximum lag, sync.interval + sync.offset - 1 (`megarl.algorithms.versions.token_lag_bound`). The rollout "
+        "side drops, and counts, a group whose oldest token would exceed it; the trainer refuses a batch holding one "
+        "(an error: nothing upstream may let it through). Also the last lag of the token_lag/* metrics.",
+    )
+
     @field_validator("name")
     @classmethod
     def _registered(cls, name: str) -> str:
@@ -549,6 +585,32 @@ class AlgorithmConfig(_Strict):
                 f"algorithm.correction.kind={self.correction.kind!r} cannot be combined with algorithm.name="
                 f"{self.name!r}: {NOT_REWEIGHTABLE[self.name]} (docs/algorithms.md); set "
                 "algorithm.correction.kind=none or choose another algorithm"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _decouplable(self) -> AlgorithmConfig:
+        if not self.decoupled.enabled:
+            return self
+        if self.name in NOT_DECOUPLABLE:
+            raise ValueError(
+                f"algorithm.decoupled.enabled=true cannot be combined with algorithm.name={self.name!r}: "
+                f"{NOT_DECOUPLABLE[self.name]} (docs/algorithms.md); set algorithm.decoupled.enabled=false (it takes "
+                "mixed-version data as it is) or choose another algorithm"
+            )
+        if self.correction.kind != "none":
+            raise ValueError(
+                f"algorithm.decoupled.enabled=true with algorithm.correction.kind={self.correction.kind!r} weights "
+                "the same trainer / engine ratio twice (the decoupled behaviour weight is a capped pi_trainer / "
+                "pi_engine): "
+                "set algorithm.correction.kind=none"
+            )
+        if self.old_logprobs != "engine":
+            raise ValueError(
+                "algorithm.decoupled.enabled=true takes the behaviour policy from the engine and the proximal policy "
+                "from the training forward itself (one optimizer step per batch: it runs at the pre-update weights); "
+                "algorithm.old_logprobs=trainer would spend a second forward on the same values: set "
+                "algorithm.old_logprobs=engine"
             )
         return self
 

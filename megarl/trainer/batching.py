@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from megarl.batch import RolloutBatch
+from megarl.token_versions import TokenVersions
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -51,7 +52,22 @@ def pack_batch(batch: RolloutBatch, pad_id: int, multiple: int = 1) -> dict[str,
               "advantages": batch.advantages.reshape(-1).float(), "lengths": lengths}
     if batch.routed_experts is not None:
         packed["routed_experts"] = pad_routed_experts(batch.routed_experts, lengths.tolist(), s)
+    if batch.token_versions is not None:  # in-flight weight updates: each response token's policy version
+        packed["token_versions"] = pad_token_versions(batch.token_versions, batch.prompt_ids, batch.response_ids, s)
     return packed
+
+
+def pad_token_versions(token_versions: list[TokenVersions], prompts: list[list[int]], responses: list[list[int]],
+                       s: int) -> torch.Tensor:
+    """`[N, S]` long, aligned with `mask`: at the position predicting response token j (`len(prompt) - 1 + j`),
+    the version that sampled it; -1 elsewhere. Each record must cover its response exactly."""
+    out = torch.full((len(token_versions), s), -1, dtype=torch.long)
+    for i, (tv, prompt, response) in enumerate(zip(token_versions, prompts, responses, strict=True)):
+        if tv.num_tokens != len(response):
+            raise ValueError(f"sample {i}: token_versions cover {tv.num_tokens} tokens, the response has "
+                             f"{len(response)}: the rollout side must record a version for every response token")
+        out[i, len(prompt) - 1:len(prompt) - 1 + len(response)] = torch.tensor(tv.per_token(), dtype=torch.long)
+    return out
 
 
 def _route_filler(rows: int, like: torch.Tensor) -> torch.Tensor:

@@ -13,9 +13,10 @@ import torch
 from megarl.algorithms.corrections import correction_weights
 from megarl.algorithms.losses import PolicyLossInput
 from megarl.algorithms.registry import Algorithm
+from megarl.algorithms.versions import check_token_versions, token_lag_bound
 from megarl.batch import RolloutBatch
 from megarl.config.schema import Config, TrainerConfig
-from megarl.metrics import mismatch
+from megarl.metrics import mismatch, token_lags
 from megarl.trainer.batching import (
     microbatch_plan,
     microbatch_widths,
@@ -73,6 +74,10 @@ def train_on_batch(
     lag: int,
 ) -> dict[str, float]:
     multiple = sequence_multiple(policy.model.config)
+    # in-flight weight updates: per-token lags within the bound, mixed-version groups only for algorithms that take them
+    trainer_version, bound = policy.version, token_lag_bound(cfg.algorithm.max_token_lag, cfg.sync.interval,
+                                                             cfg.sync.offset)
+    check_token_versions(batch.token_versions, batch.rewards.shape[1], trainer_version, bound, algorithm.name)
     tensors = pack_batch(batch, pad_id, multiple)
     # per-sequence 0/1 weights (off-policy GRPO drops zero-variance groups; all ones for the others)
     tensors["seq_mask"] = algorithm.sequence_mask(batch.rewards, cfg.algorithm).expand_as(batch.rewards).reshape(-1)
@@ -100,6 +105,9 @@ def train_on_batch(
         metrics["logprob/engine_vs_trainer"] = (gap * mask).sum() / num_tokens
         # the train-inference mismatch monitor at the trainer's current weights (megarl/metrics/mismatch.py)
         metrics.update(mismatch.token_contributions(logprobs, mb["engine_logprobs"], mask, num_tokens))
+        if "token_versions" in mb:  # the same mismatch per segment of equal token lag (megarl/metrics/token_lags.py)
+            metrics.update(token_lags.segment_contributions(logprobs, mb["engine_logprobs"], mask,
+                                                            trainer_version - mb["token_versions"], bound))
         return loss, metrics
 
     metrics = policy.train_step(mbs, loss_fn)
@@ -108,6 +116,9 @@ def train_on_batch(
     if batch.routed_experts is not None:  # routing replay: bytes of the expert indices the batch carries
         metrics["replay/index_bytes"] = sum(index_bytes(r) for r in batch.routed_experts)
     metrics = mismatch.finish(metrics)  # the summed log-ratio histogram -> ratio quantiles (scalars only)
+    if batch.token_versions is not None:  # per-token lag histogram, spanning share, mismatch per lag segment
+        metrics = token_lags.finish_segments(metrics, bound)
+        metrics.update(token_lags.token_lag_metrics(batch.token_versions, trainer_version, bound))
     # lag 0: the trainer's current weights are the behaviour weights, so the mismatch is pure numerics
     metrics["mismatch/at_behaviour_weights"] = int(lag == 0)
     if lag != 0:  # the engine/trainer gap only measures numerics when both hold the same weights
