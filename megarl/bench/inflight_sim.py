@@ -21,9 +21,12 @@ The rules, for `S = SyncSchedule(m, n)`, K steps, R replicas, P prompts (groups 
            when it was decoded.
   batch    step k takes complete, scored groups (`score_s` after the group's last response) in completion order.
            A group whose oldest token has version v is trained at lag k - v; if that exceeds `bound` it is dropped
-           and counted, never trained. Once batch k is formed, a group still generating whose oldest token could
-           only be trained past the bound (k + 1 - v > bound) is aborted (counted, its tokens wasted). Then the
-           trainer trains for `train(lengths of the batch's responses)` seconds.
+           and counted, never trained. A group still generating whose oldest token could only be trained past the
+           bound is aborted (counted, its tokens wasted): when step k starts waiting (k - v > bound) and once
+           batch k is formed (k + 1 - v > bound). Then the trainer trains for `train(lengths of the batch's
+           responses)` seconds.
+  control  `quiesce=True`, today's controller on the same engine: a push first waits until every admitted group
+           is generated, the fleet admits only prompt batches < `S.generation_limit`, and batch k is prompt batch k.
 Pure Python, deterministic. `inflight_projection` turns it into the 30B projection next to the sequential
 controller and a colocated synchronous baseline on the same GPUs; `bench_setting` simulates the CPU bench.
 """
@@ -119,10 +122,6 @@ class InflightResult:
 
     def trained_lengths(self, first: int, last: int) -> list[int]:
         return [n for s in self.steps[first:last] for g in s.groups for n in self.groups[g].lengths]
-
-
-def _within(spans: list[tuple[float, float]], lo: float, hi: float) -> float:
-    return sum(max(0.0, min(b, hi) - max(a, lo)) for a, b in spans)
 
 
 def simulate_inflight(
