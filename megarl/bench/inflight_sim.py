@@ -434,12 +434,13 @@ def static_share_s(groups: Sequence[Sequence[int]], costs: EngineCosts = CLUSTER
     return costs.prefill_per_seq_s * len(seqs) + costs.step_s * max(seqs) + costs.per_seq_s * sum(seqs)
 
 
-def sequential_times(per_prompt: bool, replicas: int = cluster.REPLICAS) -> cluster.StageTimes:
+def sequential_times(per_prompt: bool, replicas: int = cluster.REPLICAS,
+                     costs: EngineCosts = CLUSTER_COSTS) -> cluster.StageTimes:
     """`pipeline_sim.StageTimes` on the same batches as the in-flight runs (`guru_lengths`), static shares
     (replica r: prompts i = r mod R; with windows of one batch the queue takes the same time: `dispatch_sim`)."""
     def generate(r: int, j: int) -> float:
         b = guru_lengths(j, per_prompt)
-        return static_share_s([g for i, g in enumerate(b) if i % replicas == r])
+        return static_share_s([g for i, g in enumerate(b) if i % replicas == r], costs)
 
     def train(k: int) -> float:
         return cluster.train_seconds([n for g in guru_lengths(k, per_prompt) for n in g])
@@ -474,9 +475,10 @@ def colocated_step(batch: Sequence[Sequence[int]], replicas: int = COLOCATED_REP
 
 
 def project_inflight(m: int, n: int, per_prompt: bool = False, admit: str = "sequences", kv: str = "keep",
-                     steps: int = 64, bound: int | None = None, quiesce: bool = False) -> InflightResult:
+                     steps: int = 64, bound: int | None = None, quiesce: bool = False,
+                     costs: EngineCosts = CLUSTER_COSTS) -> InflightResult:
     return simulate_inflight(
-        SyncSchedule(m, n), steps, cluster.REPLICAS, _lengths(per_prompt), CLUSTER_COSTS, cluster.train_seconds,
+        SyncSchedule(m, n), steps, cluster.REPLICAS, _lengths(per_prompt), costs, cluster.train_seconds,
         cluster.PUSH_S, SCORE_GROUP_S, IN_FLIGHT, admit, bound, kv, cluster.PROMPT_TOKENS, RECOMPUTE_PER_TOKEN_S,
         quiesce=quiesce)
 
@@ -610,6 +612,28 @@ def bench_markdown(result: dict) -> str:
         lines.append(f"| {r['run']} | {r['per_batch']:.1f} | {r['per_batch'] / base:.2f}x | {r['replica_idle']:.0%} | "
                      f"{r['max_lag']} | {r['dropped']} + {r['aborted']} | {r['long_responses_trained']} | "
                      f"{r['trained_mean_length']:.1f} |")
+    return "\n".join(lines)
+
+
+def decode_split_sensitivity(steps: int = 48, fixed_s: Sequence[float] = (0.007, 0.0035)) -> str:
+    """`sync (8, 1)`, per-sample lengths, with a decode step's fixed cost moved to its per-sequence cost while a step
+    of 144 sequences keeps its 14.2 ms: the sequential controller, today's queue and in-flight, group and sequence
+    slots (steady steps [K/4, 3K/4)). A markdown table."""
+    first, last = steps // 4, 3 * steps // 4
+    full = cluster.DECODE_STEP_S + cluster.DECODE_PER_SEQ_S * 144
+    lines = ["| decode step | sequential | queue, group slots | in-flight, group slots | queue, sequence slots | "
+             "in-flight, sequence slots |", "|---|---:|---:|---:|---:|---:|"]
+    for fixed in fixed_s:
+        costs = EngineCosts(fixed, (full - fixed) / 144, CLUSTER_COSTS.prefill_per_seq_s)
+        seq = cluster.simulate(SyncSchedule(1, 0), steps, cluster.REPLICAS, sequential_times(False, costs=costs),
+                               False).mean_step_s(first, last)
+        cells = [f"{fixed * 1e3:.1f} ms + {(full - fixed) / 144 * 1e3:.4f} ms a sequence", f"{seq:.1f} s"]
+        for admit in ("groups", "sequences"):
+            for quiesce in (True, False):
+                r = project_inflight(8, 1, False, admit, "keep", steps, quiesce=quiesce, costs=costs)
+                step = r.mean_step_s(first, last)
+                cells.append(f"{step:.1f} s ({seq / step:.2f}x, occupancy {r.occupancy(first, last):.0%})")
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
