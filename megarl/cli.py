@@ -15,11 +15,11 @@
     megarl bench logprob --hidden 2048 ...    the same from the hidden states: fused vs unfused output layer
     megarl bench padding [--budgets ...]      tokens computed vs real per step: count vs token-budget microbatches
     megarl bench pipeline [--offsets 0 1 2]   wall time per step and overlap with the pipeline off and on
+    megarl bench inflight [--steps 64]        in-flight weight updates + partial rollouts, projected (simulation)
     megarl bench sync [--size-mb 400]         one weight sync's bytes, seconds, memory: partitioned vs baselines
     megarl bench savings [--intervals 1 2 4]  the same job per sync.interval: bytes, seconds in sync, fleet pause
     megarl bench delta [--fractions ...]      compute cost of delta pushes per GB on this device (CUDA or CPU)
     megarl bench longtail [--chunk 1]         long-tailed responses: static split vs the shared queue, projected
-    megarl bench inflight [--steps 64]        in-flight weight updates + partial rollouts, projected (simulation)
     megarl bench trainer [--precisions ...]   one training step, fp32 vs bf16: time and memory per rank
     megarl compare RUN_DIR ... [--out F.md]   sync pushes, bytes, time and rewards of finished runs side by side
     megarl repro rec-f1|rec-red|oapl-lag|offpolicy-grpo|list [--seeds 3] [--smoke]   a paper's claim, re-run
@@ -42,7 +42,7 @@ _DELEGATED = {
     "plan": ("megarl.plan_report", "parameters and bytes per trainer / rollout rank and per weight sync"),
     "export": ("megarl.models.hf_export", "write a run checkpoint as a Hugging Face checkpoint"),
     "bench": ("megarl.bench",
-              "benchmarks: `megarl bench logprob|padding|pipeline|sync|longtail|inflight|savings|delta|trainer`"),
+              "benchmarks: `megarl bench logprob|padding|pipeline|sync|longtail|savings|delta|trainer`"),
     "compare": ("megarl.metrics.compare", "compare finished runs' sync traffic, time and rewards"),
     "preflight": ("megarl.preflight.cli", "check a cluster job's placement, network, model files and GPUs: "
                                           "`megarl preflight rank|serve|report` (docs/cluster.md); an environment's "
