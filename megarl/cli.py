@@ -15,6 +15,7 @@
     megarl bench logprob --hidden 2048 ...    the same from the hidden states: fused vs unfused output layer
     megarl bench padding [--budgets ...]      tokens computed vs real per step: count vs token-budget microbatches
     megarl bench pipeline [--offsets 0 1 2]   wall time per step and overlap with the pipeline off and on
+    megarl bench inflight [--steps 64]        in-flight weight updates + partial rollouts, projected (simulation)
     megarl bench sync [--size-mb 400]         one weight sync's bytes, seconds, memory: partitioned vs baselines
     megarl bench savings [--intervals 1 2 4]  the same job per sync.interval: bytes, seconds in sync, fleet pause
     megarl bench delta [--fractions ...]      compute cost of delta pushes per GB on this device (CUDA or CPU)

@@ -1,13 +1,17 @@
 """The dispatch simulation (`megarl.bench.dispatch_sim`) against hand-computed timelines: a static share costs
 `pipeline_sim`'s formula (prefill + step x longest + per-sequence x total tokens), and the queue's small cases
-worked out by hand (who takes which chunk when, idle seconds, chunks per replica)."""
+worked out by hand (who takes which chunk when, idle seconds, chunks per replica). Then the in-flight simulation
+(`megarl.bench.inflight_sim`) on the same engine model: which group joins which batch, step times, per-token lags,
+aborted and dropped groups worked out by hand; today's queue in it against dispatch_sim's; the colocated step."""
 
 import random
 
 import pytest
 
+from megarl.bench import inflight_sim
 from megarl.bench import pipeline_sim as cluster
 from megarl.bench.dispatch_sim import CLUSTER_COSTS, EngineCosts, guru_lengths, simulate_window
+from megarl.sync.schedule import SyncSchedule
 
 STEP = EngineCosts(step_s=1.0, per_seq_s=0.0, prefill_per_seq_s=0.0)  # one second a decode step, nothing else
 
@@ -52,3 +56,115 @@ def test_guru_lengths_keep_their_spread():
         lengths = [n for b in range(4) for g in guru_lengths(b, per_prompt) for n in g]
         assert len(lengths) == 4 * cluster.PROMPTS * cluster.SAMPLES and max(lengths) == cluster.MAX_NEW_TOKENS
         assert 3000 < sum(lengths) / len(lengths) < 4000  # log-normal median 3000, sigma 0.6, capped: mean ~3,450
+
+
+# ---- in-flight weight updates + partial rollouts (`megarl.bench.inflight_sim`), worked out by hand ----
+
+
+def _one_group_batches(lengths):
+    """Prompt batch j = one group of one response of `lengths[j]` tokens."""
+    return lambda j: [[lengths[j]]]
+
+
+def _run(schedule, steps, lengths, train, push, in_flight=1, replicas=2, **kw):
+    return inflight_sim.simulate_inflight(schedule, steps, replicas, _one_group_batches(lengths), STEP, train, push,
+                                          0.0, in_flight, **kw)
+
+
+def test_inflight_by_hand_a_long_response_crosses_a_push():
+    # sync (1, 1), bound 1, one group of one response a batch, two replicas, one group each, a decode step a second,
+    # train 4 s, push 1 s. Groups 0-1 admitted at t = 0 (limit (0 + 1 + 1) x 1): r0 runs g0 (8 tokens), r1 g1 (2).
+    # Step 0 (no push: version 0 is never pushed) takes g1 at t = 2, trains 2-6. Step 1 pushes v1 6-7: g0 has 6
+    # tokens, is paused, resumes with v1 and ends at 9; g2 (3 tokens, v1) is admitted at 7 on r1, ends at 10. Batch
+    # 1 = g0 at t = 9 (6 tokens at lag 1, 2 at lag 0), trains 9-13. Step 2 pushes v2 13-14; g3 (v2) is admitted at
+    # 14 on r0 (both free: replica order), ends at 17; batch 2 = g2 (lag 1) at 14, trains 14-18; step 3 has no push
+    # (it would precede batch 4 >= K) and trains g3 18-22.
+    r = _run(SyncSchedule(1, 1), 4, [8, 2, 3, 3, 3], 4.0, 1.0)
+    assert [s.groups for s in r.steps] == [(1,), (0,), (2,), (3,)]
+    assert [x for s in r.steps for x in (s.start, s.end, s.wait_s, s.push_s)] == pytest.approx(
+        [0, 6, 2, 0, 6, 13, 2, 1, 13, 18, 0, 1, 18, 22, 0, 0])
+    assert [s.tokens_by_lag for s in r.steps] == [{0: 2}, {1: 6, 0: 2}, {1: 3}, {1: 3}]
+    assert [s.responses_spanning for s in r.steps] == [0, 1, 0, 0]
+    assert [g.replica for g in r.groups] == [0, 1, 1, 0] and r.pushes == [(6, 7), (13, 14)]
+    # idle: r0 9-13 and 17-22; r1 2-6, 10-13 and 14-22 (pauses 6-7 and 13-14 are not idle)
+    assert r.replica_idle == [[(9, 13), (17, 22)], [(2, 6), (10, 13), (14, 22)]]
+    assert (r.dropped, r.aborted) == (0, 0)
+    # today's queue on the same batches (the push waits for the tail, batch k = prompt batch k): batch 0 = g0 at 8,
+    # trains 8-12; push 12-13, g2 13-16 on r0; batch 1 = g1 trains 13-17; push 17-18, g3 18-21; batch 2 = g2 trains
+    # 18-22; batch 3 = g3 at 22 (ready 21), trains 22-26
+    q = _run(SyncSchedule(1, 1), 4, [8, 2, 3, 3, 3], 4.0, 1.0, quiesce=True)
+    assert [s.groups for s in q.steps] == [(0,), (1,), (2,), (3,)]
+    assert [s.end for s in q.steps] == pytest.approx([12, 17, 22, 26])
+    assert [s.tokens_by_lag for s in q.steps] == [{0: 8}, {1: 2}, {1: 3}, {1: 3}]
+
+
+def test_inflight_by_hand_a_group_past_the_bound_is_aborted():
+    # as above with g0 10 tokens: at t = 10 g2 (v1) ends first and forms batch 1; g0 (9 tokens, version 0) could
+    # only be trained at step 2 or later, lag 2 > bound 1: aborted, 9 tokens wasted, and a new group admitted in
+    # its place (limit (1 + 2) x 1 + 1 lost): g3 (v1) at 10 on r0, ends at 13. Step 2: push 14-15, batch 2 = g3
+    # (lag 1) at 15, trains 15-19; g4 (v2) admitted at 15, ends at 18; step 3 trains it 19-23.
+    r = _run(SyncSchedule(1, 1), 4, [10, 2, 3, 3, 3, 3], 4.0, 1.0)
+    assert [s.groups for s in r.steps] == [(1,), (2,), (3,), (4,)]
+    assert [s.end for s in r.steps] == pytest.approx([6, 14, 19, 23])
+    assert (r.dropped, r.aborted, r.wasted_tokens) == (0, 1, pytest.approx(9.0))
+    assert r.groups[0].fate == "aborted" and r.groups[3].replica == 0
+
+
+def test_inflight_by_hand_a_complete_group_past_the_bound_is_dropped():
+    # sync (1, 2), bound 2, train 10 s, push 1 s. v0 may admit 3 groups: g0 (15 tokens) on r0, g1 (1) on r1, then g2
+    # (1) on r1 at t = 1. Batch 0 = g1 at 1, trains 1-11. Step 1: push 11-12 (g0 has 11 tokens), g3 (v1) on r1
+    # 12-13 (limit (1 + 3) x 1); batch 1 = g2 (v0, lag 1) at 12, trains 12-22; g0 ends at 16. Step 2 (no push: it
+    # would precede batch 4 >= K) takes the first complete group, g3 (13) before g0 (16), trains 22-32. Step 3: g0 is
+    # complete but its lag would be 3 > 2: dropped, 15 tokens wasted, a group admitted in its place: g4 (v1) on r0
+    # 32-33; batch 3 = g4 (lag 2), trains 33-43.
+    r = _run(SyncSchedule(1, 2), 4, [15, 1, 1, 1, 1, 1, 1], 10.0, 1.0)
+    assert [s.groups for s in r.steps] == [(1,), (2,), (3,), (4,)]
+    assert [s.end for s in r.steps] == pytest.approx([11, 22, 32, 43])
+    assert (r.dropped, r.aborted, r.wasted_tokens) == (1, 0, pytest.approx(15.0))
+    assert r.groups[0].fate == "dropped" and r.groups[0].done_at == pytest.approx(16.0)
+    assert [s.tokens_by_lag for s in r.steps] == [{0: 1}, {1: 1}, {1: 1}, {2: 1}]
+    assert r.groups[4].replica == 0 and r.pushes == [(11, 12)]
+
+
+def test_sequence_slots_admit_a_group_when_enough_sequences_ended():
+    # one replica, 2 groups of 2 samples in flight: g0 (1, 9), g1 (1, 9), g2 (2, 2). Group slots: g2 waits for a
+    # group to end (t = 9), ends at 11. Sequence slots (4): two sequences end at t = 1, g2 starts then, ends at 3.
+    batches = [[[1, 9]], [[1, 9]], [[2, 2]]]
+    for admit, end in (("groups", 11.0), ("sequences", 3.0)):
+        r = inflight_sim.simulate_inflight(SyncSchedule(8, 0), 3, 1, lambda j: batches[j] if j < 3 else [[50, 50]],
+                                           STEP, 0.0, 0.0, 0.0, 2, admit)
+        assert r.groups[2].done_at == pytest.approx(end)
+
+
+def test_todays_queue_in_the_inflight_sim_is_dispatch_sims_queue():
+    # no trainer, push or scoring cost: today's queue run window by window (`quiesce`) takes the sum of
+    # dispatch_sim's queue windows, with per-sequence and prefill costs too
+    rng = random.Random(3)
+    costs = EngineCosts(step_s=1.0, per_seq_s=0.1, prefill_per_seq_s=0.5)
+    data = [[[rng.randint(1, 40) for _ in range(3)] for _ in range(6)] for _ in range(12)]
+    r = inflight_sim.simulate_inflight(SyncSchedule(4, 0), 12, 2, lambda j: data[j], costs, 0.0, 0.0, 0.0, 3,
+                                       quiesce=True)
+    windows = [simulate_window(data[w:w + 4], 2, "queue", costs, 1, 3).wall_s for w in (0, 4, 8)]
+    assert r.wall == pytest.approx(sum(windows), rel=1e-9)
+
+
+def test_colocated_step_by_hand():
+    # 4 prompts of 2 responses on 2 replicas: r0 prompts 0, 2 (lengths 3, 5, 2, 2), r1 prompts 1, 3 (1, 1, 4, 1).
+    # A share: 0.5 s a sequence of prefill + 1 s x longest + 0.1 s x tokens: r0 2 + 5 + 1.2 = 8.2, r1 2 + 4 + 0.7 =
+    # 6.7; trainer 10 s on 32 GPUs -> 5 s on 64; score 1, switch 3: 8.2 + 1 + 5 + 3 = 17.2 s
+    costs = EngineCosts(step_s=1.0, per_seq_s=0.1, prefill_per_seq_s=0.5)
+    batch = [[3, 5], [1, 1], [2, 2], [4, 1]]
+    c = inflight_sim.colocated_step(batch, replicas=2, gpus=64, switch_s=3.0, costs=costs, score_s=1.0,
+                                    train_32=lambda lengths: 10.0)
+    assert (c.generate_s, c.train_s, c.step_s) == pytest.approx((8.2, 5.0, 17.2))
+    assert inflight_sim.COLOCATED_GPUS == 64 and inflight_sim.COLOCATED_REPLICAS == 16
+    assert inflight_sim.COLOCATED_SWITCH_S == pytest.approx(2 * 2.0 + cluster.PUSH_FIXED_S)
+    # the cluster trainer's time is pipeline_sim's formula: halving the GPUs' share of the FLOPs on 64
+    lengths = [3000] * 1152
+    assert cluster.train_seconds(lengths, 64) - cluster.OPTIMIZER_S == pytest.approx(
+        (cluster.train_seconds(lengths) - cluster.OPTIMIZER_S) / 2)
+
+
+def test_inflight_bound_below_the_interval_is_refused_clearly():
+    with pytest.raises(ValueError, match="bound"):
+        _run(SyncSchedule(1, 1), 2, [1, 1, 1], 1.0, 1.0, bound=-1)

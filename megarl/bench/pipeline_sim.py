@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache
 
@@ -234,11 +234,16 @@ def _generate_s(replica: int, batch: int) -> float:
     return PREFILL_S + DECODE_STEP_S * max(lengths) + DECODE_PER_SEQ_S * sum(lengths)
 
 
-def _train_s(step: int) -> float:
-    """6 x active params per token + causal attention (6 x layers x q_dim x L^2 per sequence, fwd+bwd)."""
-    seqs = [PROMPT_TOKENS + n for r in range(REPLICAS) for n in _response_lengths(r, step)]
+def train_seconds(response_lengths: Sequence[int], gpus: int = TRAINER_GPUS) -> float:
+    """6 x active params per token + causal attention (6 x layers x q_dim x L^2 per sequence, fwd+bwd), each
+    response with its prompt, at TRAIN_MFU on `gpus` GPUs, plus the optimizer step."""
+    seqs = [PROMPT_TOKENS + n for n in response_lengths]
     flops = sum(6 * ACTIVE_PARAMS * s + 6 * LAYERS * Q_DIM * s * s for s in seqs)
-    return flops / (TRAINER_GPUS * H100_BF16_FLOPS * TRAIN_MFU) + OPTIMIZER_S
+    return flops / (gpus * H100_BF16_FLOPS * TRAIN_MFU) + OPTIMIZER_S
+
+
+def _train_s(step: int) -> float:
+    return train_seconds([n for r in range(REPLICAS) for n in _response_lengths(r, step)])
 
 
 CLUSTER_TIMES = StageTimes(generate=_generate_s, score=SCORE_S, train=_train_s, push=PUSH_S)
