@@ -43,7 +43,8 @@ _DELEGATED = {
     "plan": ("megarl.plan_report", "parameters and bytes per trainer / rollout rank and per weight sync"),
     "export": ("megarl.models.hf_export", "write a run checkpoint as a Hugging Face checkpoint"),
     "bench": ("megarl.bench",
-              "benchmarks: `megarl bench logprob|padding|pipeline|sync|longtail|savings|delta|trainer|gpu-step`"),
+              "benchmarks: `megarl bench logprob|padding|pipeline|inflight|sync|longtail|savings|delta|trainer|"
+              "gpu-step`"),
     "compare": ("megarl.metrics.compare", "compare finished runs' sync traffic, time and rewards"),
     "preflight": ("megarl.preflight.cli", "check a cluster job's placement, network, model files and GPUs: "
                                           "`megarl preflight rank|serve|report` (docs/cluster.md); an environment's "
