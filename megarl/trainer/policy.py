@@ -50,6 +50,7 @@ from megarl.trainer.optimizer import (
     wire_training,
     wrap_model,
 )
+from megarl.trainer.placement import microbatches_on_device
 from megarl.trainer.routing_replay import check_routes, clear_routes, set_microbatch_routes, stage_routers
 
 LossFn = Callable[[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -92,6 +93,19 @@ def _output_layer_returns_hidden_states(model) -> Iterator[None]:
         yield
     finally:
         del model.output_layer.forward  # the instance attribute: the class's forward is back
+
+
+def _attention_mask(segments: torch.Tensor | None, s: int, device: torch.device) -> torch.Tensor | None:
+    """The `attention_mask` a microbatch row of `s` positions is run with (True = masked). Unpacked: None, the
+    attention being causal (`AttnMaskType.causal` in megatron-core 0.16.1's layer specs): Transformer Engine
+    masks causally itself, and megatron's local `FusedScaleMaskSoftmax` builds the causal mask itself when given
+    None (or uses its fused upper-triangular kernel). Packed (`segments [1, s]`, -1 on the trailing padding): the
+    causal mask cut into blocks, a position attending only to earlier positions of its own sequence."""
+    if segments is None:
+        return None
+    index = torch.arange(s, device=device)
+    causal = index[None, :] > index[:, None]  # [s, s]: key after query
+    return causal[None, None] | (segments[:, None, :, None] != segments[:, None, None, :])
 
 
 def _configure_schedule(config, pp: int) -> None:
@@ -166,27 +180,28 @@ class MegatronPolicy:
         # real (unpadded) vocabulary columns in this rank's logits shard [tp_rank*shard, (tp_rank+1)*shard)
         self.local_vocab = min(max(hf["vocab_size"] - self.tp_rank * shard, 0), shard)
         self.version = 0  # optimizer steps taken
+        # entered around megatron's microbatch loop (forward, backward, loss, metrics of every microbatch): a hook
+        # for instrumentation, e.g. a dispatch mode that counts host syncs (tests/test_no_host_sync.py)
+        self.microbatch_loop_context: Callable[[], Any] = nullcontext
 
     # ---- forward through megatron's schedule -----------------------------------------------------------------
     def _forward_step(self, last_stage_fn: Callable, data_iterator: Iterator[dict[str, torch.Tensor]], model):
-        """megatron `forward_step_func`: run this stage on the next microbatch (`tokens [b, s]`, causal mask
-        passed explicitly; a packed microbatch's one row gets a block-diagonal causal mask, True = masked);
-        on the last stage `last_stage_fn(microbatch, output)` reduces it, `output` the logits `[b, s, V/tp]` or,
-        with `fused_logprobs`, the final hidden states (`_output_layer_returns_hidden_states`)."""
+        """megatron `forward_step_func`: run this stage on the next microbatch (already on the device,
+        `microbatches_on_device`): `tokens [b, s]` with no mask (the attention is causal: megatron applies its
+        causal mask itself, `_attention_mask`); a packed microbatch's one row gets a block-diagonal causal mask
+        (True = masked); on the last stage `last_stage_fn(microbatch, output)` reduces it, `output` the logits
+        `[b, s, V/tp]` or, with `fused_logprobs`, the final hidden states (`_output_layer_returns_hidden_states`)."""
         mb = next(data_iterator)
-        device = self.device
         self._set_routes(mb)
         packed = "packed_tokens" in mb
-        tokens = (mb["packed_tokens"] if packed else mb["tokens"]).to(device)
+        tokens = mb["packed_tokens"] if packed else mb["tokens"]
         b, s = tokens.shape
-        causal = torch.triu(torch.ones(s, s, dtype=torch.bool, device=device), diagonal=1)[None, None]
         if packed:  # RoPE depends only on relative positions, so a sequence's offset in the row changes nothing
-            positions = mb["packed_positions"].to(device)
-            segments = mb["packed_segments"].to(device)
-            causal = causal | (segments[:, None, :, None] != segments[:, None, None, :])
+            positions = mb["packed_positions"]
         else:
-            positions = torch.arange(s, device=device)[None].expand(b, s)
-        output = model(tokens, positions, causal, **self.forward_kwargs)  # hidden [s, b, h] on inner stages
+            positions = torch.arange(s, device=tokens.device)[None].expand(b, s)
+        mask = _attention_mask(mb["packed_segments"] if packed else None, s, tokens.device)
+        output = model(tokens, positions, mask, **self.forward_kwargs)  # hidden [s, b, h] on inner stages
         return output, partial(last_stage_fn, mb)
 
     @staticmethod
@@ -212,16 +227,14 @@ class MegatronPolicy:
             set_microbatch_routes(self.routers, mb.get(self._routes_key(mb)[0]), self.device)
 
     def _logprobs(self, output: torch.Tensor, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The last stage's `output` (`_forward_step`) -> `(logprobs, entropy) [b, s]` on the CPU, through the
-        vocab-parallel shards. A packed microbatch's row is gathered back to one row per sequence, `[b, S]`
-        (`unpack_index`)."""
+        """The last stage's `output` (`_forward_step`) -> `(logprobs, entropy) [b, s]` on the model's device,
+        through the vocab-parallel shards. A packed microbatch's row is gathered back to one row per sequence,
+        `[b, S]` (`unpack_index`)."""
         targets = mb["packed_targets"] if "packed_targets" in mb else mb["targets"]
-        targets = targets.to(output.device)
         if self.fused_logprobs:
             lp, ent = self._fused_logprobs(output, targets)
         else:
             lp, ent = self._unfused_logprobs(output, targets)
-        lp, ent = lp.cpu(), ent.cpu()
         if "unpack_index" in mb:
             lp, ent = lp.reshape(-1)[mb["unpack_index"]], ent.reshape(-1)[mb["unpack_index"]]
         return lp, ent
@@ -257,10 +270,12 @@ class MegatronPolicy:
 
         b, s = microbatches[0]["packed_tokens" if "packed_tokens" in microbatches[0] else "tokens"].shape
         self._check_routes(microbatches)
+        on_device = microbatches_on_device(microbatches, self.device)  # once per step, before the loop
         try:
-            with _output_layer_returns_hidden_states(self.model) if self.fused_logprobs else nullcontext():
+            with (_output_layer_returns_hidden_states(self.model) if self.fused_logprobs else nullcontext(),
+                  self.microbatch_loop_context()):
                 return get_forward_backward_func()(
-                    forward_step_func=partial(self._forward_step, last_stage_fn), data_iterator=iter(microbatches),
+                    forward_step_func=partial(self._forward_step, last_stage_fn), data_iterator=iter(on_device),
                     model=self.ddp_model, num_microbatches=len(microbatches), seq_length=s, micro_batch_size=b,
                     forward_only=forward_only,
                 )
@@ -288,9 +303,11 @@ class MegatronPolicy:
         microbatch `(logprobs, entropy) [b, S]` fp32 on the CPU, on every rank (pipeline stages included)."""
         self.model.eval()
 
+        one = torch.ones((), dtype=torch.int, device=self.device)  # megatron's token count: unused (per-token loss)
+
         def collect(mb, output):
             lp, ent = self._logprobs(output, mb)
-            return torch.zeros(()), torch.tensor(1, dtype=torch.int), {"logprobs": lp, "entropy": ent}
+            return torch.zeros((), device=self.device), one, {"logprobs": lp, "entropy": ent}
 
         outs = self._run(microbatches, collect, forward_only=True)
         sizes = [mb["tokens"].numel() for mb in microbatches]
@@ -313,10 +330,12 @@ class MegatronPolicy:
         self.ddp_model.zero_grad_buffer()
         self.optimizer.zero_grad()
 
-        def loss_on_last_stage(mb, output):
+        one = torch.ones((), dtype=torch.int, device=self.device)  # megatron's token count: unused (per-token loss)
+
+        def loss_on_last_stage(mb, output):  # everything stays on the device: metrics are read after the loop
             loss, metrics = loss_fn(*self._logprobs(output, mb), mb)
             reported = {"loss": loss.detach(), **{k: v.detach() for k, v in metrics.items()}}
-            return loss, torch.tensor(1, dtype=torch.int), reported
+            return loss, one, reported
 
         outs = self._run(microbatches, loss_on_last_stage, forward_only=False)  # ends in finalize_model_grads
         self._set_hyperparameters()
@@ -328,20 +347,18 @@ class MegatronPolicy:
         return {**self._metrics_from_last_stage(metrics), "grad_norm": grad_norm, "train/skipped_step": int(skipped)}
 
     def _sum_metrics(self, outs: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
-        """Per-microbatch metric dicts of this rank -> sums over microbatches and data-parallel ranks: a float per
-        scalar metric; a metric of several elements (a histogram's counts) is summed elementwise in float64 and
-        comes back as a CPU tensor."""
+        """Per-microbatch metric dicts of this rank (device tensors) -> sums over microbatches and data-parallel
+        ranks, summed on the device in float64, all-reduced as one buffer and read to the host once: a float per
+        scalar metric; a metric of several elements (a histogram's counts) comes back as a CPU tensor."""
         names = sorted({k for o in outs for k in o})
-        vectors = sorted({k for o in outs for k in o if o[k].numel() != 1})
-        scalars = [k for k in names if k not in vectors]
-        summed = torch.stack([sum(o[k].float().reshape(()) for o in outs if k in o) for k in scalars]).to(self.device)
-        dist.all_reduce(summed, group=self.dp_group)
-        result: dict[str, Any] = dict(zip(scalars, summed.tolist(), strict=True))
-        if vectors:
-            parts = [sum(o[k].double().reshape(-1) for o in outs if k in o) for k in vectors]
-            flat = torch.cat(parts).to(self.device)
-            dist.all_reduce(flat, group=self.dp_group)
-            result.update(zip(vectors, flat.cpu().split([p.numel() for p in parts]), strict=True))
+        parts = [sum(o[k].to(device=self.device, dtype=torch.float64).reshape(-1) for o in outs if k in o)
+                 for k in names]
+        flat = torch.cat(parts)
+        dist.all_reduce(flat, group=self.dp_group)
+        host = flat.cpu()  # the step's one read of its metrics
+        result: dict[str, Any] = {}
+        for name, part, value in zip(names, parts, host.split([p.numel() for p in parts]), strict=True):
+            result[name] = value if part.numel() != 1 else float(value)
         return result
 
     def _from_last_stage(self, t: torch.Tensor) -> torch.Tensor:
