@@ -125,7 +125,9 @@ def _rank(rank, world, port, hf_dirs, responses):
         init_trainer_groups(TrainerLayout(), rank, world, "127.0.0.1", port[kind])
         try:
             hf = read_hf_config(hf_dirs[kind])
-            policy = MegatronPolicy(hf_dirs[kind], hf, OptimizerConfig(lr=1e-3))
+            # eager log-prob tiles: torch.compile refuses to run under a dispatch mode (the compiled kernel is
+            # what runs on CUDA by default; its tiles are fixed-shape elementwise work, no sync)
+            policy = MegatronPolicy(hf_dirs[kind], hf, OptimizerConfig(lr=1e-3), logprob_kernel="eager")
             counters: list[HostSyncCounter] = []
 
             def count(counters: list[HostSyncCounter] = counters) -> HostSyncCounter:

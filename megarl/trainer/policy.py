@@ -226,27 +226,30 @@ class MegatronPolicy:
         if self.routers is not None:
             set_microbatch_routes(self.routers, mb.get(self._routes_key(mb)[0]), self.device)
 
-    def _logprobs(self, output: torch.Tensor, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _logprobs(self, output: torch.Tensor, mb: dict[str, torch.Tensor],
+                  entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """The last stage's `output` (`_forward_step`) -> `(logprobs, entropy) [b, s]` on the model's device,
         through the vocab-parallel shards. A packed microbatch's row is gathered back to one row per sequence,
-        `[b, S]` (`unpack_index`)."""
+        `[b, S]` (`unpack_index`). `entropy_grad` False: the entropy without gradient (no entropy backward)."""
         targets = mb["packed_targets"] if "packed_targets" in mb else mb["targets"]
         if self.fused_logprobs:
-            lp, ent = self._fused_logprobs(output, targets)
+            lp, ent = self._fused_logprobs(output, targets, entropy_grad)
         else:
-            lp, ent = self._unfused_logprobs(output, targets)
+            lp, ent = self._unfused_logprobs(output, targets, entropy_grad)
         if "unpack_index" in mb:
             lp, ent = lp.reshape(-1)[mb["unpack_index"]], ent.reshape(-1)[mb["unpack_index"]]
         return lp, ent
 
-    def _unfused_logprobs(self, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _unfused_logprobs(self, logits: torch.Tensor, targets: torch.Tensor,
+                          entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """`logits [b, s, V/tp]` (the output layer's) -> `(logprobs, entropy) [b, s]`."""
         if self.local_vocab < logits.shape[-1]:  # padding columns (vocab padded to a multiple of TP) are no tokens
             logits = logits.clone()
             logits[..., self.local_vocab:] = torch.finfo(logits.dtype).min
-        return vocab_parallel_logprobs_entropy(logits, targets, self.tp_group, self.chunk)
+        return vocab_parallel_logprobs_entropy(logits, targets, self.tp_group, self.chunk, entropy_grad=entropy_grad)
 
-    def _fused_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _fused_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor,
+                        entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """`hidden [b, s, h]` (the output layer's input) -> `(logprobs, entropy) [b, s]`, with the weight the output
         layer would use (the embedding's at PP=1 with tied embeddings, as GPTModel passes it)."""
         model = self.model
@@ -255,11 +258,13 @@ class MegatronPolicy:
         hidden = hidden.to(weight.dtype)  # bf16 stays bf16 (fp32_output=False): the output layer's own operands
         if not model.output_layer.sequence_parallel:
             return fused_output_logprobs_entropy(hidden, weight, targets, self.tp_group, self.chunk, self.local_vocab,
-                                                 vocab_block=self.vocab_block, kernel=self.logprob_kernel)
+                                                 vocab_block=self.vocab_block, kernel=self.logprob_kernel,
+                                                 entropy_grad=entropy_grad)
         # sequence parallel: hidden [b, s/tp, h] holds this rank's slice of the sequence, dim 0 of [s, b, h]
         lp, ent = fused_output_logprobs_entropy(hidden.transpose(0, 1), weight, targets.t(), self.tp_group,
                                                 self.chunk, self.local_vocab, sequence_parallel=True,
-                                                vocab_block=self.vocab_block, kernel=self.logprob_kernel)
+                                                vocab_block=self.vocab_block, kernel=self.logprob_kernel,
+                                                entropy_grad=entropy_grad)
         return lp.t(), ent.t()
 
     def _run(self, microbatches: list[dict[str, torch.Tensor]], last_stage_fn: Callable,
@@ -320,12 +325,15 @@ class MegatronPolicy:
                 for lp, ent, mb in zip(logprobs.split(sizes), entropy.split(sizes), microbatches, strict=True)]
 
     # ---- training step ---------------------------------------------------------------------------------------
-    def train_step(self, microbatches: list[dict[str, torch.Tensor]], loss_fn: LossFn) -> dict[str, float]:
+    def train_step(self, microbatches: list[dict[str, torch.Tensor]], loss_fn: LossFn,
+                   entropy_grad: bool = True) -> dict[str, float]:
         """Forward/backward every microbatch (megatron's DDP sums the gradients over microbatches and DP ranks,
         `finalize_model_grads` completes them), megatron's clip and AdamW step; version += 1.
         `loss_fn(logprobs [b, s], entropy [b, s], microbatch) -> (loss, metrics)` returns the microbatch's
         contribution to the GLOBAL loss. Returns the global loss, the grad norm before clipping and the
-        loss function's metrics summed over the global batch (the same dict on every rank)."""
+        loss function's metrics summed over the global batch (the same dict on every rank). `entropy_grad`
+        False: `loss_fn` gets the entropy without gradient (for a loss without an entropy term: no entropy
+        backward runs; the log-probs' gradient and every value are the same)."""
         self.model.train()
         self.ddp_model.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -333,7 +341,7 @@ class MegatronPolicy:
         one = torch.ones((), dtype=torch.int, device=self.device)  # megatron's token count: unused (per-token loss)
 
         def loss_on_last_stage(mb, output):  # everything stays on the device: metrics are read after the loop
-            loss, metrics = loss_fn(*self._logprobs(output, mb), mb)
+            loss, metrics = loss_fn(*self._logprobs(output, mb, entropy_grad), mb)
             reported = {"loss": loss.detach(), **{k: v.detach() for k, v in metrics.items()}}
             return loss, one, reported
 

@@ -102,7 +102,9 @@ def train_on_batch(
         metrics.update(mismatch.token_contributions(logprobs, mb["engine_logprobs"], mask, num_tokens))
         return loss, metrics
 
-    metrics = policy.train_step(mbs, loss_fn)
+    # no registered loss has an entropy bonus (its coefficient is 0: the entropy above is a metric, detached), so
+    # the entropy comes back without gradient and no entropy backward runs
+    metrics = policy.train_step(mbs, loss_fn, entropy_grad=False)
     metrics.update(plan_padding(lengths, plan, widths, t.pack_sequences))
     metrics.setdefault("clip_frac", 0.0)  # algorithms without clipping clip nothing
     if batch.routed_experts is not None:  # routing replay: bytes of the expert indices the batch carries
