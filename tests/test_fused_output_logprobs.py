@@ -298,3 +298,16 @@ def test_no_entropy_backward_without_an_entropy_term():
         torch.testing.assert_close(gw0, ref_gw, atol=1e-5 * float(ref_gw.abs().max()), rtol=0)
         if path != "compiled":
             assert ops0 < ops, f"{path}: {ops0} backward ops without the entropy term, {ops} with it"
+
+
+def test_kernel_default_follows_the_device():
+    """`trainer.logprob_kernel` defaults to "auto": compiled tiles on CUDA, eager ones on a CPU, decided by the
+    device the rank trains on; an explicit kernel is kept on either."""
+    from megarl.config.schema import TrainerConfig
+    from megarl.parallel.fused_output_logprobs import default_kernel, resolve_kernel
+
+    assert TrainerConfig().logprob_kernel == "auto"
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert (default_kernel(cuda), default_kernel(cpu)) == ("compiled", "eager")
+    assert (resolve_kernel("auto", cuda), resolve_kernel("auto", cpu)) == ("compiled", "eager")
+    assert resolve_kernel("eager", cuda) == "eager" and resolve_kernel("compiled", cpu) == "compiled"

@@ -100,11 +100,13 @@ class TrainerConfig(_Strict):
         "same values and gradients either way; at 32k tokens, hidden 2,048, fp32 it peaks at 1.85 GiB where the "
         "whole shard peaks at 3.17 GiB (projected from CPU runs; docs/benchmarks.md, 'bench logprob --hidden').",
     )
-    logprob_kernel: Literal["eager", "compiled"] = Field(
-        "eager", description="The fused output log-prob's elementwise work per tile (fp32 upcast, max, exp, sums; "
+    logprob_kernel: Literal["auto", "eager", "compiled"] = Field(
+        "auto", description="The fused output log-prob's elementwise work per tile (fp32 upcast, max, exp, sums; "
         "dL/dz in backward): 'eager' runs it op by op, each op a pass through memory; 'compiled' through "
         "torch.compile (Triton kernels on a GPU, compiled once per rank at the first step). The matrix products "
-        "are the same; results equal to fp32 rounding.",
+        "are the same; results equal to fp32 rounding. 'auto' (default): decided on each trainer rank by the device "
+        "it trains on, 'compiled' on CUDA and 'eager' on a CPU (`megarl.parallel.fused_output_logprobs."
+        "default_kernel`).",
     )
     cpu_threads: int = Field(
         0, ge=0, description="torch intra-op threads per trainer rank on a machine without a GPU; 0 = the cores "

@@ -134,6 +134,18 @@ class FusedOutputLogprobMath:
 _COMPILED: dict[str, Callable] = {}
 
 
+def default_kernel(device: torch.device) -> Kernel:
+    """The tile kernel `kernel="auto"` (`trainer.logprob_kernel`'s default) means on `device`: "compiled" on CUDA
+    (Triton's fused kernels: each tile's elementwise work in one pass instead of several through memory), "eager"
+    elsewhere (a CPU: no compilation at a rank's first step)."""
+    return "compiled" if device.type == "cuda" else "eager"
+
+
+def resolve_kernel(kernel: Kernel | Literal["auto"], device: torch.device) -> Kernel:
+    """`kernel`, with "auto" replaced by `default_kernel(device)`."""
+    return default_kernel(device) if kernel == "auto" else kernel
+
+
 def tile_kernels(kernel: Kernel) -> tuple[Callable, Callable]:
     """(tile_stats, tile_grad) as written ("eager") or through `torch.compile` ("compiled"; compiled once per
     process, with dynamic shapes: the last chunk and the last block of a shard are narrower)."""

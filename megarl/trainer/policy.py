@@ -31,7 +31,7 @@ from megarl.config.schema import OptimizerConfig
 from megarl.models.hf_import import load_hf_weights
 from megarl.models.hf_slices import iter_local_hf_slices
 from megarl.models.qwen_provider import build_gpt_model, padded_vocab_size
-from megarl.parallel.fused_output_logprobs import fused_output_logprobs_entropy
+from megarl.parallel.fused_output_logprobs import fused_output_logprobs_entropy, resolve_kernel
 from megarl.parallel.vocab_logprobs import vocab_parallel_logprobs_entropy
 from megarl.sync.slices import HFSlice
 from megarl.trainer.optimizer import (
@@ -128,13 +128,14 @@ class MegatronPolicy:
     def __init__(self, hf_dir: str | Path, hf: dict[str, Any], optim: OptimizerConfig, logprob_chunk: int = 4096,
                  distributed_optimizer: bool = False, recompute: str = "none", routing_replay: bool = False,
                  fused_logprobs: bool = True, logprob_vocab_block: int | None = None,
-                 logprob_kernel: str = "eager", moe_aux_loss_coeff: float = 0.0, precision: Precision = "fp32",
+                 logprob_kernel: str = "auto", moe_aux_loss_coeff: float = 0.0, precision: Precision = "fp32",
                  overlap_grad_reduce: bool = True, grad_bucket_size: int | None = None):
         """`fused_logprobs`: on the last stage, the output projection fused with the log-probs
         (`fused_output_logprobs_entropy`: the same values and gradients without the whole logits) wherever the
         output layer allows it (`_fusable_output_layer`); elsewhere, or when False, the output layer's logits
         through `vocab_parallel_logprobs_entropy`. `logprob_vocab_block`: the fused path's shard rows per tile
-        (None: the whole shard); `logprob_kernel`: its tiles' elementwise work, "eager" or "compiled".
+        (None: the whole shard); `logprob_kernel`: its tiles' elementwise work, "eager" or "compiled" ("auto": by
+        the model's device, `fused_output_logprobs.default_kernel`).
         `distributed_optimizer`: megatron's distributed optimizer (gradients reduce-scattered, AdamW state and fp32
         main parameters sharded over data-parallel replicas, updated parameters all-gathered);
         `precision`: "fp32" (the exact reference) or "bf16" (bf16 parameters and compute, fp32 main parameters and
@@ -168,6 +169,7 @@ class MegatronPolicy:
         self.optimizer = build_optimizer(self.ddp_model, optim, precision, distributed_optimizer)
         wire_training(self.ddp_model, self.optimizer)
         self.device = next(self.model.parameters()).device  # collectives run on it (NCCL takes no CPU tensors)
+        self.logprob_kernel = resolve_kernel(logprob_kernel, self.device)  # "auto": compiled on CUDA, eager on a CPU
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.dp_group = ps.get_data_parallel_group()
         self.pp_group = ps.get_pipeline_model_parallel_group()
