@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from megarl.batch import RolloutBatch
+from megarl.trainer.batch_tensors import RESPONSE_PREFIX, BatchTensors, as_batch_tensors
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -28,29 +29,55 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def pack_batch(batch: RolloutBatch, pad_id: int, multiple: int = 1) -> dict[str, torch.Tensor]:
+def pack_batch(batch: RolloutBatch | BatchTensors, pad_id: int, multiple: int = 1) -> dict[str, torch.Tensor]:
     """Tensors of the whole global batch: tokens/targets/mask/old_logprobs `[N, S]`, advantages `[N]`; S is the
-    longest sequence rounded up to a multiple of `multiple` (sequence parallelism: TP; else 1)."""
-    seqs = [p + r for p, r in zip(batch.prompt_ids, batch.response_ids, strict=True)]
-    n, s = len(seqs), round_up(max(len(q) for q in seqs), multiple)
-    tokens = torch.full((n, s), pad_id, dtype=torch.long)
-    targets = torch.full((n, s), pad_id, dtype=torch.long)
-    mask = torch.zeros(n, s)
-    old = torch.zeros(n, s)
-    for i, (prompt, response, lps) in enumerate(
-        zip(batch.prompt_ids, batch.response_ids, batch.engine_logprobs, strict=True)
-    ):
-        seq = prompt + response
-        tokens[i, : len(seq)] = torch.tensor(seq)
-        targets[i, : len(seq) - 1] = torch.tensor(seq[1:])
-        first, last = len(prompt) - 1, len(seq) - 1  # positions predicting the response tokens
-        mask[i, first:last] = 1.0
-        old[i, first:last] = torch.tensor(lps, dtype=torch.float32)
-    lengths = torch.tensor([len(q) for q in seqs], dtype=torch.long)
+    longest sequence rounded up to a multiple of `multiple` (sequence parallelism: TP; else 1). `pack_tensors` of
+    the batch's flat tensors (`megarl.trainer.batch_tensors`)."""
+    return pack_tensors(as_batch_tensors(batch), pad_id, multiple)
+
+
+def _flat_positions(lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For segments of `lengths` laid end to end: each element's (segment, index within its segment)."""
+    total = int(lengths.sum())
+    segment = torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths, output_size=total)
+    starts = torch.cumsum(lengths, 0) - lengths
+    return segment, torch.arange(total, device=lengths.device) - starts[segment]
+
+
+def pack_tensors(batch: BatchTensors, pad_id: int, multiple: int = 1) -> dict[str, torch.Tensor]:
+    """`pack_batch` from the flat tensors, by indexed writes (no loop over samples), on the tensors' device:
+    `tokens [N, S]` (prompt + response, right-padded), `targets` (tokens shifted left by one), `mask` (1 at the
+    positions predicting a response token), `old_logprobs` (the engine's there), `advantages [N]`, `lengths [N]`,
+    `routed_experts [N, S, layers, k]` when the batch has routes (`pad_routed_experts`' layout), and each
+    per-response-token field `<name> [N, S]` (`RESPONSE_TOKEN_FIELDS`) where `old_logprobs` has the log-probs."""
+    t = batch.tensors
+    prompt, response = t["prompt_lengths"], t["response_lengths"]
+    lengths = prompt + response
+    n, s = len(lengths), round_up(int(lengths.max()), multiple)
+    device = lengths.device
+    row, col = _flat_positions(lengths)
+    tokens = torch.full((n, s), pad_id, dtype=torch.long, device=device)
+    tokens[row, col] = t["tokens"]
+    targets = torch.cat([tokens[:, 1:], torch.full((n, 1), pad_id, dtype=torch.long, device=device)], dim=1)
+    resp_row, j = _flat_positions(response)
+    resp_col = prompt[resp_row] - 1 + j  # the position predicting response token j
+    mask = torch.zeros(n, s, device=device)
+    mask[resp_row, resp_col] = 1.0
+    old = torch.zeros(n, s, device=device)
+    old[resp_row, resp_col] = t["engine_logprobs"]
     packed = {"tokens": tokens, "targets": targets, "mask": mask, "old_logprobs": old,
-              "advantages": batch.advantages.reshape(-1).float(), "lengths": lengths}
-    if batch.routed_experts is not None:
-        packed["routed_experts"] = pad_routed_experts(batch.routed_experts, lengths.tolist(), s)
+              "advantages": t["advantages"].float(), "lengths": lengths}
+    if "routed_experts" in t:  # routes of input token t at position t; filler where the engine gave none
+        routed = t["routed_experts"]
+        routes = _route_filler(n, routed)[:, None].repeat(1, s, 1, 1).to(device)
+        route_row, route_col = _flat_positions(t["route_lengths"])
+        routes[route_row, route_col] = routed
+        packed["routed_experts"] = routes
+    for key, values in t.items():
+        if key.startswith(RESPONSE_PREFIX):
+            field = torch.zeros(n, s, dtype=values.dtype, device=device)
+            field[resp_row, resp_col] = values
+            packed[key.removeprefix(RESPONSE_PREFIX)] = field
     return packed
 
 

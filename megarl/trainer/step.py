@@ -16,6 +16,7 @@ from megarl.algorithms.registry import Algorithm
 from megarl.batch import RolloutBatch
 from megarl.config.schema import Config, TrainerConfig
 from megarl.metrics import mismatch
+from megarl.trainer.batch_tensors import BatchTensors, as_batch_tensors
 from megarl.trainer.batching import (
     microbatch_plan,
     microbatch_widths,
@@ -69,13 +70,18 @@ def recompute_old_logprobs(policy, mbs: list[dict[str, torch.Tensor]]) -> None:
 
 
 def train_on_batch(
-    policy, batch: RolloutBatch, algorithm: Algorithm, cfg: Config, pad_id: int, dp_rank: int, dp_size: int,
-    lag: int,
+    policy, batch: RolloutBatch | BatchTensors, algorithm: Algorithm, cfg: Config, pad_id: int, dp_rank: int,
+    dp_size: int, lag: int,
 ) -> dict[str, float]:
+    """One optimizer step on `batch`: a `RolloutBatch`, or its flat tensors as every rank receives them
+    (`megarl.trainer.batch_tensors.broadcast_batch`; packed on the host, where the microbatches are cut)."""
     multiple = sequence_multiple(policy.model.config)
+    batch = as_batch_tensors(batch)
+    batch = BatchTensors(batch.meta, {k: v.cpu() for k, v in batch.tensors.items()})
     tensors = pack_batch(batch, pad_id, multiple)
+    rewards = batch.rewards
     # per-sequence 0/1 weights (off-policy GRPO drops zero-variance groups; all ones for the others)
-    tensors["seq_mask"] = algorithm.sequence_mask(batch.rewards, cfg.algorithm).expand_as(batch.rewards).reshape(-1)
+    tensors["seq_mask"] = algorithm.sequence_mask(rewards, cfg.algorithm).expand_as(rewards).reshape(-1)
     num_tokens = float(tensors["mask"].sum())  # response tokens of the GLOBAL batch
     t = cfg.trainer
     lengths = tensors["lengths"].tolist()
@@ -108,7 +114,7 @@ def train_on_batch(
     metrics.update(plan_padding(lengths, plan, widths, t.pack_sequences))
     metrics.setdefault("clip_frac", 0.0)  # algorithms without clipping clip nothing
     if batch.routed_experts is not None:  # routing replay: bytes of the expert indices the batch carries
-        metrics["replay/index_bytes"] = sum(index_bytes(r) for r in batch.routed_experts)
+        metrics["replay/index_bytes"] = index_bytes(batch.routed_experts)
     metrics = mismatch.finish(metrics)  # the summed log-ratio histogram -> ratio quantiles (scalars only)
     # lag 0: the trainer's current weights are the behaviour weights, so the mismatch is pure numerics
     metrics["mismatch/at_behaviour_weights"] = int(lag == 0)
