@@ -36,17 +36,28 @@ def _batch(route_dtype: torch.dtype) -> RolloutBatch:
                         token_versions=versions)
 
 
-def _rank(rank, world, route_dtype):
+ROUTE_DTYPES = (torch.uint8, torch.int16)
+
+
+def _rank(rank, world):
     from megarl.trainer.batch_tensors import broadcast_batch
 
-    got = broadcast_batch(_batch(route_dtype) if rank == 0 else None, torch.device("cpu"))
-    return got.meta, got.tensors
+    out = []
+    for route_dtype in ROUTE_DTYPES:  # one batch after the other through the same pair of ranks
+        got = broadcast_batch(_batch(route_dtype) if rank == 0 else None, torch.device("cpu"))
+        out.append((got.meta, got.tensors))
+    return out
 
 
-@pytest.mark.parametrize("route_dtype", [torch.uint8, torch.int16])
-def test_received_tensors_equal_the_senders_and_the_lists(route_dtype):
-    (meta0, sent), (meta1, received) = run_distributed(_rank, 2, route_dtype)
-    batch = _batch(route_dtype)
+@pytest.fixture(scope="module")
+def broadcasts():
+    return run_distributed(_rank, 2)
+
+
+@pytest.mark.parametrize("case", range(len(ROUTE_DTYPES)))
+def test_received_tensors_equal_the_senders_and_the_lists(broadcasts, case):
+    (meta0, sent), (meta1, received) = broadcasts[0][case], broadcasts[1][case]
+    batch = _batch(ROUTE_DTYPES[case])
     expected = {
         "tokens": torch.tensor([t for p, r in zip(PROMPTS, RESPONSES, strict=True) for t in p + r]),
         "prompt_lengths": torch.tensor([len(p) for p in PROMPTS]),
