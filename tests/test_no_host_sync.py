@@ -15,9 +15,10 @@ tiny dense and MoE Qwen3 checkpoints): it sees every aten op the loop runs, back
 
 The steps cover count-based, token-budget and packed microbatches, a token-level loss with a token-level correction,
 a sequence-level loss with a sequence-level correction, the trainer's own old log-probs (the forward-only loop), and
-MoE routing. The test fails on the code before this change (run once against it, 2026-11-28: 28 syncs, the mismatch
-monitor's boolean-mask `aten.index` and `aten.bincount` on every microbatch; its per-microbatch `.cpu()` of the
-log-probs cannot show on a CPU, where it is no copy, and shows as `aten._to_copy` on a GPU).
+MoE routing; unpacked microbatches are run without an attention mask (the attention is causal), packed ones with
+their block-diagonal mask. The test fails on the code before this change (run once against it, 2026-11-28: 28 syncs,
+the mismatch monitor's boolean-mask `aten.index` and `aten.bincount` on every microbatch; its per-microbatch `.cpu()`
+of the log-probs cannot show on a CPU, where it is no copy, and shows as `aten._to_copy` on a GPU).
 
 Documented exceptions inside megatron-core 0.16.1 are listed in `MEGATRON_SYNCS`, each with the reason; none is
 hidden: an exception matches one op name AND one megatron source file on the op's Python stack.
@@ -135,6 +136,10 @@ def _rank(rank, world, port, hf_dirs, responses):
                 return counters[-1]
 
             policy.microbatch_loop_context = count
+            masks: list = []  # the attention mask each microbatch is run with (GPTModel's third argument)
+            policy.model.register_forward_pre_hook(
+                lambda _module, args, masks=masks: masks.append(None if args[2] is None else
+                                                                (tuple(args[2].shape), args[2].dtype)))
             for label, step_kind, name, corr, options, old in STEPS:
                 if step_kind != kind:
                     continue
@@ -145,8 +150,9 @@ def _rank(rank, world, port, hf_dirs, responses):
                 cfg = Config(model=ModelConfig(hf_dir=hf_dirs[kind]), algorithm=algo_cfg,
                              trainer=TrainerConfig(world_size=world, **options))
                 counters.clear()
+                masks.clear()
                 metrics = train_on_batch(policy, batch, algorithm, cfg, PAD, 0, 1, lag=0)
-                results[label] = ([(c.ops, c.syncs) for c in counters], metrics)
+                results[label] = ([(c.ops, c.syncs) for c in counters], metrics, list(masks))
         finally:
             destroy_trainer_groups()
     return results
@@ -163,7 +169,12 @@ def test_no_host_sync_inside_the_microbatch_loop(hf_dirs):
                                  init_dist=False)
     assert set(results) == {s[0] for s in STEPS}
     failures = []
-    for label, (loops, metrics) in results.items():
+    for label, (loops, metrics, masks) in results.items():
+        # no dense causal mask for a padded row (megatron masks causally itself); a packed row's block-diagonal one
+        if "packed" in label:
+            assert masks and all(m is not None and m[0][:2] == (1, 1) and m[1] == torch.bool for m in masks), masks
+        else:
+            assert masks and all(m is None for m in masks), f"{label}: {masks}"
         # one loop per schedule run: the training step's, and the forward-only recompute's before it
         want_loops = 2 if "trainer old" in label else 1
         assert len(loops) == want_loops, f"{label}: {len(loops)} microbatch loops, expected {want_loops}"
