@@ -285,12 +285,6 @@ def check_against_model(cfg: Config, hf: dict[str, Any], cuda: bool) -> None:
     length = sequence_length_problem(cfg, hf)
     if length is not None:
         problems.append(length)
-    if t.pack_sequences and cuda:
-        problems.append(
-            "trainer.pack_sequences=true on a GPU: Transformer Engine's attention ignores the block-diagonal mask "
-            "packing relies on (it needs THD packed-sequence parameters, not implemented yet); set "
-            "trainer.pack_sequences=false"
-        )
     if cuda and not problems:  # a layout that is valid otherwise: can each vLLM rank take a push beside vLLM?
         for problem in (push_memory_problem(cfg, hf), host_memory_problem(cfg, hf)):
             if problem is not None:

@@ -6,7 +6,8 @@
         if the schedule pushes the trainer's weights now: wait until the fleet has finished every batch of
         the older weights, let lost replicas out and restarted ones in (`megarl.rollout.membership`), then push
         (a partitioned broadcast from every trainer rank);
-        take batch l (waiting only if it is not ready), add its advantages, broadcast it to all trainer ranks;
+        take batch l (waiting only if it is not ready), add its advantages, broadcast it to all trainer ranks
+        (as tensors: `megarl.trainer.batch_tensors`);
         one optimizer step on it (policy version += 1); rank 0 records the step and the timeline;
         every checkpoint.interval steps (where the fleet holds no state) all ranks save a checkpoint.
 """
@@ -43,17 +44,12 @@ from megarl.rollout.membership import Roster, after_push, before_push
 from megarl.rollout.worker import RolloutWorker
 from megarl.sync.schedule import SyncSchedule
 from megarl.sync.weight_sync import SyncStats
+from megarl.trainer.batch_tensors import broadcast_batch
 from megarl.trainer.step import train_on_batch
 
 
 class NonFiniteStepsError(FloatingPointError):
     """Too many consecutive steps with a non-finite gradient norm (trainer.max_skipped_steps)."""
-
-
-def _broadcast(obj: Any, rank: int) -> Any:
-    box = [obj if rank == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 REWARD_FLAGS = (UNPARSABLE, GOLD_UNPARSABLE)  # recorded every step (0 when the reward flags nothing)
@@ -207,11 +203,11 @@ def run_loop(cfg: Config, rank: int, policy, weight_sync,
             with _span(timeline, "trainer", "train", f"step {step}"):  # advantages, broadcast, optimizer step
                 if batch is not None:
                     batch = with_advantages(batch, algorithm, cfg.algorithm)
-                batch = _broadcast(batch, rank)
-                lag = policy.version - batch.policy_version
-                record.update({"batch/generation_version": batch.policy_version, "batch_lag": lag,
-                               **batch_metrics(batch, REWARD_FLAGS)})
-                record.update(train_on_batch(policy, batch, algorithm, cfg, pad_id, *dp, lag=lag))
+                    record.update(batch_metrics(batch, REWARD_FLAGS))  # rank 0's record is the one written
+                step_batch = broadcast_batch(batch, policy.device)  # rank 0's batch, as tensors on every rank
+                lag = policy.version - step_batch.policy_version
+                record.update({"batch/generation_version": step_batch.policy_version, "batch_lag": lag})
+                record.update(train_on_batch(policy, step_batch, algorithm, cfg, pad_id, *dp, lag=lag))
             record.update(_sync_metrics(syncs))
             record["sync/versions"] = [s.version for s in syncs]
             if syncs:  # what each replica in the sync reports serving after this step's last push

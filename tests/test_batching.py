@@ -214,3 +214,41 @@ def test_the_width_multiple_is_tp_exactly_when_megatron_runs_sequence_parallel(e
     config = transformer_config_from_hf(hf, tp, 1, 1)
     assert config.sequence_parallel == (multiple > 1)
     assert sequence_multiple(config) == multiple
+
+
+def test_packed_row_carries_thd_cumulative_lengths_for_transformer_engine():
+    """`pack_microbatch`'s `packed_cu_seqlens`: each sequence's start in the row, then the row's end, the trailing
+    padding a last sequence of its own (hand count); `thd_params` turns them into megatron's `PackedSeqParams` in
+    the `thd` format with the longest sequence as max_seqlen (what Transformer Engine's attention and fused RoPE
+    take instead of the block-diagonal mask)."""
+    import torch
+
+    from megarl.trainer.batching import pack_microbatch, thd_params
+
+    tokens = torch.arange(15).reshape(3, 5)
+    mb = {"tokens": tokens, "targets": tokens + 1, "lengths": torch.tensor([5, 2, 4])}
+    packed = pack_microbatch(mb, length=12, pad_id=0)
+    cu = packed["packed_cu_seqlens"]
+    assert cu.tolist() == [0, 5, 7, 11, 12] and cu.dtype == torch.int32
+    full = pack_microbatch(mb, length=11, pad_id=0)  # no padding: no extra sequence
+    assert full["packed_cu_seqlens"].tolist() == [0, 5, 7, 11]
+    params = thd_params(packed["packed_cu_seqlens"])
+    assert params.qkv_format == "thd" and params.max_seqlen_q == params.max_seqlen_kv == 5
+    assert params.cu_seqlens_q is params.cu_seqlens_kv is packed["packed_cu_seqlens"]
+
+
+def test_packed_rows_attend_by_mask_on_the_local_spec_and_by_thd_on_te():
+    import torch
+
+    from megarl.trainer.batching import pack_microbatch
+    from megarl.trainer.policy import attention_inputs
+
+    tokens = torch.arange(6).reshape(2, 3)
+    plain = {"tokens": tokens, "targets": tokens, "lengths": torch.tensor([3, 2])}
+    packed = pack_microbatch(plain, length=6, pad_id=0)
+    assert attention_inputs(plain, 3, torch.device("cpu"), "te") == (None, None)  # causal: no mask either way
+    mask, thd = attention_inputs(packed, 6, torch.device("cpu"), "local")
+    assert thd is None and mask.shape == (1, 1, 6, 6)
+    assert not mask[0, 0, 4, 3] and mask[0, 0, 3, 2] and mask[0, 0, 3, 4]  # own sequence, earlier: attended
+    mask, thd = attention_inputs(packed, 6, torch.device("cpu"), "te")
+    assert mask is None and thd.qkv_format == "thd" and thd.cu_seqlens_q.tolist() == [0, 3, 5, 6]

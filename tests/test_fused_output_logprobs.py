@@ -17,11 +17,13 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from megarl.parallel.fused_output_logprobs import fused_output_logprobs_entropy
 from megarl.parallel.vocab_logprobs import vocab_parallel_logprobs_entropy
@@ -249,3 +251,63 @@ def test_peak_memory_far_below_the_unfused_path():
     # blocks of 2,048 rows: 256 x 2,048 tiles (2 MiB each) instead of 256 x 32,768 (32 MiB); the weight
     # gradient (8 MiB) and dL/dh (1 MiB) stay
     assert blocks < 0.5 * fused
+
+
+class _OpCount(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_no_entropy_backward_without_an_entropy_term():
+    """`entropy_grad=False` (the trainer's, whose losses have no entropy term): the same log-probs and entropy, the
+    entropy without `grad_fn`, and a gradient of a log-prob-only loss exactly equal to the one with the entropy
+    differentiable (where the backward gets a zero entropy gradient), and to the dense reference's; the backward
+    runs fewer ops (the entropy term is not computed). Fused (eager and compiled tiles) and unfused paths."""
+    hidden, weight, targets, mask, w_lp, _ = _inputs()
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    logsm = torch.log_softmax(h @ w[:V_REAL].t(), dim=-1)
+    (logsm.gather(-1, targets[..., None]).squeeze(-1) * w_lp * mask).sum().backward()
+    ref_gh, ref_gw = h.grad, w.grad
+
+    def run(path: str, entropy_grad: bool):
+        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        if path == "unfused":
+            logits = (h @ w.t()).clone()
+            logits[..., V_REAL:] = torch.finfo(logits.dtype).min
+            lp, ent = vocab_parallel_logprobs_entropy(logits, targets, None, 7, entropy_grad=entropy_grad)
+        else:
+            lp, ent = fused_output_logprobs_entropy(h, w, targets, None, 7, V_REAL, vocab_block=5, kernel=path,
+                                                    entropy_grad=entropy_grad)
+        counter = _OpCount()  # torch.compile refuses to run under a dispatch mode: compiled tiles are not counted
+        with counter if path != "compiled" else nullcontext():
+            (lp * w_lp * mask).sum().backward()
+        return lp.detach(), ent, h.grad, w.grad, counter.ops
+
+    for path in ("eager", "compiled", "unfused"):
+        lp, ent, gh, gw, ops = run(path, entropy_grad=True)
+        lp0, ent0, gh0, gw0, ops0 = run(path, entropy_grad=False)
+        assert ent.grad_fn is not None and ent0.grad_fn is None and not ent0.requires_grad, path
+        assert torch.equal(lp0, lp) and torch.equal(ent0, ent.detach()), path
+        assert torch.equal(gh0, gh) and torch.equal(gw0, gw), path
+        torch.testing.assert_close(gh0, ref_gh, atol=1e-5 * float(ref_gh.abs().max()), rtol=0)
+        torch.testing.assert_close(gw0, ref_gw, atol=1e-5 * float(ref_gw.abs().max()), rtol=0)
+        if path != "compiled":
+            assert ops0 < ops, f"{path}: {ops0} backward ops without the entropy term, {ops} with it"
+
+
+def test_kernel_default_follows_the_device():
+    """`trainer.logprob_kernel` defaults to "auto": compiled tiles on CUDA, eager ones on a CPU, decided by the
+    device the rank trains on; an explicit kernel is kept on either."""
+    from megarl.config.schema import TrainerConfig
+    from megarl.parallel.fused_output_logprobs import default_kernel, resolve_kernel
+
+    assert TrainerConfig().logprob_kernel == "auto"
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert (default_kernel(cuda), default_kernel(cpu)) == ("compiled", "eager")
+    assert (resolve_kernel("auto", cuda), resolve_kernel("auto", cpu)) == ("compiled", "eager")
+    assert resolve_kernel("eager", cuda) == "eager" and resolve_kernel("compiled", cpu) == "compiled"

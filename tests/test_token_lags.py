@@ -109,5 +109,5 @@ def test_pack_batch_aligns_versions_with_the_response_tokens():
     assert "token_versions" not in pack_batch(
         RolloutBatch(**{**batch.__dict__, "token_versions": None}), pad_id=0)
     short = [*TV[:3], TokenVersions(((3, 1), (4, 1)))]  # 2 versions recorded for a 3-token response
-    with pytest.raises(ValueError, match="sample 3: token_versions cover 2 tokens, the response has 3"):
+    with pytest.raises(ValueError, match="sample 3: 2 token_versions for a response of 3 tokens"):
         pack_batch(RolloutBatch(**{**batch.__dict__, "token_versions": short}), pad_id=0)

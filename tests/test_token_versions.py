@@ -18,3 +18,21 @@ def test_runs_expand_to_one_version_per_token():
 def test_bad_runs_are_refused(runs):
     with pytest.raises(ValueError, match="TokenVersions"):
         TokenVersions(runs)
+
+
+def test_the_flat_tensors_every_rank_receives_give_back_the_same_records():
+    """`BatchTensors.token_versions` (what a trainer rank rebuilds from the broadcast tensors) equals the records the
+    rollout side wrote, an empty response included."""
+    import torch
+
+    from megarl.batch import RolloutBatch
+    from megarl.trainer.batch_tensors import batch_to_tensors
+
+    records = [TokenVersions(((3, 2), (4, 1))), TokenVersions.single(4, 1), TokenVersions(()),
+               TokenVersions(((2, 1), (3, 1), (4, 2)))]
+    responses = [[1, 2, 3], [4], [], [5, 6, 7, 8]]
+    batch = RolloutBatch(index=0, prompt_ids=[[9]] * 4, response_ids=responses,
+                         engine_logprobs=[[-0.1] * len(r) for r in responses], rewards=torch.zeros(2, 2),
+                         advantages=torch.zeros(2, 2), policy_version=2, token_versions=records)
+    assert batch_to_tensors(batch).token_versions == records
+    assert batch_to_tensors(RolloutBatch(**{**batch.__dict__, "token_versions": None})).token_versions is None

@@ -100,11 +100,13 @@ class TrainerConfig(_Strict):
         "same values and gradients either way; at 32k tokens, hidden 2,048, fp32 it peaks at 1.85 GiB where the "
         "whole shard peaks at 3.17 GiB (projected from CPU runs; docs/benchmarks.md, 'bench logprob --hidden').",
     )
-    logprob_kernel: Literal["eager", "compiled"] = Field(
-        "eager", description="The fused output log-prob's elementwise work per tile (fp32 upcast, max, exp, sums; "
+    logprob_kernel: Literal["auto", "eager", "compiled"] = Field(
+        "auto", description="The fused output log-prob's elementwise work per tile (fp32 upcast, max, exp, sums; "
         "dL/dz in backward): 'eager' runs it op by op, each op a pass through memory; 'compiled' through "
         "torch.compile (Triton kernels on a GPU, compiled once per rank at the first step). The matrix products "
-        "are the same; results equal to fp32 rounding.",
+        "are the same; results equal to fp32 rounding. 'auto' (default): decided on each trainer rank by the device "
+        "it trains on, 'compiled' on CUDA and 'eager' on a CPU (`megarl.parallel.fused_output_logprobs."
+        "default_kernel`).",
     )
     cpu_threads: int = Field(
         0, ge=0, description="torch intra-op threads per trainer rank on a machine without a GPU; 0 = the cores "
@@ -115,10 +117,12 @@ class TrainerConfig(_Strict):
     )
     pack_sequences: bool = Field(
         False, description="Feed each microbatch to the model as ONE row: its sequences cut to their real length "
-        "and concatenated, with a block-diagonal causal mask (no projection/MLP compute on padding; attention is a "
-        "dense masked row). Losses still see one row per response, so sequence-level quantities (GSPO, OAPL) are "
-        "per whole response. The recompute of algorithm.old_logprobs=trainer runs over the same packed microbatches. "
-        "Local (CPU) layer spec only: Transformer Engine needs THD packed-sequence parameters, not implemented yet.",
+        "and concatenated (no projection/MLP compute on padding), each sequence attending only to itself: on "
+        "megatron's local spec (CPU) through a block-diagonal causal mask (attention is a dense masked row), on "
+        "Transformer Engine's through THD packed-sequence parameters (megatron's PackedSeqParams: cumulative "
+        "sequence lengths, no mask; written, not run: no machine here has TE). Losses still see one row per "
+        "response, so sequence-level quantities (GSPO, OAPL) are per whole response. The recompute of "
+        "algorithm.old_logprobs=trainer runs over the same packed microbatches.",
     )
     precision: Literal["fp32", "bf16"] = Field(
         "fp32", description="The trainer's numerics, through megatron-core's own stack either way (its DDP, "

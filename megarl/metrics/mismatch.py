@@ -66,15 +66,21 @@ def token_contributions(logp_trainer: torch.Tensor, logp_engine: torch.Tensor, m
     """One microbatch's share of the batch statistics: `[B, S]` log-probs and 0/1 `mask` (response tokens),
     `num_tokens` = response tokens of the whole (global) batch. Means come back as sums over this microbatch's
     tokens divided by `num_tokens`, the histogram as raw counts (float64 `[NUM_BINS]`); summing the dicts of every
-    microbatch and rank gives the batch's, for `finish`."""
+    microbatch and rank gives the batch's, for `finish`. Computed where the log-probs are (the model's device), with
+    shapes that do not depend on the mask, so nothing waits on the device."""
     keep = mask.detach().bool()
-    delta = (logp_trainer.detach().double() - logp_engine.detach().double())[keep]
+    delta = logp_trainer.detach().double() - logp_engine.detach().double()
+    delta = torch.where(keep, delta, torch.zeros_like(delta))  # 0 off the response: adds 0 to every sum below
     ratio = torch.exp(delta)
+    outside = ((ratio < 0.5) | (ratio > 2)) & keep
+    # fixed shapes only (no boolean-mask indexing, no bincount): nothing here waits for the device to finish
+    hist = torch.zeros(NUM_BINS, dtype=torch.float64, device=delta.device)
+    hist.scatter_add_(0, log_ratio_bins(delta).reshape(-1), keep.to(torch.float64).reshape(-1))
     return {
         PREFIX + "abs_diff_mean": delta.abs().sum() / num_tokens,
         PREFIX + "k3_kl": (ratio - 1 - delta).sum() / num_tokens,
-        PREFIX + "ratio_outside_0.5_2": ((ratio < 0.5) | (ratio > 2)).sum().double() / num_tokens,
-        HIST_KEY: torch.bincount(log_ratio_bins(delta), minlength=NUM_BINS).double(),
+        PREFIX + "ratio_outside_0.5_2": outside.sum().double() / num_tokens,
+        HIST_KEY: hist,
     }
 
 

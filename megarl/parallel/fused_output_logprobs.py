@@ -98,10 +98,11 @@ class FusedOutputLogprobMath:
 
     @staticmethod
     def tile_grad(z: torch.Tensor, shift: torch.Tensor, log_z: torch.Tensor, mean_z: torch.Tensor,
-                  grad_logp: torch.Tensor, grad_entropy: torch.Tensor, in_tile: torch.Tensor,
+                  grad_logp: torch.Tensor, grad_entropy: torch.Tensor | None, in_tile: torch.Tensor,
                   local_target: torch.Tensor) -> torch.Tensor:
         """One tile's recomputed logits (the weight's dtype) -> dL/dz in that dtype (what the unfused output
-        layer's backward receives), from the forward's per-token statistics; the math in fp32."""
+        layer's backward receives), from the forward's per-token statistics; the math in fp32. `grad_entropy`
+        None: the entropy carries no gradient and its term is skipped (`VocabParallelLogprobMath.grad_logits`)."""
         grad = VocabParallelLogprobMath.grad_logits(z.float().sub_(shift[:, None]), log_z, mean_z, grad_logp,
                                                     grad_entropy, in_tile, local_target)
         return grad.to(z.dtype)
@@ -133,6 +134,18 @@ class FusedOutputLogprobMath:
 _COMPILED: dict[str, Callable] = {}
 
 
+def default_kernel(device: torch.device) -> Kernel:
+    """The tile kernel `kernel="auto"` (`trainer.logprob_kernel`'s default) means on `device`: "compiled" on CUDA
+    (Triton's fused kernels: each tile's elementwise work in one pass instead of several through memory), "eager"
+    elsewhere (a CPU: no compilation at a rank's first step)."""
+    return "compiled" if device.type == "cuda" else "eager"
+
+
+def resolve_kernel(kernel: Kernel | Literal["auto"], device: torch.device) -> Kernel:
+    """`kernel`, with "auto" replaced by `default_kernel(device)`."""
+    return default_kernel(device) if kernel == "auto" else kernel
+
+
 def tile_kernels(kernel: Kernel) -> tuple[Callable, Callable]:
     """(tile_stats, tile_grad) as written ("eager") or through `torch.compile` ("compiled"; compiled once per
     process, with dynamic shapes: the last chunk and the last block of a shard are narrower)."""
@@ -153,7 +166,7 @@ class _FusedOutputLogprobEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                 group: dist.ProcessGroup | None, chunk_size: int, valid: int, sequence_parallel: bool,
-                vocab_block: int | None, kernel: Kernel) -> tuple[torch.Tensor, torch.Tensor]:
+                vocab_block: int | None, kernel: Kernel, entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
         math, fused = VocabParallelLogprobMath, FusedOutputLogprobMath
         tile_stats, _ = tile_kernels(kernel)
         h = fused.gather_sequence(hidden, group) if sequence_parallel else hidden
@@ -182,7 +195,9 @@ class _FusedOutputLogprobEntropy(torch.autograd.Function):
             shift[rows] = m
         ctx.save_for_backward(hidden, weight, targets, shift, log_z, mean_z)
         ctx.group, ctx.chunk_size, ctx.valid, ctx.sequence_parallel = group, chunk_size, valid, sequence_parallel
-        ctx.start, ctx.blocks, ctx.kernel = start, blocks, kernel
+        ctx.start, ctx.blocks, ctx.kernel, ctx.entropy_grad = start, blocks, kernel, entropy_grad
+        if not entropy_grad:
+            ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
     @staticmethod
@@ -207,7 +222,7 @@ class _FusedOutputLogprobEntropy(torch.autograd.Function):
                 rows = slice(lo, lo + ctx.chunk_size)
                 in_tile, local_target = math.target_in_shard(targets[rows], ctx.start + vlo, ctx.start + vhi)
                 grad_z = tile_grad(h[rows] @ w_b.t(), shift[rows], log_z[rows], mean_z[rows], grad_logp[rows],
-                                   grad_entropy[rows], in_tile, local_target)
+                                   grad_entropy[rows] if ctx.entropy_grad else None, in_tile, local_target)
                 fused.accumulate(grad_h[rows], grad_z, w_b)
                 if acc is not None:
                     fused.accumulate(acc, grad_z.t(), h[rows])
@@ -215,13 +230,13 @@ class _FusedOutputLogprobEntropy(torch.autograd.Function):
                 grad_weight[vlo:vhi] = acc
         grad_h = grad_h.to(h.dtype)
         grad_hidden = fused.reduce_input_grad(grad_h, ctx.group, ctx.sequence_parallel).reshape(hidden.shape)
-        return grad_hidden, grad_weight, None, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None, None
 
 
 def fused_output_logprobs_entropy(
     hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, group: dist.ProcessGroup | None,
     chunk_size: int = 4096, valid_vocab: int | None = None, sequence_parallel: bool = False,
-    vocab_block: int | None = None, kernel: Kernel = "eager",
+    vocab_block: int | None = None, kernel: Kernel = "eager", entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`hidden [..., h]` (the output layer's input; with `sequence_parallel`, this rank's slice of dim 0),
     `weight [V/tp, h]` (this rank's output-weight shard, rows `rank*V/tp ...`), `targets [...]` (global token
@@ -231,11 +246,13 @@ def fused_output_logprobs_entropy(
     `vocab_block`: shard rows per tile (None: the whole shard). Peak extra memory: a few `chunk_size x
     vocab_block` fp32 buffers, a `vocab_block x h` fp32 weight-gradient accumulator (none for an fp32 weight,
     whose gradient is accumulated in place), dL/dh (in fp32 when there are several blocks). `kernel`: the
-    tiles' elementwise work as written ("eager") or through `torch.compile` ("compiled")."""
+    tiles' elementwise work as written ("eager") or through `torch.compile` ("compiled"). `entropy_grad` False: the
+    entropy comes back without gradient (no `grad_fn`; for a loss without an entropy term) and the backward skips
+    its term (`tile_grad` without `grad_entropy`); the values, and the log-probs' gradient, are the same."""
     valid = weight.shape[0] if valid_vocab is None else valid_vocab
     if vocab_block is not None and vocab_block < 1:
         raise ValueError(f"vocab_block must be a positive number of rows or None (the whole shard), got {vocab_block}")
     tile_kernels(kernel)  # an unknown kernel fails here, before any work
     logp, entropy = _FusedOutputLogprobEntropy.apply(hidden, weight, targets.reshape(-1), group, chunk_size,
-                                                     valid, sequence_parallel, vocab_block, kernel)
+                                                     valid, sequence_parallel, vocab_block, kernel, entropy_grad)
     return logp.reshape(targets.shape), entropy.reshape(targets.shape)

@@ -67,11 +67,17 @@ class VocabParallelLogprobMath:
 
     @staticmethod
     def grad_logits(z: torch.Tensor, log_z: torch.Tensor, mean_z: torch.Tensor, grad_logp: torch.Tensor,
-                    grad_entropy: torch.Tensor, in_shard: torch.Tensor, local_target: torch.Tensor) -> torch.Tensor:
+                    grad_entropy: torch.Tensor | None, in_shard: torch.Tensor,
+                    local_target: torch.Tensor) -> torch.Tensor:
         """dL/dz_k = g_logp (1[k=y] - p_k) + g_H p_k (E_p[z] - z_k), with p_k = exp(z_k - log Z) recomputed.
-        The gradient is written over `z` (the caller's temporary): one more `[n, V/tp]` buffer, `p`, not four."""
+        The gradient is written over `z` (the caller's temporary): one more `[n, V/tp]` buffer, `p`, not four.
+        `grad_entropy` None: the entropy carries no gradient (`entropy_grad=False`), and its term is not computed:
+        the result equals the one for a zero `grad_entropy` exactly (`0 - g` is `-g`)."""
         p = (z - log_z[:, None]).exp_()
-        grad = z.sub_(mean_z[:, None]).mul_(-grad_entropy[:, None]).sub_(grad_logp[:, None]).mul_(p)
+        if grad_entropy is None:
+            grad = p.mul_(-grad_logp[:, None])
+        else:
+            grad = z.sub_(mean_z[:, None]).mul_(-grad_entropy[:, None]).sub_(grad_logp[:, None]).mul_(p)
         # + g_logp at the target column, for the tokens whose target is in this shard (+0 elsewhere: exact);
         # no data-dependent shapes, so torch.compile takes it whole (`fused_output_logprobs`' compiled tiles)
         return grad.scatter_add_(-1, local_target[:, None], (grad_logp * in_shard)[:, None])
@@ -82,7 +88,7 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, group: dist.ProcessGroup | None,
-                chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+                chunk_size: int, entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
         math = VocabParallelLogprobMath
         start, stop = _vocab_range(logits.shape[-1], group)
         # per token: the outputs, and the softmax statistics kept for backward (m, log Z, E_p[z - m])
@@ -95,7 +101,9 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
             sums = math.global_sums(z, in_shard, local_target, group)
             logp[rows], entropy[rows], log_z[rows], mean_z[rows] = math.logprob_entropy(*sums)
         ctx.save_for_backward(logits, targets, shift, log_z, mean_z)
-        ctx.chunk_size, ctx.start, ctx.stop = chunk_size, start, stop
+        ctx.chunk_size, ctx.start, ctx.stop, ctx.entropy_grad = chunk_size, start, stop, entropy_grad
+        if not entropy_grad:
+            ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
     @staticmethod
@@ -107,19 +115,22 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
             rows = slice(lo, lo + ctx.chunk_size)
             z = logits[rows].float() - shift[rows, None]
             in_shard, local_target = math.target_in_shard(targets[rows], ctx.start, ctx.stop)
-            grad[rows] = math.grad_logits(z, log_z[rows], mean_z[rows], grad_logp[rows], grad_entropy[rows],
-                                          in_shard, local_target)
-        return grad, None, None, None
+            grad[rows] = math.grad_logits(z, log_z[rows], mean_z[rows], grad_logp[rows],
+                                          grad_entropy[rows] if ctx.entropy_grad else None, in_shard, local_target)
+        return grad, None, None, None, None
 
 
 def vocab_parallel_logprobs_entropy(
-    logits_shard: torch.Tensor, targets: torch.Tensor, group: dist.ProcessGroup | None, chunk_size: int = 4096
+    logits_shard: torch.Tensor, targets: torch.Tensor, group: dist.ProcessGroup | None, chunk_size: int = 4096,
+    entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`logits_shard [..., V/tp]` (this rank's vocabulary slice, any float dtype), `targets [...]` (global
     token ids, long) -> `(logprobs [...], entropy [...])` in fp32, differentiable w.r.t. the logits (the
     gradient comes back in the logits' dtype). `group` is the tensor-parallel group the vocabulary is split
-    over (None: the shard is the whole vocabulary). Peak extra memory: a few `chunk_size x V/tp` fp32 buffers."""
+    over (None: the shard is the whole vocabulary). Peak extra memory: a few `chunk_size x V/tp` fp32 buffers.
+    `entropy_grad` False: the entropy comes back without gradient (no `grad_fn`; for a loss that has no entropy
+    term) and the backward skips its term; the values are the same."""
     lead = targets.shape
     flat = logits_shard.reshape(-1, logits_shard.shape[-1])
-    logp, ent = _VocabParallelLogprobEntropy.apply(flat, targets.reshape(-1), group, chunk_size)
+    logp, ent = _VocabParallelLogprobEntropy.apply(flat, targets.reshape(-1), group, chunk_size, entropy_grad)
     return logp.reshape(lead), ent.reshape(lead)

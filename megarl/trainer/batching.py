@@ -5,10 +5,11 @@ Token layout per sequence: `tokens = prompt + response` (right-padded); position
 `old_logprobs[t]` is the engine's log-prob of that token.
 
 Packed microbatches (`trainer.pack_sequences`): the model sees the microbatch's sequences, each cut to
-its real length, concatenated into ONE row (no padding inside), with a block-diagonal causal mask so a
-sequence attends only to itself. The losses still see one row per response: the model's per-token
-log-probs are gathered back into the `[b, S]` layout (`unpack_index`), so GSPO/OAPL sequence quantities
-are per whole response, whatever the packing.
+its real length, concatenated into ONE row (no padding inside), so a sequence attends only to itself: on the
+local spec through a block-diagonal causal mask, on Transformer Engine's through THD packed-sequence parameters
+(megatron's `PackedSeqParams`, the sequences' cumulative lengths: `thd_params`). The losses still see one row per
+response: the model's per-token log-probs are gathered back into the `[b, S]` layout (`unpack_index`), so
+GSPO/OAPL sequence quantities are per whole response, whatever the packing.
 
 Sequence parallelism (megatron's, on for MoE at TP > 1: `megarl.models.qwen_provider`) scatters each microbatch
 along the sequence over the TP ranks and asserts that its length divides by TP: with it, every row length the model
@@ -21,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from megarl.batch import RolloutBatch
-from megarl.token_versions import TokenVersions
+from megarl.trainer.batch_tensors import RESPONSE_PREFIX, RESPONSE_TOKEN_FIELDS, BatchTensors, as_batch_tensors
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -29,45 +30,57 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def pack_batch(batch: RolloutBatch, pad_id: int, multiple: int = 1) -> dict[str, torch.Tensor]:
+def pack_batch(batch: RolloutBatch | BatchTensors, pad_id: int, multiple: int = 1) -> dict[str, torch.Tensor]:
     """Tensors of the whole global batch: tokens/targets/mask/old_logprobs `[N, S]`, advantages `[N]`; S is the
-    longest sequence rounded up to a multiple of `multiple` (sequence parallelism: TP; else 1)."""
-    seqs = [p + r for p, r in zip(batch.prompt_ids, batch.response_ids, strict=True)]
-    n, s = len(seqs), round_up(max(len(q) for q in seqs), multiple)
-    tokens = torch.full((n, s), pad_id, dtype=torch.long)
-    targets = torch.full((n, s), pad_id, dtype=torch.long)
-    mask = torch.zeros(n, s)
-    old = torch.zeros(n, s)
-    for i, (prompt, response, lps) in enumerate(
-        zip(batch.prompt_ids, batch.response_ids, batch.engine_logprobs, strict=True)
-    ):
-        seq = prompt + response
-        tokens[i, : len(seq)] = torch.tensor(seq)
-        targets[i, : len(seq) - 1] = torch.tensor(seq[1:])
-        first, last = len(prompt) - 1, len(seq) - 1  # positions predicting the response tokens
-        mask[i, first:last] = 1.0
-        old[i, first:last] = torch.tensor(lps, dtype=torch.float32)
-    lengths = torch.tensor([len(q) for q in seqs], dtype=torch.long)
+    longest sequence rounded up to a multiple of `multiple` (sequence parallelism: TP; else 1). `pack_tensors` of
+    the batch's flat tensors (`megarl.trainer.batch_tensors`)."""
+    return pack_tensors(as_batch_tensors(batch), pad_id, multiple)
+
+
+def _flat_positions(lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For segments of `lengths` laid end to end: each element's (segment, index within its segment)."""
+    total = int(lengths.sum())
+    segment = torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths, output_size=total)
+    starts = torch.cumsum(lengths, 0) - lengths
+    return segment, torch.arange(total, device=lengths.device) - starts[segment]
+
+
+def pack_tensors(batch: BatchTensors, pad_id: int, multiple: int = 1) -> dict[str, torch.Tensor]:
+    """`pack_batch` from the flat tensors, by indexed writes (no loop over samples), on the tensors' device:
+    `tokens [N, S]` (prompt + response, right-padded), `targets` (tokens shifted left by one), `mask` (1 at the
+    positions predicting a response token), `old_logprobs` (the engine's there), `advantages [N]`, `lengths [N]`,
+    `routed_experts [N, S, layers, k]` when the batch has routes (`pad_routed_experts`' layout), and each
+    per-response-token field `<name> [N, S]` (`RESPONSE_TOKEN_FIELDS`) where `old_logprobs` has the log-probs."""
+    t = batch.tensors
+    prompt, response = t["prompt_lengths"], t["response_lengths"]
+    lengths = prompt + response
+    n, s = len(lengths), round_up(int(lengths.max()), multiple)
+    device = lengths.device
+    row, col = _flat_positions(lengths)
+    tokens = torch.full((n, s), pad_id, dtype=torch.long, device=device)
+    tokens[row, col] = t["tokens"]
+    targets = torch.cat([tokens[:, 1:], torch.full((n, 1), pad_id, dtype=torch.long, device=device)], dim=1)
+    resp_row, j = _flat_positions(response)
+    resp_col = prompt[resp_row] - 1 + j  # the position predicting response token j
+    mask = torch.zeros(n, s, device=device)
+    mask[resp_row, resp_col] = 1.0
+    old = torch.zeros(n, s, device=device)
+    old[resp_row, resp_col] = t["engine_logprobs"]
     packed = {"tokens": tokens, "targets": targets, "mask": mask, "old_logprobs": old,
-              "advantages": batch.advantages.reshape(-1).float(), "lengths": lengths}
-    if batch.routed_experts is not None:
-        packed["routed_experts"] = pad_routed_experts(batch.routed_experts, lengths.tolist(), s)
-    if batch.token_versions is not None:  # in-flight weight updates: each response token's policy version
-        packed["token_versions"] = pad_token_versions(batch.token_versions, batch.prompt_ids, batch.response_ids, s)
+              "advantages": t["advantages"].float(), "lengths": lengths}
+    if "routed_experts" in t:  # routes of input token t at position t; filler where the engine gave none
+        routed = t["routed_experts"]
+        routes = _route_filler(n, routed)[:, None].repeat(1, s, 1, 1).to(device)
+        route_row, route_col = _flat_positions(t["route_lengths"])
+        routes[route_row, route_col] = routed
+        packed["routed_experts"] = routes
+    for key, values in t.items():
+        if key.startswith(RESPONSE_PREFIX):
+            fill = RESPONSE_TOKEN_FIELDS[key.removeprefix(RESPONSE_PREFIX)][2]
+            field = torch.full((n, s), fill, dtype=values.dtype, device=device)
+            field[resp_row, resp_col] = values
+            packed[key.removeprefix(RESPONSE_PREFIX)] = field
     return packed
-
-
-def pad_token_versions(token_versions: list[TokenVersions], prompts: list[list[int]], responses: list[list[int]],
-                       s: int) -> torch.Tensor:
-    """`[N, S]` long, aligned with `mask`: at the position predicting response token j (`len(prompt) - 1 + j`),
-    the version that sampled it; -1 elsewhere. Each record must cover its response exactly."""
-    out = torch.full((len(token_versions), s), -1, dtype=torch.long)
-    for i, (tv, prompt, response) in enumerate(zip(token_versions, prompts, responses, strict=True)):
-        if tv.num_tokens != len(response):
-            raise ValueError(f"sample {i}: token_versions cover {tv.num_tokens} tokens, the response has "
-                             f"{len(response)}: the rollout side must record a version for every response token")
-        out[i, len(prompt) - 1:len(prompt) - 1 + len(response)] = torch.tensor(tv.per_token(), dtype=torch.long)
-    return out
 
 
 def _route_filler(rows: int, like: torch.Tensor) -> torch.Tensor:
@@ -197,9 +210,10 @@ def packed_length(microbatches: list[dict[str, torch.Tensor]]) -> int:
 def pack_microbatch(mb: dict[str, torch.Tensor], length: int, pad_id: int) -> dict[str, torch.Tensor]:
     """Add the packed model inputs to a microbatch of `b` padded rows `[b, S]` with real `lengths [b]`:
     `packed_tokens`, `packed_targets`, `packed_positions` (position within its own sequence) and
-    `packed_segments` (which sequence, -1 on the padding at the end), all `[1, length]`, and
+    `packed_segments` (which sequence, -1 on the padding at the end), all `[1, length]`,
     `unpack_index [b, S]`: where each (sequence, position) sits in the packed row (0 past a sequence's
-    end, where `mask` is 0)."""
+    end, where `mask` is 0), and `packed_cu_seqlens` (int32): where each sequence starts in the row, then the row's
+    end, with the trailing padding as a last sequence of its own (THD's cumulative lengths: `thd_params`)."""
     b, s = mb["tokens"].shape
     lengths = mb["lengths"].tolist()
     if sum(lengths) > length:
@@ -216,8 +230,11 @@ def pack_microbatch(mb: dict[str, torch.Tensor], length: int, pad_id: int) -> di
         positions[0, row], segments[0, row] = torch.arange(n), i
         index[i, :n] = torch.arange(start, start + n)
         start += n
+    ends = torch.tensor(lengths, dtype=torch.int32).cumsum(0).to(torch.int32)
+    cu = torch.cat([torch.zeros(1, dtype=torch.int32), ends] + ([torch.tensor([length], dtype=torch.int32)]
+                                                                 if start < length else []))
     packed = {**mb, "packed_tokens": tokens, "packed_targets": targets, "packed_positions": positions,
-              "packed_segments": segments, "unpack_index": index}
+              "packed_segments": segments, "unpack_index": index, "packed_cu_seqlens": cu}
     if "routed_experts" in mb:  # routing replay: the routes are packed exactly like their tokens
         routes = _route_filler(length, mb["routed_experts"])
         start = 0
@@ -226,3 +243,14 @@ def pack_microbatch(mb: dict[str, torch.Tensor], length: int, pad_id: int) -> di
             start += n
         packed["packed_routed_experts"] = routes[None]
     return packed
+
+
+def thd_params(cu_seqlens: torch.Tensor):
+    """megatron's `PackedSeqParams` for one packed row whose sequences start at `cu_seqlens[:-1]` and end at
+    `cu_seqlens[1:]` (int32, on the model's device; `pack_microbatch`'s `packed_cu_seqlens`): the `thd` format
+    Transformer Engine's attention and fused RoPE take instead of a mask (each sequence causal within itself)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                           max_seqlen_q=longest, max_seqlen_kv=longest)

@@ -32,9 +32,10 @@ from megarl.models.hf_import import load_hf_weights
 from megarl.models.hf_slices import iter_local_hf_slices
 from megarl.models.layer_backend import resolve_layer_spec, te_installed
 from megarl.models.qwen_provider import build_gpt_model, padded_vocab_size
-from megarl.parallel.fused_output_logprobs import fused_output_logprobs_entropy
+from megarl.parallel.fused_output_logprobs import fused_output_logprobs_entropy, resolve_kernel
 from megarl.parallel.vocab_logprobs import vocab_parallel_logprobs_entropy
 from megarl.sync.slices import HFSlice
+from megarl.trainer.batching import thd_params
 from megarl.trainer.optimizer import (
     SHARDED_METADATA,
     Precision,
@@ -51,6 +52,7 @@ from megarl.trainer.optimizer import (
     wire_training,
     wrap_model,
 )
+from megarl.trainer.placement import microbatches_on_device
 from megarl.trainer.routing_replay import check_routes, clear_routes, set_microbatch_routes, stage_routers
 
 LossFn = Callable[[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -95,6 +97,30 @@ def _output_layer_returns_hidden_states(model) -> Iterator[None]:
         del model.output_layer.forward  # the instance attribute: the class's forward is back
 
 
+def _attention_mask(segments: torch.Tensor | None, s: int, device: torch.device) -> torch.Tensor | None:
+    """The `attention_mask` a microbatch row of `s` positions is run with (True = masked). Unpacked: None, the
+    attention being causal (`AttnMaskType.causal` in megatron-core 0.16.1's layer specs): Transformer Engine
+    masks causally itself, and megatron's local `FusedScaleMaskSoftmax` builds the causal mask itself when given
+    None (or uses its fused upper-triangular kernel). Packed (`segments [1, s]`, -1 on the trailing padding): the
+    causal mask cut into blocks, a position attending only to earlier positions of its own sequence."""
+    if segments is None:
+        return None
+    index = torch.arange(s, device=device)
+    causal = index[None, :] > index[:, None]  # [s, s]: key after query
+    return causal[None, None] | (segments[:, None, :, None] != segments[:, None, None, :])
+
+
+def attention_inputs(mb: dict[str, torch.Tensor], s: int, device: torch.device, layer_spec: str):
+    """(attention mask, `PackedSeqParams`) a microbatch runs with: unpacked, neither (causal); packed on the local
+    spec, the block-diagonal mask; packed on Transformer Engine's (`layer_spec` "te"), no mask and THD parameters
+    (`batching.thd_params`), which TE's attention and fused RoPE take instead (TE ignores an arbitrary mask)."""
+    if "packed_tokens" not in mb:
+        return None, None
+    if layer_spec == "te":
+        return None, thd_params(mb["packed_cu_seqlens"])
+    return _attention_mask(mb["packed_segments"], s, device), None
+
+
 def _configure_schedule(config, pp: int) -> None:
     """Adapter to megatron's schedules and DDP (tested with megatron-core 0.16.1): every loss value is already a
     contribution to the global loss, so neither the schedule may divide by the microbatch count nor DDP by the
@@ -115,7 +141,7 @@ class MegatronPolicy:
     def __init__(self, hf_dir: str | Path, hf: dict[str, Any], optim: OptimizerConfig, logprob_chunk: int = 4096,
                  distributed_optimizer: bool = False, recompute: str = "none", routing_replay: bool = False,
                  fused_logprobs: bool = True, logprob_vocab_block: int | None = None,
-                 logprob_kernel: str = "eager", moe_aux_loss_coeff: float = 0.0, precision: Precision = "fp32",
+                 logprob_kernel: str = "auto", moe_aux_loss_coeff: float = 0.0, precision: Precision = "fp32",
                  overlap_grad_reduce: bool = True, grad_bucket_size: int | None = None, layer_spec: str = "auto",
                  grad_reduce_in_bf16: bool = False, overlap_param_gather: bool = False,
                  recompute_layers: int | None = None):
@@ -123,7 +149,8 @@ class MegatronPolicy:
         (`fused_output_logprobs_entropy`: the same values and gradients without the whole logits) wherever the
         output layer allows it (`_fusable_output_layer`); elsewhere, or when False, the output layer's logits
         through `vocab_parallel_logprobs_entropy`. `logprob_vocab_block`: the fused path's shard rows per tile
-        (None: the whole shard); `logprob_kernel`: its tiles' elementwise work, "eager" or "compiled".
+        (None: the whole shard); `logprob_kernel`: its tiles' elementwise work, "eager" or "compiled" ("auto": by
+        the model's device, `fused_output_logprobs.default_kernel`).
         `distributed_optimizer`: megatron's distributed optimizer (gradients reduce-scattered, AdamW state and fp32
         main parameters sharded over data-parallel replicas, updated parameters all-gathered);
         `precision`: "fp32" (the exact reference) or "bf16" (bf16 parameters and compute, fp32 main parameters and
@@ -165,6 +192,7 @@ class MegatronPolicy:
         self.optimizer = build_optimizer(self.ddp_model, optim, precision, distributed_optimizer)
         wire_training(self.ddp_model, self.optimizer)
         self.device = next(self.model.parameters()).device  # collectives run on it (NCCL takes no CPU tensors)
+        self.logprob_kernel = resolve_kernel(logprob_kernel, self.device)  # "auto": compiled on CUDA, eager on a CPU
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.dp_group = ps.get_data_parallel_group()
         self.pp_group = ps.get_pipeline_model_parallel_group()
@@ -177,27 +205,29 @@ class MegatronPolicy:
         # real (unpadded) vocabulary columns in this rank's logits shard [tp_rank*shard, (tp_rank+1)*shard)
         self.local_vocab = min(max(hf["vocab_size"] - self.tp_rank * shard, 0), shard)
         self.version = 0  # optimizer steps taken
+        # entered around megatron's microbatch loop (forward, backward, loss, metrics of every microbatch): a hook
+        # for instrumentation, e.g. a dispatch mode that counts host syncs (tests/test_no_host_sync.py)
+        self.microbatch_loop_context: Callable[[], Any] = nullcontext
 
     # ---- forward through megatron's schedule -----------------------------------------------------------------
     def _forward_step(self, last_stage_fn: Callable, data_iterator: Iterator[dict[str, torch.Tensor]], model):
-        """megatron `forward_step_func`: run this stage on the next microbatch (`tokens [b, s]`, causal mask
-        passed explicitly; a packed microbatch's one row gets a block-diagonal causal mask, True = masked);
-        on the last stage `last_stage_fn(microbatch, output)` reduces it, `output` the logits `[b, s, V/tp]` or,
-        with `fused_logprobs`, the final hidden states (`_output_layer_returns_hidden_states`)."""
+        """megatron `forward_step_func`: run this stage on the next microbatch (already on the device,
+        `microbatches_on_device`): `tokens [b, s]` with no mask (the attention is causal: megatron applies its
+        causal mask itself, `_attention_mask`); a packed microbatch's one row gets a block-diagonal causal mask
+        (True = masked); on the last stage `last_stage_fn(microbatch, output)` reduces it, `output` the logits
+        `[b, s, V/tp]` or, with `fused_logprobs`, the final hidden states (`_output_layer_returns_hidden_states`)."""
         mb = next(data_iterator)
-        device = self.device
         self._set_routes(mb)
         packed = "packed_tokens" in mb
-        tokens = (mb["packed_tokens"] if packed else mb["tokens"]).to(device)
+        tokens = mb["packed_tokens"] if packed else mb["tokens"]
         b, s = tokens.shape
-        causal = torch.triu(torch.ones(s, s, dtype=torch.bool, device=device), diagonal=1)[None, None]
         if packed:  # RoPE depends only on relative positions, so a sequence's offset in the row changes nothing
-            positions = mb["packed_positions"].to(device)
-            segments = mb["packed_segments"].to(device)
-            causal = causal | (segments[:, None, :, None] != segments[:, None, None, :])
+            positions = mb["packed_positions"]
         else:
-            positions = torch.arange(s, device=device)[None].expand(b, s)
-        output = model(tokens, positions, causal, **self.forward_kwargs)  # hidden [s, b, h] on inner stages
+            positions = torch.arange(s, device=tokens.device)[None].expand(b, s)
+        mask, thd = attention_inputs(mb, s, tokens.device, self.layer_spec)
+        kwargs = {**self.forward_kwargs, **({"packed_seq_params": thd} if thd is not None else {})}
+        output = model(tokens, positions, mask, **kwargs)  # hidden [s, b, h] on inner stages
         return output, partial(last_stage_fn, mb)
 
     @staticmethod
@@ -222,29 +252,30 @@ class MegatronPolicy:
         if self.routers is not None:
             set_microbatch_routes(self.routers, mb.get(self._routes_key(mb)[0]), self.device)
 
-    def _logprobs(self, output: torch.Tensor, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The last stage's `output` (`_forward_step`) -> `(logprobs, entropy) [b, s]` on the CPU, through the
-        vocab-parallel shards. A packed microbatch's row is gathered back to one row per sequence, `[b, S]`
-        (`unpack_index`)."""
+    def _logprobs(self, output: torch.Tensor, mb: dict[str, torch.Tensor],
+                  entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last stage's `output` (`_forward_step`) -> `(logprobs, entropy) [b, s]` on the model's device,
+        through the vocab-parallel shards. A packed microbatch's row is gathered back to one row per sequence,
+        `[b, S]` (`unpack_index`). `entropy_grad` False: the entropy without gradient (no entropy backward)."""
         targets = mb["packed_targets"] if "packed_targets" in mb else mb["targets"]
-        targets = targets.to(output.device)
         if self.fused_logprobs:
-            lp, ent = self._fused_logprobs(output, targets)
+            lp, ent = self._fused_logprobs(output, targets, entropy_grad)
         else:
-            lp, ent = self._unfused_logprobs(output, targets)
-        lp, ent = lp.cpu(), ent.cpu()
+            lp, ent = self._unfused_logprobs(output, targets, entropy_grad)
         if "unpack_index" in mb:
             lp, ent = lp.reshape(-1)[mb["unpack_index"]], ent.reshape(-1)[mb["unpack_index"]]
         return lp, ent
 
-    def _unfused_logprobs(self, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _unfused_logprobs(self, logits: torch.Tensor, targets: torch.Tensor,
+                          entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """`logits [b, s, V/tp]` (the output layer's) -> `(logprobs, entropy) [b, s]`."""
         if self.local_vocab < logits.shape[-1]:  # padding columns (vocab padded to a multiple of TP) are no tokens
             logits = logits.clone()
             logits[..., self.local_vocab:] = torch.finfo(logits.dtype).min
-        return vocab_parallel_logprobs_entropy(logits, targets, self.tp_group, self.chunk)
+        return vocab_parallel_logprobs_entropy(logits, targets, self.tp_group, self.chunk, entropy_grad=entropy_grad)
 
-    def _fused_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _fused_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor,
+                        entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """`hidden [b, s, h]` (the output layer's input) -> `(logprobs, entropy) [b, s]`, with the weight the output
         layer would use (the embedding's at PP=1 with tied embeddings, as GPTModel passes it)."""
         model = self.model
@@ -253,11 +284,13 @@ class MegatronPolicy:
         hidden = hidden.to(weight.dtype)  # bf16 stays bf16 (fp32_output=False): the output layer's own operands
         if not model.output_layer.sequence_parallel:
             return fused_output_logprobs_entropy(hidden, weight, targets, self.tp_group, self.chunk, self.local_vocab,
-                                                 vocab_block=self.vocab_block, kernel=self.logprob_kernel)
+                                                 vocab_block=self.vocab_block, kernel=self.logprob_kernel,
+                                                 entropy_grad=entropy_grad)
         # sequence parallel: hidden [b, s/tp, h] holds this rank's slice of the sequence, dim 0 of [s, b, h]
         lp, ent = fused_output_logprobs_entropy(hidden.transpose(0, 1), weight, targets.t(), self.tp_group,
                                                 self.chunk, self.local_vocab, sequence_parallel=True,
-                                                vocab_block=self.vocab_block, kernel=self.logprob_kernel)
+                                                vocab_block=self.vocab_block, kernel=self.logprob_kernel,
+                                                entropy_grad=entropy_grad)
         return lp.t(), ent.t()
 
     def _run(self, microbatches: list[dict[str, torch.Tensor]], last_stage_fn: Callable,
@@ -268,10 +301,12 @@ class MegatronPolicy:
 
         b, s = microbatches[0]["packed_tokens" if "packed_tokens" in microbatches[0] else "tokens"].shape
         self._check_routes(microbatches)
+        on_device = microbatches_on_device(microbatches, self.device)  # once per step, before the loop
         try:
-            with _output_layer_returns_hidden_states(self.model) if self.fused_logprobs else nullcontext():
+            with (_output_layer_returns_hidden_states(self.model) if self.fused_logprobs else nullcontext(),
+                  self.microbatch_loop_context()):
                 return get_forward_backward_func()(
-                    forward_step_func=partial(self._forward_step, last_stage_fn), data_iterator=iter(microbatches),
+                    forward_step_func=partial(self._forward_step, last_stage_fn), data_iterator=iter(on_device),
                     model=self.ddp_model, num_microbatches=len(microbatches), seq_length=s, micro_batch_size=b,
                     forward_only=forward_only,
                 )
@@ -299,9 +334,11 @@ class MegatronPolicy:
         microbatch `(logprobs, entropy) [b, S]` fp32 on the CPU, on every rank (pipeline stages included)."""
         self.model.eval()
 
+        one = torch.ones((), dtype=torch.int, device=self.device)  # megatron's token count: unused (per-token loss)
+
         def collect(mb, output):
             lp, ent = self._logprobs(output, mb)
-            return torch.zeros(()), torch.tensor(1, dtype=torch.int), {"logprobs": lp, "entropy": ent}
+            return torch.zeros((), device=self.device), one, {"logprobs": lp, "entropy": ent}
 
         outs = self._run(microbatches, collect, forward_only=True)
         sizes = [mb["tokens"].numel() for mb in microbatches]
@@ -314,20 +351,25 @@ class MegatronPolicy:
                 for lp, ent, mb in zip(logprobs.split(sizes), entropy.split(sizes), microbatches, strict=True)]
 
     # ---- training step ---------------------------------------------------------------------------------------
-    def train_step(self, microbatches: list[dict[str, torch.Tensor]], loss_fn: LossFn) -> dict[str, float]:
+    def train_step(self, microbatches: list[dict[str, torch.Tensor]], loss_fn: LossFn,
+                   entropy_grad: bool = True) -> dict[str, float]:
         """Forward/backward every microbatch (megatron's DDP sums the gradients over microbatches and DP ranks,
         `finalize_model_grads` completes them), megatron's clip and AdamW step; version += 1.
         `loss_fn(logprobs [b, s], entropy [b, s], microbatch) -> (loss, metrics)` returns the microbatch's
         contribution to the GLOBAL loss. Returns the global loss, the grad norm before clipping and the
-        loss function's metrics summed over the global batch (the same dict on every rank)."""
+        loss function's metrics summed over the global batch (the same dict on every rank). `entropy_grad`
+        False: `loss_fn` gets the entropy without gradient (for a loss without an entropy term: no entropy
+        backward runs; the log-probs' gradient and every value are the same)."""
         self.model.train()
         self.ddp_model.zero_grad_buffer()
         self.optimizer.zero_grad()
 
-        def loss_on_last_stage(mb, output):
-            loss, metrics = loss_fn(*self._logprobs(output, mb), mb)
+        one = torch.ones((), dtype=torch.int, device=self.device)  # megatron's token count: unused (per-token loss)
+
+        def loss_on_last_stage(mb, output):  # everything stays on the device: metrics are read after the loop
+            loss, metrics = loss_fn(*self._logprobs(output, mb, entropy_grad), mb)
             reported = {"loss": loss.detach(), **{k: v.detach() for k, v in metrics.items()}}
-            return loss, torch.tensor(1, dtype=torch.int), reported
+            return loss, one, reported
 
         outs = self._run(microbatches, loss_on_last_stage, forward_only=False)  # ends in finalize_model_grads
         self._set_hyperparameters()
@@ -340,20 +382,18 @@ class MegatronPolicy:
         return {**self._metrics_from_last_stage(metrics), "grad_norm": grad_norm, "train/skipped_step": int(skipped)}
 
     def _sum_metrics(self, outs: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
-        """Per-microbatch metric dicts of this rank -> sums over microbatches and data-parallel ranks: a float per
-        scalar metric; a metric of several elements (a histogram's counts) is summed elementwise in float64 and
-        comes back as a CPU tensor."""
+        """Per-microbatch metric dicts of this rank (device tensors) -> sums over microbatches and data-parallel
+        ranks, summed on the device in float64, all-reduced as one buffer and read to the host once: a float per
+        scalar metric; a metric of several elements (a histogram's counts) comes back as a CPU tensor."""
         names = sorted({k for o in outs for k in o})
-        vectors = sorted({k for o in outs for k in o if o[k].numel() != 1})
-        scalars = [k for k in names if k not in vectors]
-        summed = torch.stack([sum(o[k].float().reshape(()) for o in outs if k in o) for k in scalars]).to(self.device)
-        dist.all_reduce(summed, group=self.dp_group)
-        result: dict[str, Any] = dict(zip(scalars, summed.tolist(), strict=True))
-        if vectors:
-            parts = [sum(o[k].double().reshape(-1) for o in outs if k in o) for k in vectors]
-            flat = torch.cat(parts).to(self.device)
-            dist.all_reduce(flat, group=self.dp_group)
-            result.update(zip(vectors, flat.cpu().split([p.numel() for p in parts]), strict=True))
+        parts = [sum(o[k].to(device=self.device, dtype=torch.float64).reshape(-1) for o in outs if k in o)
+                 for k in names]
+        flat = torch.cat(parts)
+        dist.all_reduce(flat, group=self.dp_group)
+        host = flat.cpu()  # the step's one read of its metrics
+        result: dict[str, Any] = {}
+        for name, part, value in zip(names, parts, host.split([p.numel() for p in parts]), strict=True):
+            result[name] = value if part.numel() != 1 else float(value)
         return result
 
     def _from_last_stage(self, t: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ from megarl.algorithms.versions import check_token_versions, token_lag_bound
 from megarl.batch import RolloutBatch
 from megarl.config.schema import Config, TrainerConfig
 from megarl.metrics import mismatch, token_lags
+from megarl.trainer.batch_tensors import BatchTensors, as_batch_tensors
 from megarl.trainer.batching import (
     microbatch_plan,
     microbatch_widths,
@@ -70,17 +71,23 @@ def recompute_old_logprobs(policy, mbs: list[dict[str, torch.Tensor]]) -> None:
 
 
 def train_on_batch(
-    policy, batch: RolloutBatch, algorithm: Algorithm, cfg: Config, pad_id: int, dp_rank: int, dp_size: int,
-    lag: int,
+    policy, batch: RolloutBatch | BatchTensors, algorithm: Algorithm, cfg: Config, pad_id: int, dp_rank: int,
+    dp_size: int, lag: int,
 ) -> dict[str, float]:
+    """One optimizer step on `batch`: a `RolloutBatch`, or its flat tensors as every rank receives them
+    (`megarl.trainer.batch_tensors.broadcast_batch`; packed on the host, where the microbatches are cut)."""
     multiple = sequence_multiple(policy.model.config)
+    batch = as_batch_tensors(batch)
+    batch = BatchTensors(batch.meta, {k: v.cpu() for k, v in batch.tensors.items()})
     # in-flight weight updates: per-token lags within the bound, mixed-version groups only for algorithms that take them
     trainer_version, bound = policy.version, token_lag_bound(cfg.algorithm.max_token_lag, cfg.sync.interval,
                                                              cfg.sync.offset)
-    check_token_versions(batch.token_versions, batch.rewards.shape[1], trainer_version, bound, algorithm.name)
+    token_versions = batch.token_versions  # (once: rebuilt from the flat tensors)
+    check_token_versions(token_versions, batch.rewards.shape[1], trainer_version, bound, algorithm.name)
     tensors = pack_batch(batch, pad_id, multiple)
+    rewards = batch.rewards
     # per-sequence 0/1 weights (off-policy GRPO drops zero-variance groups; all ones for the others)
-    tensors["seq_mask"] = algorithm.sequence_mask(batch.rewards, cfg.algorithm).expand_as(batch.rewards).reshape(-1)
+    tensors["seq_mask"] = algorithm.sequence_mask(rewards, cfg.algorithm).expand_as(rewards).reshape(-1)
     num_tokens = float(tensors["mask"].sum())  # response tokens of the GLOBAL batch
     t = cfg.trainer
     lengths = tensors["lengths"].tolist()
@@ -110,15 +117,17 @@ def train_on_batch(
                                                             trainer_version - mb["token_versions"], bound))
         return loss, metrics
 
-    metrics = policy.train_step(mbs, loss_fn)
+    # no registered loss has an entropy bonus (its coefficient is 0: the entropy above is a metric, detached), so
+    # the entropy comes back without gradient and no entropy backward runs
+    metrics = policy.train_step(mbs, loss_fn, entropy_grad=False)
     metrics.update(plan_padding(lengths, plan, widths, t.pack_sequences))
     metrics.setdefault("clip_frac", 0.0)  # algorithms without clipping clip nothing
     if batch.routed_experts is not None:  # routing replay: bytes of the expert indices the batch carries
-        metrics["replay/index_bytes"] = sum(index_bytes(r) for r in batch.routed_experts)
+        metrics["replay/index_bytes"] = index_bytes(batch.routed_experts)
     metrics = mismatch.finish(metrics)  # the summed log-ratio histogram -> ratio quantiles (scalars only)
-    if batch.token_versions is not None:  # per-token lag histogram, spanning share, mismatch per lag segment
+    if token_versions is not None:  # per-token lag histogram, spanning share, mismatch per lag segment
         metrics = token_lags.finish_segments(metrics, bound)
-        metrics.update(token_lags.token_lag_metrics(batch.token_versions, trainer_version, bound))
+        metrics.update(token_lags.token_lag_metrics(token_versions, trainer_version, bound))
     # lag 0: the trainer's current weights are the behaviour weights, so the mismatch is pure numerics
     metrics["mismatch/at_behaviour_weights"] = int(lag == 0)
     if lag != 0:  # the engine/trainer gap only measures numerics when both hold the same weights
