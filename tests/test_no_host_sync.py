@@ -116,6 +116,7 @@ STEPS = [
 
 def _rank(rank, world, port, hf_dirs, responses):
     from megarl.algorithms.registry import get_algorithm
+    from megarl.models.layer_backend import bench_layer_spec
     from megarl.models.qwen_provider import read_hf_config
     from megarl.parallel.groups import destroy_trainer_groups, init_trainer_groups
     from megarl.trainer.policy import MegatronPolicy
@@ -128,7 +129,8 @@ def _rank(rank, world, port, hf_dirs, responses):
             hf = read_hf_config(hf_dirs[kind])
             # eager log-prob tiles: torch.compile refuses to run under a dispatch mode (the compiled kernel is
             # what runs on CUDA by default; its tiles are fixed-shape elementwise work, no sync)
-            policy = MegatronPolicy(hf_dirs[kind], hf, OptimizerConfig(lr=1e-3), logprob_kernel="eager")
+            policy = MegatronPolicy(hf_dirs[kind], hf, OptimizerConfig(lr=1e-3), logprob_kernel="eager",
+                                    layer_spec=bench_layer_spec(torch.cuda.is_available()))  # a GPU without TE too
             counters: list[HostSyncCounter] = []
 
             def count(counters: list[HostSyncCounter] = counters) -> HostSyncCounter:

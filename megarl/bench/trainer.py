@@ -134,13 +134,13 @@ def _step_peak(policy, mbs, loss_fn) -> int:
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        policy.train_step(mbs, loss_fn)
+        policy.train_step(mbs, loss_fn, entropy_grad=False)
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - before
     from megarl.bench.logprob import _peak_live_bytes
 
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        policy.train_step(mbs, loss_fn)
+        policy.train_step(mbs, loss_fn, entropy_grad=False)
     return _peak_live_bytes(prof)
 
 
@@ -175,13 +175,13 @@ def _rank_main(rank: int, port: int, hf_dir: Path, cfg: TrainerBenchConfig,
             except TransformerEngineMissing as err:  # `bf16+te` where TE is missing: a row that says so
                 out.append({"variant": variant, "precision": options["precision"], "rank": rank, "skipped": str(err)})
                 continue
-            policy.train_step(mbs, loss_fn)  # warm-up: Adam's state is created at the first step
+            policy.train_step(mbs, loss_fn, entropy_grad=False)  # warm-up: Adam creates its state here
             held = held_bytes(policy)
             times = []
             for _ in range(cfg.steps):
                 dist.barrier()
                 start = time.perf_counter()
-                policy.train_step(mbs, loss_fn)
+                policy.train_step(mbs, loss_fn, entropy_grad=False)
                 if torch.cuda.is_available():
                     torch.cuda.synchronize()
                 times.append(time.perf_counter() - start)
