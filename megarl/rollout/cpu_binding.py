@@ -20,9 +20,9 @@ one (3 % of the core for minutes; issue 47). vLLM's reserved cores (`VLLM_CPU_NU
 per replica on x86, for the engine core and the API server) exist only in its automatic binding (`auto`): with an
 explicit list it reserves nothing and pins neither the engine core nor the API server, which run on any core. This
 rule reserves none either: on this 2-core machine two TP-1 replicas get one core each ("0" and "1"), and their
-engine cores, API servers and the trainer ranks share both cores with them, as vLLM's automatic binding could not
-(it would leave the workers one core between them). One replica gets every core, as before ("0-1" for TP 1, "0|1"
-for TP 2).
+engine cores, API servers and the trainer ranks share both cores with them, which vLLM's automatic binding would not
+do: each replica, knowing nothing of the other, would take core 0 for its worker and reserve core 1. One replica
+gets every core, as before ("0-1" for TP 1, "0|1" for TP 2).
 
 `megarl train`'s fleet divides this machine's cores among all its replicas (N = rollout.replicas). A SLURM job's
 replica (`megarl serve`) divides its node's cores among the replicas the job puts on that node
