@@ -135,6 +135,19 @@ def node_address() -> str:
     return address
 
 
+def serve_node_replicas() -> int:
+    """How many replicas share the cores this `megarl serve` may use, on CPU nodes (`megarl.rollout.cpu_binding`):
+    the job's replicas on this node (`MEGARL_NODE_REPLICAS`, which slurm/megarl_job.sh sets), or 1 when the launcher
+    confined the step to cores of its own. Its replica gets slot `replica mod` that many of them."""
+    from megarl.rollout.cpu_binding import NODE_REPLICAS_ENV, node_replicas, usable_cpus
+
+    try:
+        return node_replicas(os.environ, usable_cpus(), os.cpu_count() or 1)
+    except ValueError as err:
+        raise ConfigError(f"{err}: set by the job script (slurm/megarl_job.sh), or unset {NODE_REPLICAS_ENV} for "
+                          "one replica per node") from None
+
+
 class _Stop(Exception):
     """SIGTERM or SIGINT: stop the server and leave."""
 
@@ -160,7 +173,7 @@ def serve(cfg: Config, replica: int, host: str | None = None, restart: bool = Fa
     secret_file = job_secret_file(cfg)
     secret = read_secret(secret_file)
     spec = fleet_spec(cfg, replicas=1, first_replica=replica, host=host or node_address(), log_dir=log_dir(cfg),
-                      secret_file=secret_file)
+                      secret_file=secret_file, node_replicas=serve_node_replicas())
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _raise_stop)
     fleet, grace_s = None, 30.0

@@ -315,12 +315,18 @@ else
     rank_cmd=(rank)
 fi
 start_replica() {  # start_replica I [RESTART]: replica I's step on its node; a restart appends to the replica's logs
-    local i=$1 restart=${2:-0} host=${rollout_hosts[$1 / per_node]} replica_mem open=() again=()
+    local i=$1 restart=${2:-0} host=${rollout_hosts[$1 / per_node]} replica_mem open=() again=() on_node
     replica_mem=$(replica_mem_mb "$host")
+    on_node=$(( replicas - i / per_node * per_node ))  # the replicas the job puts on this node: per_node, or fewer
+    if (( on_node > per_node )); then on_node=$per_node; fi  # on the last node
     if (( restart > 0 )); then open=(--open-mode=append) again=(--restart); fi
+    # MEGARL_NODE_REPLICAS: on CPU nodes the replica's TP workers take a slot of their own among the cores the
+    # step may use, shared by the node's on_node replicas, unless SLURM confined the step to cores of its own
+    # (megarl/rollout/cpu_binding.py)
     # shellcheck disable=SC2046
     run_step "$i" "megarl-serve-$i" "$host" --nodes=1 --ntasks=1 --cpus-per-task="$cpus_per_replica" --exact \
-        $(gpu_option "$rollout_tp") $(mem_option "$replica_mem") --nodelist="$host" \
+        --export="ALL,MEGARL_NODE_REPLICAS=$on_node" $(gpu_option "$rollout_tp") $(mem_option "$replica_mem") \
+        --nodelist="$host" \
         --output="$logs/serve_replica$i.log" "${open[@]}" "${fleet_container[@]}" \
         "${fleet_megarl[@]}" "${serve_cmd[@]}" --config "$config" --replica "$i" "${again[@]}"
 }

@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 from megarl.models.tiny import make_tiny_checkpoint
-from megarl.rollout.fleet import FleetHandle, FleetSpec, launch
+from megarl.rollout.fleet import FleetHandle, FleetSpec, launch, node_replicas
 from megarl.rollout.fleet_auth import SECRET_ENV, new_fleet_secret
 from tests.dist_utils import process_group_members
 
@@ -145,7 +145,8 @@ def restart_dead_replicas(fleet: FleetHandle) -> list[int]:
         if proc.poll() is None:
             continue
         _kill_leftovers(proc.pid)
-        new = launch(replace(spec, replicas=1, first_replica=i), restart=True)
+        # the replica's own cores, as in the whole fleet (megarl.rollout.cpu_binding)
+        new = launch(replace(spec, replicas=1, first_replica=i, node_replicas=node_replicas(spec)), restart=True)
         fleet.urls[i], fleet.procs[i] = new.urls[0], new.procs[0]
         restarted.append(i)
     return restarted

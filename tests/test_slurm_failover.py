@@ -194,6 +194,12 @@ def _check_placement(logs: Path, why: str) -> None:
         assert f"rollout replica {i} on node3 serving at http://127.0.0.1:" in log, f"{log}\n{why}"
     gpus = [_step_gpus(log) for log in serve_logs]
     assert all(len(g) == 1 for g in gpus) and not gpus[0] & gpus[1], gpus
+    # and, the node being a CPU one to vLLM, each replica's worker on cores of its own: vLLM's own account of the
+    # binding the job's MEGARL_NODE_REPLICAS=2 gave each `megarl serve` (megarl/rollout/cpu_binding.py)
+    cores = [re.findall(r"local_rank=0, core ids=\[([\d, ]*)\]", (logs / f"vllm_replica{i}.log").read_text())[:1]
+             for i in range(2)]
+    owned = [{int(c) for c in found[0].split(",")} for found in cores if found and found[0]]
+    assert len(owned) == 2 and not owned[0] & owned[1], cores
 
 
 def test_killed_replicas_fail_or_rejoin_and_the_resubmission_loses_no_step(slurm_cluster: SlurmCluster,

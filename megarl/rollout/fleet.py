@@ -3,8 +3,9 @@
 Each server loads the HF checkpoint with tensor parallel `rollout.tp`, exposes the token-in /
 token-out route (`/inference/v1/generate`, `--enable-scale-out`), the RL weight-update routes and
 `/collective_rpc` (`VLLM_SERVER_DEV_MODE=1`), and uses megarl's partitioned weight-transfer
-backend. The device-specific settings are chosen by `on_gpu`: on CPU the thread binding per TP rank and
-the KV-cache size (`_cpu_env`), on GPUs `--gpu-memory-utilization` (`_gpu_args`). Logs go to
+backend. The device-specific settings are chosen by `on_gpu`: on CPU each replica's own cores for its TP ranks
+(`replica_env`, by the rule of `megarl.rollout.cpu_binding`) and the KV-cache size (`server_env`), on GPUs
+`--gpu-memory-utilization` (`_gpu_args`). Logs go to
 `<log_dir>/vllm_replica<i>.log`.
 
 Every server is guarded (`megarl.rollout.fleet_auth`): all routes but `/health` need the job's secret, read
@@ -36,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import requests
 
 from megarl.parallel.spawn import free_port, port_free
+from megarl.rollout.cpu_binding import threads_bind, usable_cpus
 from megarl.rollout.engine_death import EngineDeathMiddleware
 from megarl.rollout.engine_probe import EngineProbeMiddleware
 from megarl.rollout.fleet_auth import SECRET_ENV, FleetAuthMiddleware, bearer_header, new_fleet_secret, read_secret
@@ -65,6 +67,9 @@ class FleetSpec:
     port: int = 0  # first replica's port (replica i gets port + i); 0 picks free ports
     host: str = "127.0.0.1"  # the address the servers listen on (and clients use): on a cluster, the job's interface
     first_replica: int = 0  # index of the first replica started here (logs: vllm_replica<index>.log)
+    # CPU fleets: how many replicas share this machine's cores (`megarl.rollout.cpu_binding`: replica i gets the
+    # cores of slot i mod node_replicas); 0: first_replica + replicas (every replica of the fleet runs here)
+    node_replicas: int = 0
     dtype: str = "float32"  # vLLM --dtype
     kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE on CPU (ignored with a GPU)
     gpu_memory_utilization: float = 0.9  # vLLM --gpu-memory-utilization, GPU fleets only (vLLM's default)
@@ -186,21 +191,27 @@ def _gpu_args(spec: FleetSpec) -> list[str]:
     return ["--gpu-memory-utilization", f"{spec.gpu_memory_utilization:g}"] if on_gpu(spec) else []
 
 
-def _cpu_env(tp: int, kv_cache_gib: int) -> dict[str, str]:
-    """vLLM's CPU backend: one OpenMP thread set per TP rank (`"0|1"` for TP 2 on 2 cores; vLLM refuses
-    TP > 1 on one NUMA node without it) and a small KV cache. For CPU fleets only (`server_env`)."""
-    cores = os.cpu_count() or 1
-    per = max(1, cores // tp)
-    binds = "|".join(f"{r * per}-{r * per + per - 1}" if per > 1 else str(r * per % cores) for r in range(tp))
-    return {"VLLM_CPU_OMP_THREADS_BIND": binds, "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}
+def node_replicas(spec: FleetSpec) -> int:
+    """How many replicas share this machine's cores: `spec.node_replicas`, else every replica up to this fleet's."""
+    return spec.node_replicas or spec.first_replica + spec.replicas
+
+
+def replica_env(spec: FleetSpec, replica: int) -> dict[str, str]:
+    """What replica `replica`'s server adds to `server_env`: on CPU, the cores of its TP ranks, its own share of the
+    cores this process may use (`megarl.rollout.cpu_binding`, slot `replica mod node_replicas(spec)`); nothing on
+    GPUs."""
+    if on_gpu(spec):
+        return {}
+    n = node_replicas(spec)
+    return threads_bind(usable_cpus(), n, replica % n, spec.tp)
 
 
 def server_env(spec: FleetSpec, secret_file: Path) -> dict[str, str]:
     """The environment of every replica's server: ours, plus vLLM's dev routes (weight updates), the secret's file,
-    the CPU backend's settings, the V2 model runner when routed experts are returned (vLLM 0.32 captures them
-    there only), and vLLM's bound on one engine step."""
+    the CPU backend's KV-cache size (each replica's cores: `replica_env`), the V2 model runner when routed experts are
+    returned (vLLM 0.32 captures them there only), and vLLM's bound on one engine step."""
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "TOKENIZERS_PARALLELISM": "false",
-           SECRET_ENV: str(secret_file), **({} if on_gpu(spec) else _cpu_env(spec.tp, spec.kv_cache_gib))}
+           SECRET_ENV: str(secret_file), **({} if on_gpu(spec) else {"VLLM_CPU_KVCACHE_SPACE": str(spec.kv_cache_gib)})}
     if spec.return_routed_experts:
         env["VLLM_USE_V2_MODEL_RUNNER"] = "1"
     if spec.step_timeout_s is not None:  # a worker stopped mid-step ends the engine this soon, a hung engine core
@@ -299,13 +310,14 @@ def server_port(spec: FleetSpec, replica: int, check_free: bool = True) -> int:
 
 def start_server(spec: FleetSpec, replica: int, env: dict[str, str], log: Path,
                  restart: bool = False) -> tuple[str, subprocess.Popen]:
-    """Start replica `replica`'s server (not waiting for it) in its own session, its output to `log`; its URL and
-    process. A `restart` appends to the log (the earlier incarnation's lines stay) and does not check a pinned port
-    first: the dead server's connections may hold it in TIME_WAIT, which vLLM's own bind (SO_REUSEADDR) accepts."""
+    """Start replica `replica`'s server (not waiting for it) in its own session, its output to `log`, with `env` and
+    the replica's own cores (`replica_env`); its URL and process. A `restart` appends to the log (the earlier
+    incarnation's lines stay) and does not check a pinned port first: the dead server's connections may hold it in
+    TIME_WAIT, which vLLM's own bind (SO_REUSEADDR) accepts."""
     port = server_port(spec, replica, check_free=not restart)
     with log.open("a" if restart else "w") as f:
-        proc = subprocess.Popen(server_command(spec, port), stdout=f, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
+        proc = subprocess.Popen(server_command(spec, port), stdout=f, stderr=subprocess.STDOUT,
+                                env={**env, **replica_env(spec, replica)}, start_new_session=True)
     return f"http://{_url_host(spec.host)}:{port}", proc
 
 
@@ -346,12 +358,13 @@ def launch(spec: FleetSpec, restart: bool = False) -> FleetHandle:
 def fleet_spec(cfg: Config, **where: Any) -> FleetSpec:
     """The `FleetSpec` of a run config's `rollout` section (every replica, unless `where` says otherwise); `where`
     adds what the config does not know: log directory, host, secret file, which replicas start here, GPUs or not.
-    Its --max-model-len is the run's longest sequence (`Config.max_model_len`)."""
+    Its --max-model-len is the run's longest sequence (`Config.max_model_len`); every replica of the config shares
+    this machine's cores (`node_replicas`), unless `where` says how many do."""
     r = cfg.rollout
     spec = FleetSpec(model_dir=Path(cfg.model.hf_dir), tp=r.tp, replicas=r.replicas, port=r.port,
                      kv_cache_gib=r.kv_cache_gib, gpu_memory_utilization=r.gpu_memory_utilization,
                      startup_timeout_s=r.startup_timeout_s, dtype=r.dtype, max_model_len=cfg.max_model_len(),
                      enforce_eager=r.enforce_eager,
                      return_routed_experts=r.return_routed_experts, expert_parallel=r.expert_parallel,
-                     step_timeout_s=r.step_timeout_s)
+                     step_timeout_s=r.step_timeout_s, node_replicas=r.replicas)
     return replace(spec, **where)
