@@ -1,0 +1,48 @@
+"""The pure parts of in-flight weight updates (`megarl.rollout.inflight`): vLLM's weight-version spans to
+`TokenVersions`, vLLM's internal request ids back to the client's, and the config fields. The real fleet's side is
+tests/test_inflight_push.py."""
+
+import pytest
+from pydantic import ValidationError
+
+from megarl.config.schema import SyncConfig
+from megarl.rollout.inflight import engine_request_key, held_counts, token_versions_from_spans, version_salt
+from megarl.token_versions import TokenVersions
+
+
+def _span(version, start, end):
+    return {"version": version, "start": start, "end": end}
+
+
+def test_spans_become_token_versions():
+    spans = [_span("default", 0, 3), _span("4", 3, 10), _span("5", 10, 11)]
+    assert token_versions_from_spans(spans, 11) == TokenVersions(((0, 3), (4, 7), (5, 1)))
+    assert token_versions_from_spans([_span("7", 0, 5)], 5) == TokenVersions.single(7, 5)
+    assert token_versions_from_spans([], 0) == TokenVersions(())
+
+
+@pytest.mark.parametrize("spans, n, says", [
+    ([_span("1", 0, 3), _span("2", 4, 6)], 6, "do not tile"),  # a gap
+    ([_span("1", 0, 3)], 5, "cover 3 of the 5"),  # short
+    ([_span("2", 0, 3), _span("1", 3, 5)], 5, "versions must increase"),
+    ([_span("x", 0, 3)], 3, "not set by megarl"),
+])
+def test_spans_that_do_not_describe_the_response_are_refused(spans, n, says):
+    with pytest.raises(ValueError, match=says):
+        token_versions_from_spans(spans, n)
+
+
+def test_engine_ids_map_back_to_the_clients_request():
+    # vLLM 0.32: `generate-tokens-<request_id>` + `-<8 random>`, children of n > 1 prefixed `<index>_`
+    assert engine_request_key("generate-tokens-inflight-keep-0-1a2b3c4d") == ("inflight-keep-0", 0)
+    assert engine_request_key("3_generate-tokens-megarl-ab12-9f8e7d6c") == ("megarl-ab12", 3)
+    assert engine_request_key("cmpl-1234-5678abcd") is None
+    assert held_counts({"1_generate-tokens-r-0000aaaa": 7, "chatcmpl-x-12345678": 3}) == {("r", 1): 7}
+    assert version_salt(3) != version_salt(4)
+
+
+def test_config_fields():
+    assert SyncConfig().inflight is False and SyncConfig().inflight_kv == "recompute"
+    assert SyncConfig(inflight=True, inflight_kv="keep").inflight_kv == "keep"
+    with pytest.raises(ValidationError, match="inflight_kv"):
+        SyncConfig(inflight=True, inflight_kv="drop")
