@@ -15,8 +15,6 @@ Checked against independent references:
   prompt + response under the OLD checkpoint, and of every token after it under the NEW one, within 1e-5;
   with `keep`, the tokens before the push still match the old weights, and the mismatch of the tokens after it
   against the new weights is measured and printed (and must be visible: stale KV changes them by far more than 1e-5);
-- vLLM's CPU backend honours the prefix-cache salt the client keys requests by (`version_salt`): its own prefix-cache
-  hit counter grows for a repeated prompt with the same salt and not for one with another salt.
 
 Tolerance: vLLM's CPU kernels (TP 2) and transformers both run fp32 with different reduction orders (~1e-6 per
 token); a wrong or stale weight moves a log-prob by > 1e-2.
@@ -25,13 +23,11 @@ token); a wrong or stale weight moves a log-prob by > 1e-2.
 from __future__ import annotations
 
 import os
-import re
 import threading
 import time
 from pathlib import Path
 
 import pytest
-import requests
 import torch
 from safetensors.torch import load_file
 
@@ -83,7 +79,7 @@ def _trainer(rank, world, old_dir, new_dir, url, port, sync_port, points):
                 if client is not None:
                     sync.fleet.inflight, sync.fleet.inflight_kv = True, kv
                     out[kv] = _inflight_push(sync, client, kv, v_old, lambda v=v_new: sync.push(new, v), points)
-                    out[kv]["versions"] = (v_old, v_new)
+                    out[kv]["versions"], out[kv]["attempts"] = (v_old, v_new), attempt + 1
                 else:
                     sync.push(new, v_new)
                 again = [client is not None and not out[kv]["held_part_way"]]
@@ -182,8 +178,8 @@ def test_push_lands_while_responses_generate(moe_fleet, tiny_moe_dir, new_checkp
         before = max(float((e[:b] - o[:b]).abs().max()) for (b, e), o in zip(boundaries, old_ref, strict=True))
         after = [(e[b:] - n[b:]).abs() for (b, e), n in zip(boundaries, new_ref, strict=True)]
         after_max, after_mean = max(float(a.max()) for a in after), float(torch.cat(after).mean())
-        print(f"inflight_kv={kv}: held {sorted(len(v) for v in seen.values())} tokens at the pause "
-              f"(replica paused {r['paused_s']:.2f} s); engine vs transformers |dlogprob|: before the push (old "
+        print(f"inflight_kv={kv} (attempt {r['attempts']}): held {sorted(len(v) for v in seen.values())} tokens at "
+              f"the pause (replica paused {r['paused_s']:.2f} s); engine vs transformers |dlogprob|: before the push (old "
               f"weights) max {before:.2e}; after it (new weights) max {after_max:.2e} mean {after_mean:.2e}")
         assert before < 1e-5, (kv, before)
         if kv == "recompute":
@@ -191,27 +187,3 @@ def test_push_lands_while_responses_generate(moe_fleet, tiny_moe_dir, new_checkp
         else:  # stale KV: visible, and reported in docs/pipeline.md
             assert after_max > 1e-3, after_max
 
-
-def _prefix_hits(url: str) -> float:
-    from megarl.rollout.fleet_auth import SECRET_ENV, bearer_header, read_secret
-
-    text = requests.get(f"{url}/metrics", headers=bearer_header(read_secret(os.environ[SECRET_ENV])),
-                        timeout=30).text
-    return sum(float(m) for m in re.findall(r"^vllm:prefix_cache_hits_total\{[^}]*\} (\S+)$", text, re.M))
-
-
-def test_cache_salt_keys_the_prefix_cache(moe_fleet):
-    """The CPU backend honours `cache_salt`: a repeated 64-token prompt reuses its cached blocks under the same salt
-    only."""
-    from megarl.rollout.client import RolloutClient
-
-    client = RolloutClient(moe_fleet.urls[0])
-    prompt = [[(7 * i + 3) % 30 + 1 for i in range(64)]]
-    client.generate(prompt, n=1, max_tokens=1, cache_salt=version_salt(1))
-    start = _prefix_hits(moe_fleet.urls[0])
-    client.generate(prompt, n=1, max_tokens=1, cache_salt=version_salt(2))
-    other_salt = _prefix_hits(moe_fleet.urls[0]) - start
-    client.generate(prompt, n=1, max_tokens=1, cache_salt=version_salt(1))
-    same_salt = _prefix_hits(moe_fleet.urls[0]) - start - other_salt
-    print(f"prefix-cache hits: another salt {other_salt:g} tokens, the same salt {same_salt:g} tokens")
-    assert other_salt == 0 and same_salt >= 48, (other_salt, same_salt)

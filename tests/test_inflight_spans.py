@@ -1,6 +1,6 @@
-"""The pure parts of in-flight weight updates (`megarl.rollout.inflight`): vLLM's weight-version spans to
-`TokenVersions`, vLLM's internal request ids back to the client's, and the config fields. The real fleet's side is
-tests/test_inflight_push.py."""
+"""The parts of in-flight weight updates (`megarl.rollout.inflight`) that need no fleet: vLLM's weight-version spans to
+`TokenVersions`, vLLM's internal request ids back to the client's, the config fields, and vLLM's own prefix-cache
+block hashing keyed by the version salt. The real fleet's side is tests/test_inflight_push.py."""
 
 import pytest
 from pydantic import ValidationError
@@ -46,3 +46,27 @@ def test_config_fields():
     assert SyncConfig(inflight=True, inflight_kv="keep").inflight_kv == "keep"
     with pytest.raises(ValidationError, match="inflight_kv"):
         SyncConfig(inflight=True, inflight_kv="drop")
+
+
+def test_version_salt_keys_vllms_prefix_cache_blocks():
+    """vLLM's own block hasher (the keys of its prefix cache) with the salt the client sends: requests for the same
+    version share every block hash, requests for different versions share none (the salt enters the first block's
+    hash, and every later hash chains on it). Checked here rather than on the CPU fleet, whose block size (128, vLLM's
+    CPU default) equals the tiny model's context: no prompt there fills a block, so nothing is ever cached."""
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(16, sha256)
+    prompt = [(7 * i + 3) % 30 + 1 for i in range(64)]
+
+    def hashes(salt):
+        request = Request("r", prompt, SamplingParams(max_tokens=1), None, cache_salt=salt, block_hasher=hasher)
+        return request.block_hashes
+
+    v1, v1_again, v2 = hashes(version_salt(1)), hashes(version_salt(1)), hashes(version_salt(2))
+    assert len(v1) == 4 and v1 == v1_again
+    assert not set(v1) & set(v2)
+    assert not set(v1) & set(hashes(None))
