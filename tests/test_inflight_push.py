@@ -179,8 +179,8 @@ def test_push_lands_while_responses_generate(moe_fleet, tiny_moe_dir, new_checkp
         after = [(e[b:] - n[b:]).abs() for (b, e), n in zip(boundaries, new_ref, strict=True)]
         after_max, after_mean = max(float(a.max()) for a in after), float(torch.cat(after).mean())
         print(f"inflight_kv={kv} (attempt {r['attempts']}): held {sorted(len(v) for v in seen.values())} tokens at "
-              f"the pause (replica paused {r['paused_s']:.2f} s); engine vs transformers |dlogprob|: before the push (old "
-              f"weights) max {before:.2e}; after it (new weights) max {after_max:.2e} mean {after_mean:.2e}")
+              f"the pause (replica paused {r['paused_s']:.2f} s); engine vs transformers |dlogprob|: before the push "
+              f"(old weights) max {before:.2e}; after it (new weights) max {after_max:.2e} mean {after_mean:.2e}")
         assert before < 1e-5, (kv, before)
         if kv == "recompute":
             assert after_max < 1e-5, after_max
