@@ -1,7 +1,7 @@
 """In-flight weight updates on the real stack (`megarl.rollout.inflight`): two megatron-core trainer ranks push into
 the session's real vLLM server (tensor parallel 2) while long responses are generating, with the replica paused in
-vLLM's keep mode, once per KV setting (`sync.inflight_kv`: keep, then recompute), through delta pushes (the first
-push of the sync is full, the others deltas against the version each replica holds).
+vLLM's keep mode, once per KV setting (`sync.inflight_kv`), each through a sync group of its own: keep through
+streamed full pushes, recompute through staged delta pushes (the in-flight push a delta against the old weights).
 
 Checked against independent references:
 - the push did not wait for the responses: the engine's own model runner held every request, part-way, when the
@@ -42,6 +42,9 @@ N = 2  # samples per prompt: vLLM splits them into child requests `<index>_<pare
 MAX_TOKENS = 110  # within the tiny model's 128 positions
 HELD_AT_LEAST = 4  # every request has this many tokens before the in-flight push starts
 VERSIONS = {"keep": 61, "recompute": 71}  # the first (old, new) versions per KV setting: (base, base + 1)
+# how each setting's sync group takes its pushes: keep through streamed full pushes, recompute through staged deltas
+# (its first push, of the old weights, is full; the in-flight one a delta against it)
+RECEIVE = {"keep": {"receive": "streamed"}, "recompute": {"receive": "staged", "delta": True}}
 # the machine is shared: if a poll comes too late (every response already finished when the replica paused), the
 # run is inconclusive and is repeated (old weights pushed again, new responses), at most this many times
 ATTEMPTS = 3
@@ -52,7 +55,7 @@ def new_checkpoint(tiny_moe_dir, tmp_path_factory):
     return perturbed_checkpoint(tiny_moe_dir, tmp_path_factory.mktemp("inflight_new"), seed=11)
 
 
-def _trainer(rank, world, old_dir, new_dir, url, port, sync_port, points):
+def _trainer(rank, world, old_dir, new_dir, url, port, sync_ports, points):
     from megarl.parallel.groups import TrainerLayout, destroy_trainer_groups, init_trainer_groups
     from megarl.rollout.client import RolloutClient
     from megarl.sync.weight_sync import PartitionedWeightSync
@@ -66,11 +69,13 @@ def _trainer(rank, world, old_dir, new_dir, url, port, sync_port, points):
         new = [(s, new_tensors[s.name][tuple(slice(a, b) for a, b in s.box)].contiguous().to(t.dtype))
                for s, t in old]
         client = RolloutClient(url) if rank == 0 else None
-        sync = PartitionedWeightSync(rank, world, hf, [client] if client else [], rollout_tp=2, rollout_replicas=1,
-                                     store_host="127.0.0.1", store_port=sync_port, bucket_bytes=256 << 10,
-                                     timeout_s=120, delta=True)
         out = {}
-        for kv, base in VERSIONS.items():
+        for (kv, base), sync_port in zip(VERSIONS.items(), sync_ports, strict=True):
+            if kv != next(iter(VERSIONS)):
+                torch.distributed.barrier()  # the previous sync group is left on every rank first
+            sync = PartitionedWeightSync(rank, world, hf, [client] if client else [], rollout_tp=2,
+                                         rollout_replicas=1, store_host="127.0.0.1", store_port=sync_port,
+                                         bucket_bytes=256 << 10, timeout_s=120, **RECEIVE[kv])
             for attempt in range(ATTEMPTS):
                 v_old, v_new = base + 2 * attempt, base + 2 * attempt + 1
                 if client is not None:
@@ -78,7 +83,7 @@ def _trainer(rank, world, old_dir, new_dir, url, port, sync_port, points):
                 sync.push(old, v_old)  # the replica serves the old weights, paused the usual way (mode wait)
                 if client is not None:
                     sync.fleet.inflight, sync.fleet.inflight_kv = True, kv
-                    out[kv] = _inflight_push(sync, client, kv, v_old, lambda v=v_new: sync.push(new, v), points)
+                    out[kv] = _inflight_push(sync, client, kv, v_old, lambda v=v_new, s=sync: s.push(new, v), points)
                     out[kv]["versions"], out[kv]["attempts"] = (v_old, v_new), attempt + 1
                 else:
                     sync.push(new, v_new)
@@ -86,6 +91,7 @@ def _trainer(rank, world, old_dir, new_dir, url, port, sync_port, points):
                 torch.distributed.broadcast_object_list(again, src=0)
                 if not again[0]:
                     break
+            sync.close()
         return out
     finally:
         destroy_trainer_groups()
@@ -130,7 +136,7 @@ def _inflight_push(sync, client, kv: str, v_old: int, push, points: str) -> dict
     held = dict(sync.fleet.held[0])
     part_way = all(0 < held.get((rid, j), 0) < MAX_TOKENS for rid in rids for j in range(N))
     return {"samples": box["samples"], "seen": seen, "held": held, "held_part_way": part_way,
-            "paused_s": stats.phases["fleet_paused_s"], "rids": rids}
+            "paused_s": stats.phases["fleet_paused_s"], "rids": rids, "delta_workers": sorted(stats.delta)}
 
 
 def _reference_logprobs(hf_dir, sequences: list[tuple[list[int], list[int]]]) -> list[torch.Tensor]:
@@ -151,12 +157,14 @@ def test_push_lands_while_responses_generate(moe_fleet, tiny_moe_dir, new_checkp
     """One trainer run: per KV setting, a full/delta push of the old weights, then long responses and an
     in-flight push of the new weights while they generate."""
     results = run_distributed(_trainer, 2, tiny_moe_dir, new_checkpoint, moe_fleet.urls[0], free_port(),
-                              free_port(), str(tmp_path), init_dist=False)
+                              [free_port(), free_port()], str(tmp_path), init_dist=False)
     for kv in VERSIONS:
         r = results[0][kv]
         v_old, v_new = r["versions"]
         assert r["held_part_way"], f"{kv}: every attempt's responses finished before the push paused the replica"
         assert r["seen"].pop("_paused") is True
+        # the in-flight push went as any other: a full streamed one (keep), a delta to both vLLM workers (recompute)
+        assert r["delta_workers"] == ([2, 3] if RECEIVE[kv].get("delta") else []), r["delta_workers"]
         seen = {engine_request_key(k): v for k, v in r["seen"].items() if engine_request_key(k)}
         sequences, boundaries = [], []
         for prompt, rid, samples in zip(PROMPTS, r["rids"], r["samples"], strict=True):
