@@ -40,6 +40,9 @@ the model runner of each replica while it is paused (`MegarlWorkerExtension.mega
 output tokens each request in flight holds, keyed by vLLM's internal request id, matched back to the client's
 request by `engine_request_key`); a response's first span ends exactly there (checked by the test), and the
 lifecycle keeps the counts of its last push (`FleetLifecycle.held`) for metrics and the later loop integration.
+The spans are the record; the model runner's counts are a cross-check, exact on the CPU backend (checked by the test).
+With GPU async scheduling vLLM's model runner may hold a placeholder (-1) for a token still being sampled until its
+next step, so there the counts are unverified (the spans are not affected: they count what the engine core output).
 
 Prefix cache. Blocks computed under old weights must never serve a later request. Without in-flight updates the
 `wait`-mode pause clears the cache at every push (vLLM's default `clear_cache`); keep mode must not (above), and
