@@ -14,7 +14,7 @@ Checked against independent references:
 - with `recompute`, the engine's log-prob of every token before the push equals transformers' fp32 forward of
   prompt + response under the OLD checkpoint, and of every token after it under the NEW one, within 1e-5;
   with `keep`, the tokens before the push still match the old weights, and the mismatch of the tokens after it
-  against the new weights is measured and printed (and must be visible: stale KV changes them by far more than 1e-5);
+  against the new weights is measured and printed (and must be visible: stale KV changes them by far more than 1e-5).
 
 Tolerance: vLLM's CPU kernels (TP 2) and transformers both run fp32 with different reduction orders (~1e-6 per
 token); a wrong or stale weight moves a log-prob by > 1e-2.
@@ -133,6 +133,8 @@ def _inflight_push(sync, client, kv: str, v_old: int, push, points: str) -> dict
         del os.environ[failpoints.ENV]
     reader.join()
     gen.join()
+    if "samples" not in box:
+        raise RuntimeError("the generate call of the in-flight push failed (its traceback is printed above)")
     held = dict(sync.fleet.held[0])
     part_way = all(0 < held.get((rid, j), 0) < MAX_TOKENS for rid in rids for j in range(N))
     return {"samples": box["samples"], "seen": seen, "held": held, "held_part_way": part_way,
@@ -154,8 +156,8 @@ def _reference_logprobs(hf_dir, sequences: list[tuple[list[int], list[int]]]) ->
 
 
 def test_push_lands_while_responses_generate(moe_fleet, tiny_moe_dir, new_checkpoint, tmp_path):
-    """One trainer run: per KV setting, a full/delta push of the old weights, then long responses and an
-    in-flight push of the new weights while they generate."""
+    """One set of trainer ranks: per KV setting, a push of the old weights, then long responses and an in-flight
+    push of the new weights while they generate."""
     results = run_distributed(_trainer, 2, tiny_moe_dir, new_checkpoint, moe_fleet.urls[0], free_port(),
                               [free_port(), free_port()], str(tmp_path), init_dist=False)
     for kv in VERSIONS:
