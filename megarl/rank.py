@@ -68,6 +68,7 @@ def run_rank(cfg: Config, place: ProcessPlace, sync_port: int, fleet_urls: Calla
             min_replicas=cfg.rollout.min_replicas, rejoin_timeout_s=cfg.sync.rejoin_timeout_s,
             group_timeout=(cfg.sync.timeout_min_gbps, cfg.sync.timeout_fixed_s),
             condemn=roster.condemn if roster is not None else None, silent_s=cfg.rollout.health_timeout_s,
+            inflight=cfg.sync.inflight, inflight_kv=cfg.sync.inflight_kv,
         )
         start_rollout = None
         if rank == 0:

@@ -404,6 +404,26 @@ class SyncConfig(_Strict):
         "moving its bytes (opening the replicas, vLLM's reload of a streamed push's layers while later buckets "
         "wait).",
     )
+    inflight: bool = Field(
+        False, description="In-flight weight updates (engine side, issue 48): a push pauses each replica in vLLM's "
+        "keep mode, so requests being generated are frozen inside the engine with their tokens, loads the new "
+        "weights and resumes them; no request is aborted or resampled, and each response records which version "
+        "produced each of its tokens from the engine's own counts (`Sample.token_versions`; megarl.rollout.inflight, "
+        "docs/pipeline.md). false (default): the pause waits for running requests to finish (mode wait), as "
+        "before. Not yet used by the loop: the rollout worker still quiesces before every push, so until partial "
+        "rollouts land no request is in flight at a push of `megarl train` and this changes nothing there.",
+    )
+    inflight_kv: Literal["keep", "recompute"] = Field(
+        "recompute", description="With sync.inflight: what happens to the KV cache of the tokens a held request "
+        "generated before the push. recompute (default; as AReaL and verl): every held request is preempted while "
+        "paused and prefilled again over prompt + output under the new weights, so each token after the push is "
+        "sampled from exactly the new policy (the engine's log-probs equal the trainer's at the new version), at the "
+        "cost of one re-prefill per held request; the prefix cache is emptied at each push. keep (as PipelineRL): "
+        "the old KV is kept, no re-prefill; tokens after the push attend to keys and values computed under the old "
+        "weights, so their log-probs match neither version (the mismatch is measured in docs/pipeline.md). Either "
+        "way the client salts each request's prefix cache with its version (vLLM's cache_salt), so a later "
+        "request never reuses blocks computed under older weights.",
+    )
     push_initial: bool = Field(
         False, description="Push the trainer's weights once before the first batch, for a fleet that did not "
         "start from the trainer's checkpoint (a reused fleet, a resumed run). Counted in step 0's sync metrics.",

@@ -9,15 +9,18 @@ import binascii
 import io
 import os
 import threading
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import requests
 
 from megarl.rollout.fleet_auth import SECRET_ENV, bearer_header, read_secret
+from megarl.rollout.inflight import token_versions_from_spans, version_of_label
 from megarl.rollout.liveness import Liveness
+from megarl.token_versions import TokenVersions
 
 if TYPE_CHECKING:
     import numpy as np
@@ -47,21 +50,25 @@ class Sample:
     response_ids: list[int]
     response_logprobs: list[float]  # the engine's log-prob of each sampled token
     finish_reason: str | None
-    policy_version: int  # weight version the engine reports for every token of the response
+    # weight version of the response's first token (its oldest; every token's when no push landed while it generated)
+    policy_version: int
     # [prompt + response - 1, moe_layers, top_k] experts the engine routed each forwarded token to (uint8, or int16
     # beyond 256 experts); None unless the server returns routed experts (rollout.return_routed_experts)
     routed_experts: np.ndarray | None = None
+    # the version of each response token, from the engine's own spans (`megarl.rollout.inflight`); a response with
+    # no push inside it is `TokenVersions.single(policy_version, len(response_ids))`. None only for a Sample built
+    # by hand (tests, benches)
+    token_versions: TokenVersions | None = None
+    request_id: str | None = None  # the id the client sent the prompt's request with (shared by its n samples)
 
 
 def _version_number(label: str | None) -> int:
     """vLLM labels weights loaded at start-up `"default"`: that is policy version 0; megarl labels pushes with
-    the integer policy version."""
-    if label in (None, "", "default"):
-        return 0
+    the integer policy version (`megarl.rollout.inflight.version_of_label`)."""
     try:
-        return int(label)
-    except ValueError:
-        raise RolloutServerError(f"weight version {label!r} was not set by megarl (expected an integer)") from None
+        return version_of_label(label)
+    except ValueError as err:
+        raise RolloutServerError(str(err)) from None
 
 
 def decode_routed_experts(encoded: str, forwarded_tokens: int) -> np.ndarray:
@@ -167,12 +174,16 @@ class RolloutClient:
     # ---- generation ------------------------------------------------------------------------------------------
     def generate(self, prompt_token_ids: list[list[int]], n: int, max_tokens: int | list[int],
                  temperature: float = 1.0, top_p: float = 1.0, seed: int | list[int] | None = None,
-                 ignore_eos: bool = False) -> list[list[Sample]]:
+                 ignore_eos: bool = False, cache_salt: str | None = None,
+                 request_ids: list[str] | None = None) -> list[list[Sample]]:
         """K = n samples for each prompt (one request per prompt, sent concurrently). `seed`: the sampling seed
         of each prompt (a list), or of the first one with the others following it (an int). `max_tokens`: the
         response budget of every prompt, or of each (a list); `ignore_eos`: sample on past EOS to the budget
-        (vLLM's `ignore_eos`; `megarl bench longtail` uses it to set response lengths)."""
-        for name, value in (("seeds", seed), ("max_tokens", max_tokens)):
+        (vLLM's `ignore_eos`; `megarl bench longtail` uses it to set response lengths). `cache_salt`: vLLM's
+        prefix-cache salt of every request (`megarl.rollout.inflight.version_salt(v)`: requests submitted for
+        different versions never share cached blocks). `request_ids`: the id of each prompt's request (default:
+        fresh ones), which the engine's counts at an in-flight pause are keyed by (`FleetLifecycle.held`)."""
+        for name, value in (("seeds", seed), ("max_tokens", max_tokens), ("request_ids", request_ids)):
             if isinstance(value, list) and len(value) != len(prompt_token_ids):
                 raise ValueError(f"{len(value)} {name} for {len(prompt_token_ids)} prompts")
 
@@ -183,11 +194,15 @@ class RolloutClient:
                 params["ignore_eos"] = True
             if seed is not None:
                 params["seed"] = seed[i] if isinstance(seed, list) else seed + i
-            reply = self._post("/inference/v1/generate", {"token_ids": prompt, "sampling_params": params})
+            rid = request_ids[i] if request_ids is not None else f"megarl-{uuid.uuid4().hex}"
+            body: dict[str, Any] = {"token_ids": prompt, "sampling_params": params, "request_id": rid}
+            if cache_salt is not None:
+                body["cache_salt"] = cache_salt
+            reply = self._post("/inference/v1/generate", body)
             choices = reply.get("choices") if isinstance(reply, dict) else None
             if not isinstance(choices, list) or len(choices) != n:
                 raise RolloutServerError(f"{self.url}/inference/v1/generate: want {n} choices, got {str(reply)[:500]}")
-            return [self._sample(prompt, c) for c in sorted(choices, key=lambda c: c["index"])]
+            return [self._sample(prompt, c, rid) for c in sorted(choices, key=lambda c: c["index"])]
 
         return list(self._pool.map(lambda a: one(*a), enumerate(prompt_token_ids)))
 
@@ -200,18 +215,24 @@ class RolloutClient:
             raise RolloutServerError(f"{self.url}: no prompt log-probs in the reply: {str(reply)[:500]}")
         return [float(pos[str(tok)]["logprob"]) for pos, tok in zip(per_position[1:], token_ids[1:], strict=True)]
 
-    def _sample(self, prompt: list[int], choice: dict[str, Any]) -> Sample:
-        """A `Sample` from one choice; its version is the one vLLM recorded for the tokens (`weight_versions`
-        spans, set by `finish_weight_update(weight_version=...)`), or `/weight_info` if the reply has none."""
+    def _sample(self, prompt: list[int], choice: dict[str, Any], request_id: str | None = None) -> Sample:
+        """A `Sample` from one choice; its token versions are the ones vLLM recorded for the tokens
+        (`weight_versions` spans: the label set by `finish_weight_update(weight_version=...)` of each model step that
+        produced them, `megarl.rollout.inflight`), or `/weight_info` for every token if the reply has none."""
         ids = choice.get("token_ids") or []
         content = (choice.get("logprobs") or {}).get("content") or []
         if len(content) != len(ids) or any(c["token_id"] != t for c, t in zip(content, ids, strict=False)):
             raise RolloutServerError(f"{self.url}: log-probs do not match the sampled tokens in {choice}")
         spans = choice.get("weight_versions") or []
-        versions = {s["version"] for s in spans}
-        if len(versions) > 1:
-            raise RolloutServerError(f"{self.url}: one response spans weight versions {sorted(versions)}")
-        version = _version_number(versions.pop() if versions else self.weight_version())
+        if spans:
+            try:
+                token_versions = token_versions_from_spans(spans, len(ids))
+            except ValueError as err:
+                raise RolloutServerError(f"{self.url}: {err}") from None
+            version = token_versions.oldest
+        else:
+            version = _version_number(self.weight_version())
+            token_versions = TokenVersions.single(version, len(ids))
         routes = choice.get("routed_experts")
         if routes is not None:
             try:
@@ -219,7 +240,7 @@ class RolloutClient:
             except RolloutServerError as err:
                 raise RolloutServerError(f"{self.url}: {err}") from None
         return Sample(prompt, list(ids), [float(c["logprob"]) for c in content], choice.get("finish_reason"),
-                      version, routes)
+                      version, routes, token_versions, request_id)
 
     def healthy(self, timeout_s: float = 10.0) -> bool:
         """Whether the server answers `/health` with 200 within `timeout_s` (its engine and workers are alive);
@@ -239,11 +260,24 @@ class RolloutClient:
         """Every worker creates its weight-transfer engine and joins the sync group (blocks until all joined)."""
         self._post("/init_weight_transfer_engine", {"init_info": init_info})
 
-    def pause(self, timeout_s: float | None = None) -> None:
-        """Stop scheduling new steps once the running ones finish (`mode=wait`). `timeout_s` here and in the other
-        calls of a push: this call's timeout (default the client's; a push passes its own bound,
-        `megarl.sync.lifecycle`)."""
-        self._post("/pause", params={"mode": "wait"}, timeout_s=timeout_s)
+    def pause(self, timeout_s: float | None = None, mode: Literal["wait", "keep"] = "wait",
+              clear_cache: bool = True) -> None:
+        """Pause generation. `wait`: stop admitting requests and return once the running ones have finished;
+        `keep` (in-flight updates, `megarl.rollout.inflight`): stop stepping at once and return once no model step
+        is in flight; the running requests stay frozen in the engine until `resume`. `clear_cache`: then empty the
+        prefix cache; in vLLM 0.32 this also preempts every running request, whose KV is then recomputed when it
+        is scheduled again (so keep mode keeps the KV only with `clear_cache=False`, whatever vLLM's route
+        docstring says). `timeout_s` here and in the other calls of a push: this call's timeout (default the
+        client's; a push passes its own bound, `megarl.sync.lifecycle`)."""
+        self._post("/pause", params={"mode": mode, "clear_cache": str(clear_cache).lower()}, timeout_s=timeout_s)
+
+    def reset_prefix_cache(self, preempt_running: bool, timeout_s: float | None = None) -> bool:
+        """Empty the engine's prefix cache; `preempt_running`: first preempt every running request (its KV is
+        freed and recomputed over prompt + output when it is scheduled again: `sync.inflight_kv=recompute`).
+        Whether the cache was emptied (without preempting, vLLM refuses while requests hold blocks)."""
+        reply = self._post("/reset_prefix_cache", params={"reset_running_requests": str(preempt_running).lower()},
+                           timeout_s=timeout_s)
+        return bool(isinstance(reply, dict) and reply.get("success"))
 
     def resume(self, timeout_s: float | None = None) -> None:
         self._post("/resume", timeout_s=timeout_s)

@@ -4,7 +4,10 @@
     needs:  /collective_rpc megarl_record_loader_reads on replica 0 (what each TP rank's loaders read), once
     join:   /init_weight_transfer_engine on a replica (its workers join its sync group, get the needs): every
             replica at the start, a restarted one again when the trainer lets it in
-    open:   /pause -> close a session a dead trainer left open (a replica's first open only) ->
+    open:   /pause (mode wait; with in-flight updates mode keep, then the engine's counts of the requests held
+            (/collective_rpc megarl_held_requests) and, for sync.inflight_kv=recompute, /reset_prefix_cache with the
+            running requests preempted: `megarl.rollout.inflight`) -> close a session a dead trainer left open (a
+            replica's first open only) ->
             /start_weight_update on every replica (undone on failure; a replica that does not answer is skipped and
             named, `megarl.sync.weight_sync` decides whether the push goes on without it)
     update: /update_weights with each TP worker's part of the plan, one thread per replica; it returns once the
@@ -31,6 +34,7 @@ from collections.abc import Callable
 from typing import Any
 
 from megarl.rollout.client import RolloutClient, RolloutServerError, RolloutServerHung, RolloutServerLost
+from megarl.rollout.inflight import InflightKV, held_counts
 from megarl.sync import failpoints
 from megarl.sync.needs import RolloutNeeds, recorded_by_fleet
 
@@ -106,12 +110,19 @@ class FleetLifecycle:
     """Trainer rank 0's handle on the replicas of one fleet that are in the sync (`clients`: replica -> its client,
     `tp` workers each); `leave` and `join` change who is in. `call_timeout_s`: the push's bound on each of its
     calls (None: the clients' own timeout); `condemn(replica, why)`: tells the replica's launcher to kill and restart
-    one that hung (None: it is only left out; see the module docstring)."""
+    one that hung (None: it is only left out; see the module docstring). `inflight` (`sync.inflight`): pause in
+    vLLM's keep mode, so requests in flight are held through the push, not waited for; `inflight_kv`
+    (`sync.inflight_kv`): whether their KV is kept or recomputed under the new weights (`megarl.rollout.inflight`)."""
 
     def __init__(self, clients: list[RolloutClient], tp: int, call_timeout_s: float | None = None,
-                 condemn: Callable[[int, str], None] | None = None) -> None:
+                 condemn: Callable[[int, str], None] | None = None, inflight: bool = False,
+                 inflight_kv: InflightKV = "recompute") -> None:
         self.clients: dict[int, RolloutClient] = dict(enumerate(clients))
         self.tp = tp
+        self.inflight, self.inflight_kv = inflight, inflight_kv
+        # with `inflight`: per replica opened by the last `open`, the output tokens each generate request held at its
+        # pause, keyed (request_id, choice index) (`megarl.rollout.inflight.held_counts`); empty otherwise
+        self.held: dict[int, dict[tuple[str, int], int]] = {}
         self.call_timeout_s = call_timeout_s
         self.condemn = condemn
         self.condemned: dict[int, str] = {}  # replicas condemned since they last joined -> why
@@ -184,13 +195,19 @@ class FleetLifecycle:
         paused: list[RolloutClient] = []
         opened: list[RolloutClient] = []
         lost: dict[int, str] = {}
+        self.held = {}
         try:
             bound = self.call_timeout_s
             for rep, client in self.clients.items():
                 try:
-                    client.pause(timeout_s=bound)
+                    if self.inflight:  # keep the KV here: `_hold` preempts explicitly for inflight_kv=recompute
+                        client.pause(timeout_s=bound, mode="keep", clear_cache=False)
+                    else:
+                        client.pause(timeout_s=bound)
                     paused.append(client)
                     failpoints.hold(f"push.paused.replica{rep}")
+                    if self.inflight:
+                        self._hold(rep, client)
                     if rep not in self._stale_closed:  # only an earlier trainer (one that died mid-update) leaves one
                         client.collective_rpc("megarl_end_stale_update", timeout_s=bound)
                     client.start_weight_update(timeout_s=bound)
@@ -212,6 +229,16 @@ class FleetLifecycle:
             return f"could not start the update: {type(err).__name__}: {err}", lost
         self._stale_closed |= set(self.clients) - set(lost)
         return None, lost
+
+    def _hold(self, rep: int, client: RolloutClient) -> None:
+        """Replica `rep` is paused in keep mode: record what each request in flight holds (the engine's own counts,
+        TP rank 0's model runner) and, with `inflight_kv=recompute`, preempt them all and empty the prefix cache,
+        so that they are prefilled again under the weights they resume with."""
+        self.held[rep] = held_counts(client.collective_rpc("megarl_held_requests", timeout_s=self.call_timeout_s)[0])
+        if self.inflight_kv == "recompute" and not client.reset_prefix_cache(True, timeout_s=self.call_timeout_s):
+            raise RuntimeError(f"replica {rep} ({client.url}) did not empty its prefix cache after preempting its "
+                               "running requests (vLLM refuses while a request waits for a remote KV transfer): "
+                               "their KV would not be recomputed; use sync.inflight_kv=keep with such a fleet")
 
     def abort_open(self, lost: dict[int, str]) -> None:
         """Undo `open` on every replica but the `lost` ones: close the session unlabelled and resume."""

@@ -534,3 +534,24 @@ class MegarlWorkerExtension:
             shard_axis_size=tp, allow_direct=True)
         return {d.name: ("fallback" if not d.direct else "replicate" if d.placements is None else "shard")
                 for d in destinations}
+
+    def megarl_held_requests(self) -> dict[str, int]:
+        """The output tokens each request this worker's model runner holds has now: vLLM's internal request id ->
+        `len(output_token_ids)` (the model runner appends each step's sampled tokens to them). Asked by the push's
+        lifecycle while the replica is paused in keep mode (`megarl.rollout.inflight`): then no step is in flight, so
+        these are exactly the tokens each request had when the old weights stopped. Never raises (see the module
+        docstring): a model runner without that state answers {}."""
+        requests = getattr(getattr(self, "model_runner", None), "requests", None) or {}
+        held = {}
+        for req_id, state in requests.items():
+            tokens = getattr(state, "output_token_ids", None)
+            if tokens is not None:
+                held[str(req_id)] = len(tokens)
+        return held
+
+    def megarl_held_tokens(self) -> dict[str, list[int]]:
+        """Like `megarl_held_requests`, the output token ids themselves (tests and debugging: what a request held at
+        a pause, to check that it continued from there and was not restarted)."""
+        requests = getattr(getattr(self, "model_runner", None), "requests", None) or {}
+        return {str(req_id): [int(t) for t in getattr(state, "output_token_ids", None) or []]
+                for req_id, state in requests.items()}

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.rollout.client import RolloutClient
+from megarl.rollout.inflight import InflightKV
 from megarl.sync.delta import BlockCount, SenderBase, block_key, delta_layout, encode, takes_delta
 from megarl.sync.group_timeout import push_link_bytes, sync_group_timeout_s
 from megarl.sync.heartbeat import BeatWatch, beat_key
@@ -117,7 +118,9 @@ class PartitionedWeightSync:
     replica that does not answer one within it while its /health answers is failed for the push and handed to
     `condemn(replica, why)` (the trainer's `Roster.condemn`: its launcher kills and restarts it); `silent_s`
     (`rollout.health_timeout_s`): a replica one of whose workers sends no heartbeat for that long during its update
-    call is failed and condemned the same way at once (`megarl.sync.heartbeat`; None: only the bound)."""
+    call is failed and condemned the same way at once (`megarl.sync.heartbeat`; None: only the bound);
+    `inflight`, `inflight_kv` (`sync.inflight`, `sync.inflight_kv`): the replicas are paused in vLLM's keep mode, so
+    requests in flight are held through the push instead of waited for (`megarl.rollout.inflight`)."""
 
     def __init__(self, rank: int, world_size: int, hf_config: dict[str, Any], clients: list[RolloutClient],
                  rollout_tp: int, rollout_replicas: int, store_host: str, store_port: int, bucket_bytes: int,
@@ -125,7 +128,8 @@ class PartitionedWeightSync:
                  receive: ReceiveMode = "staged", delta: bool = False, wire_dtype: torch.dtype | None = None,
                  min_replicas: int | None = None, rejoin_timeout_s: float | None = None,
                  group_timeout: tuple[float, float] | None = None,
-                 condemn: Callable[[int, str], None] | None = None, silent_s: float | None = None) -> None:
+                 condemn: Callable[[int, str], None] | None = None, silent_s: float | None = None,
+                 inflight: bool = False, inflight_kv: InflightKV = "recompute") -> None:
         self.rank, self.trainers, self.hf = rank, world_size, hf_config
         self.clients, self.tp, self.replicas = clients, rollout_tp, rollout_replicas
         self.bucket_bytes, self.digests, self.receive = bucket_bytes, digests, receive
@@ -149,7 +153,8 @@ class PartitionedWeightSync:
         self.entries: list[WireEntry] | None = None
         self.bytes_needed: dict[int, int] = {}
         self.pushes = 0  # pushes that reached the byte moving, counted on every trainer rank alike
-        self.fleet = FleetLifecycle(clients, rollout_tp, condemn=condemn) if rank == 0 else None
+        self.fleet = FleetLifecycle(clients, rollout_tp, condemn=condemn, inflight=inflight,
+                                    inflight_kv=inflight_kv) if rank == 0 else None
         if self.fleet is not None and len(clients) != rollout_replicas:
             raise ValueError(f"{len(clients)} rollout clients for {rollout_replicas} replicas")
         self.needs = self._obtain_needs(needs)

@@ -1,0 +1,130 @@
+"""In-flight weight updates, the engine side: a push that does not wait for the requests a replica is generating.
+
+With `sync.inflight` the push's lifecycle (`megarl.sync.lifecycle.FleetLifecycle`) pauses each replica with vLLM
+0.32's keep mode (`POST /pause?mode=keep&clear_cache=false`): the engine core stops scheduling
+(`PauseState.PAUSED_ALL`) and the pause completes once no model step is in flight; every request stays inside the
+engine with its tokens, its sampling state and its KV blocks. (`clear_cache=false` matters: although the route's
+docstring says keep mode ignores it, vLLM 0.32's engine core runs `_finish_pause(clear_cache)` in every mode, and with
+`true` that resets the prefix cache with `reset_running_requests=True`, preempting every held request: the
+recompute below, unasked. Found by tests/test_inflight_push.py, whose keep run first matched the new weights.) The
+partitioned push then loads the new weights exactly as without in-flight updates (full or delta, staged or
+streamed: the worker-side receive runs inside one engine RPC while nothing steps), the replica is labelled with the
+new version (`/finish_weight_update`) and resumed; the frozen requests continue where they stood. No request is
+aborted, restarted or resampled: the client's HTTP call simply takes longer.
+
+What happens to the KV cache of the tokens generated before the push is `sync.inflight_kv`:
+
+- `recompute` (default; as AReaL and verl): while paused, `POST /reset_prefix_cache?reset_running_requests=true`
+  preempts every running request (vLLM frees its blocks and sets its computed tokens to 0, keeping its prompt and
+  output tokens) and then empties the prefix cache, which succeeds because no block is held any more. On resume each
+  request is prefilled again over prompt + the output so far, under the new weights, and goes on decoding. Every
+  token sampled after the push is therefore sampled from exactly the new policy's distribution given the whole
+  prefix: the engine's log-prob of each post-push token is the new weights' log-prob, each pre-push one the old
+  weights' (tests/test_inflight_push.py checks both against transformers at 1e-5). We chose preemption inside the
+  engine over the abort-and-resubmit of AReaL/verl (`/pause?mode=abort`, then prompt + partial output sent again with
+  `max_tokens` reduced): the request, its seed's generator and its id stay the engine's own, the client
+  concatenates nothing, and vLLM's own version spans (below) keep counting one response.
+- `keep` (as PipelineRL and Magistral): nothing is recomputed. Tokens after the push attend to keys and values of
+  the earlier tokens computed under the old weights, so their log-probs are neither the old nor the new policy's
+  (the mismatch is measured by the same test and reported in docs/pipeline.md). Cheaper: no re-prefill.
+
+Per-token versions, exact. vLLM 0.32 records it itself: the engine core attaches its current weight label to the
+outputs of every model step (`EngineCore._attach_weight_version`; the label changes only while generation is paused,
+by `/finish_weight_update(weight_version)`), and the output processor opens a new `WeightVersionSpan(version, start,
+end)` of output-token indexes whenever the label of a step's new tokens differs from the previous one; the final
+reply of `/inference/v1/generate` carries the spans per choice. These are the engine's own token counts at the pause,
+not a clock: a step's tokens are labelled with the weights that computed them because the keep-mode pause completes
+only once no step is in flight, and the label is set before the resume. `token_versions_from_spans` turns them into
+the one record of versions, `megarl.token_versions.TokenVersions`. The lifecycle also reads the counts straight from
+the model runner of each replica while it is paused (`MegarlWorkerExtension.megarl_held_requests`: the number of
+output tokens each request in flight holds, keyed by vLLM's internal request id, matched back to the client's
+request by `engine_request_key`); a response's first span ends exactly there (checked by the test), and the
+lifecycle keeps the counts of its last push (`FleetLifecycle.held`) for metrics and the later loop integration.
+The spans are the record; the model runner's counts are a cross-check, exact on the CPU backend (checked by the test).
+With GPU async scheduling vLLM's model runner may hold a placeholder (-1) for a token still being sampled until its
+next step, so there the counts are unverified (the spans are not affected: they count what the engine core output).
+
+Prefix cache. Blocks computed under old weights must never serve a later request. Without in-flight updates the
+`wait`-mode pause clears the cache at every push (vLLM's default `clear_cache`); keep mode must not (above), and
+`reset_prefix_cache` without preempting is a no-op while requests hold blocks. So: with `recompute` the cache is
+emptied at every in-flight push (above); with either setting the client salts each request with the version it is
+submitted for (`RolloutClient.generate(cache_salt=version_salt(v))`, vLLM's `cache_salt`, hashed into the first block
+and so into every block of the request): a request submitted for version v only ever reuses blocks of requests
+submitted for v. vLLM's CPU backend honours the salt (checked by the test through its prefix-cache hit counter).
+
+Not yet integrated: the rollout worker still quiesces before every push, so in `megarl train` no request is in flight
+when a push lands and `sync.inflight` changes nothing yet; partial rollouts (groups generating across batches, the
+staleness bound on their oldest token, the decoupled loss) are the next increment of issue 48.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any, Literal
+
+from megarl.token_versions import TokenVersions
+
+InflightKV = Literal["keep", "recompute"]
+
+# vLLM 0.32's internal id of a request sent to `/inference/v1/generate` with `request_id` R: the serving layer names
+# it `generate-tokens-R` (the external id), `InputProcessor.assign_request_id` appends `-` and 8 random characters,
+# and with n > 1 `ParentRequest.get_child_info` prefixes each child with its index and `_`.
+_ENGINE_ID = re.compile(r"^(?:(?P<index>\d+)_)?generate-tokens-(?P<rid>.+)-[^-]{8}$")
+
+
+def version_salt(version: int) -> str:
+    """The prefix-cache salt of a request submitted for policy `version` (vLLM's `cache_salt`)."""
+    return f"megarl-v{version}"
+
+
+def version_of_label(label: str | None) -> int:
+    """The policy version of a vLLM weight label: `"default"` (weights loaded at start-up, or none reported) is 0,
+    megarl labels its pushes with the integer version. Anything else raises ValueError."""
+    if label in (None, "", "default"):
+        return 0
+    try:
+        return int(label)
+    except ValueError:
+        raise ValueError(f"weight version {label!r} was not set by megarl (expected an integer)") from None
+
+
+def token_versions_from_spans(spans: Iterable[Mapping[str, Any]], num_tokens: int) -> TokenVersions:
+    """The `TokenVersions` of a response of `num_tokens` tokens from vLLM's `weight_versions` spans
+    (`{"version": label, "start": i, "end": j}` over output-token indexes). The spans must tile `[0, num_tokens)` in
+    order with increasing versions; anything else raises ValueError naming the spans."""
+    spans = list(spans)
+    runs: list[tuple[int, int]] = []
+    at = 0
+    for span in spans:
+        start, end = int(span["start"]), int(span["end"])
+        if start != at or end <= start:
+            raise ValueError(f"weight version spans {spans} do not tile the {num_tokens} output tokens")
+        runs.append((version_of_label(span["version"]), end - start))
+        at = end
+    if at != num_tokens:
+        raise ValueError(f"weight version spans {spans} cover {at} of the {num_tokens} output tokens")
+    try:
+        return TokenVersions(tuple(runs))
+    except ValueError as err:
+        raise ValueError(f"weight version spans {spans}: {err}") from None
+
+
+def engine_request_key(engine_request_id: str) -> tuple[str, int] | None:
+    """`(request_id, choice index)` of vLLM's internal id of a `/inference/v1/generate` request that the client sent
+    with `request_id` (see `_ENGINE_ID`); None for an id of another route."""
+    match = _ENGINE_ID.match(engine_request_id)
+    if match is None:
+        return None
+    return match["rid"], int(match["index"] or 0)
+
+
+def held_counts(engine_counts: Mapping[str, int]) -> dict[tuple[str, int], int]:
+    """The output tokens each generate request held at a pause, keyed `(request_id, choice index)`, from a worker's
+    `megarl_held_requests` (internal id -> output tokens); requests of other routes are left out."""
+    held: dict[tuple[str, int], int] = {}
+    for engine_id, tokens in engine_counts.items():
+        key = engine_request_key(engine_id)
+        if key is not None:
+            held[key] = int(tokens)
+    return held
