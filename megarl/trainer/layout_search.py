@@ -26,7 +26,7 @@ from typing import Any
 from megarl.config.schema import Config
 from megarl.models.hf_config import num_experts
 from megarl.models.layer_backend import planned_layer_spec
-from megarl.trainer.memory_plan import GB, trainer_memory
+from megarl.trainer.memory_plan import GB, activation_bytes, microbatch_tokens, trainer_memory
 
 RECOMPUTE_ORDER = ("none", "selective", "full")
 # a candidate fits when its worst rank's plan is within this share of trainer.gpu_memory_gb: the plan's terms are
@@ -61,8 +61,27 @@ class LayoutFit:
 
 
 def _worst(hf: dict[str, Any], cfg: Config, **trainer: Any) -> int:
+    """The worst rank's planned peak with `trainer` fields changed (the plan itself: the reference `_Layout` keeps)."""
     t = cfg.trainer.model_copy(update=trainer)
     return max(m.total for m in trainer_memory(hf, cfg.model_copy(update={"trainer": t})))
+
+
+class _Layout:
+    """One layout's plan, made once (the parameter shapes per stage are the costly part), and its worst rank under
+    any recompute: only the activations change with it (`memory_plan.activation_bytes`)."""
+
+    def __init__(self, hf: dict[str, Any], cfg: Config, **layout: Any) -> None:
+        self.hf, self.t = hf, cfg.trainer.model_copy(update={**layout, "recompute": "none", "recompute_layers": None})
+        self.cfg = cfg.model_copy(update={"trainer": self.t})
+        self.rows = trainer_memory(hf, self.cfg)
+        self.tokens, self.longest = microbatch_tokens(self.cfg)
+        self.flash = planned_layer_spec(self.t.layer_spec) == "te"
+
+    def worst(self, recompute: str, recompute_layers: int | None = None) -> int:
+        t = self.t
+        act = activation_bytes(self.hf, self.tokens, self.longest, self.hf["num_hidden_layers"] // t.pp, t.tp,
+                               self.flash, recompute, t.expert_tp, t.precision, recompute_layers)
+        return max(m.total - m.activations + m.in_flight * act for m in self.rows)
 
 
 def useful_recomputes(cfg: Config) -> tuple[str, ...]:
@@ -75,12 +94,12 @@ def _least_on(hf: dict[str, Any], cfg: Config, tp: int, pp: int, ep: int, expert
     """The least recompute that fits layout (tp, pp, ep, expert_tp): none, selective, full over the fewest first
     layers of each stage, full; None if even full does not fit."""
     budget, stage_layers = HEADROOM * cfg.trainer.gpu_memory_gb * GB, hf["num_hidden_layers"] // pp
-    layout = dict(tp=tp, pp=pp, ep=ep, expert_tp=expert_tp)
+    plan = _Layout(hf, cfg, tp=tp, pp=pp, ep=ep, expert_tp=expert_tp)
     for recompute in (r for r in useful_recomputes(cfg) if r != "full"):
-        if (worst := _worst(hf, cfg, recompute=recompute, recompute_layers=None, **layout)) <= budget:
+        if (worst := plan.worst(recompute)) <= budget:
             return LayoutFit(tp, pp, ep, recompute, worst, None, stage_layers)
     for k in range(1, stage_layers + 1):  # memory falls as k grows: the first k that fits is the fewest
-        if (worst := _worst(hf, cfg, recompute="full", recompute_layers=k, **layout)) <= budget:
+        if (worst := plan.worst("full", k)) <= budget:
             return LayoutFit(tp, pp, ep, "full", worst, None if k == stage_layers else k, stage_layers)
     return None
 
