@@ -142,6 +142,12 @@ def _rank_main(rank: int, world: int, port: int, layouts: list[tuple[dict[str, A
     # names the CPU shared-memory group, as vLLM's CPU worker does; set, never inherited (a recorder started from a
     # live vLLM worker must not share that worker's group)
     os.environ["VLLM_DIST_IDENT"] = f"megarl_probe_{port}"
+    # vLLM's CPU kernels on every rank before any group is built: its CPU communicator takes the shared-memory path,
+    # an all_gather over the group, only where `torch.ops._C` is loaded; a rank that has recorded a layout loaded it,
+    # one that has only sat layouts out had not, and the two then ran different collectives and deadlocked
+    from vllm.platforms import current_platform
+
+    current_platform.import_kernels()
     out: list = []
     with tempfile.TemporaryDirectory(prefix="megarl_loader_reads_") as tmp:
         for i, (hf, tensors, tp, ep) in enumerate(layouts):
@@ -155,6 +161,9 @@ def _rank_main(rank: int, world: int, port: int, layouts: list[tuple[dict[str, A
                 reads = record_here(cfg, tensors) if rank < tp else None
                 out.append(None if reads is None else [(s.name, s.full_shape, s.box) for s in reads])
                 destroy_model_parallel()
+            # every rank leaves layout i before any builds layout i+1's groups (a rank that records nothing here would
+            # otherwise build later layouts' groups while the recording ranks still build this one's)
+            torch.distributed.barrier()
     # rank 0 hosts the store every group is built through: it must not exit while another rank still builds one (a
     # rank that records nothing of the last layout is through it long before the ranks that record)
     torch.distributed.barrier()
