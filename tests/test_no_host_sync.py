@@ -29,15 +29,13 @@ from __future__ import annotations
 import dataclasses
 import traceback
 
-import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megarl.config.schema import AlgorithmConfig, Config, CorrectionConfig, ModelConfig, OptimizerConfig, TrainerConfig
-from megarl.models.tiny import make_tiny_checkpoint
 from megarl.parallel.groups import TrainerLayout
 from tests.dist_utils import free_port, run_distributed
-from tests.test_trainer_invariance import PAD, REWARDS, _batch, _responses
+from tests.test_trainer_invariance import PAD, REWARDS, _batch, _responses, checkpoints  # noqa: F401 - a fixture
 
 aten = torch.ops.aten
 
@@ -165,14 +163,9 @@ def _rank(rank, world, port, hf_dirs, responses):
     return results
 
 
-@pytest.fixture(scope="module")
-def hf_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("ckpt")
-    return {kind: make_tiny_checkpoint(root / kind, kind=kind) for kind in ("dense", "moe")}
-
-
-def test_no_host_sync_inside_the_microbatch_loop(hf_dirs):
-    (results,) = run_distributed(_rank, 1, {"dense": free_port(), "moe": free_port()}, hf_dirs, _responses(),
+def test_no_host_sync_inside_the_microbatch_loop(checkpoints):  # noqa: F811 - the imported fixture
+    """`checkpoints`: test_trainer_invariance's tiny dense and MoE checkpoints (its module fixture)."""
+    (results,) = run_distributed(_rank, 1, {"dense": free_port(), "moe": free_port()}, checkpoints, _responses(),
                                  init_dist=False)
     assert set(results) == {s[0] for s in STEPS}
     failures = []

@@ -272,7 +272,6 @@ def measure(cfg: TrainerBenchConfig, variants: tuple[str, ...] = PRECISIONS) -> 
     for row in rows:
         for key in ("step_s", "held_bytes", "step_peak_bytes", "peak_bytes"):
             row[f"{key}_vs_{base['variant']}"] = row[key] / base[key]
-            row[f"{key}_vs_base"] = row[key] / base[key]
     return rows + skipped
 
 
@@ -301,7 +300,7 @@ def format_table(cfg: TrainerBenchConfig, all_rows: list[dict[str, Any]]) -> str
             f"{_mib(h['weights']):>8} {_mib(h['grads']):>7} "
             f"{_mib(h['main_params']):>7} {_mib(h['optimizer']):>7} {_mib(r['held_bytes']):>7} "
             f"{_mib(sum(r['planned'].values())):>7} {_mib(r['step_peak_bytes']):>8} {_mib(r['peak_bytes']):>7} "
-            f"{_mib(r['max_rss_bytes']):>8} {r['step_s_vs_base']:>7.2f} {r['peak_bytes_vs_base']:>7.2f}")
+            f"{_mib(r['max_rss_bytes']):>8} {r[f'step_s_vs_{base}']:>7.2f} {r[f'peak_bytes_vs_{base}']:>7.2f}")
     lines += [f"{r['variant']:<22} not run: {r['skipped']}" for r in all_rows if "skipped" in r]
     lines.append(f"time x / peak x: against {base} in this run; MFU: model FLOPs (step_flops) over the GPU's dense "
                  f"peak (PEAK_TFLOPS), '-' on a CPU. held: storages the policy keeps between steps "

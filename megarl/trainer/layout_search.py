@@ -26,7 +26,7 @@ from typing import Any
 from megarl.config.schema import Config
 from megarl.models.hf_config import num_experts
 from megarl.models.layer_backend import planned_layer_spec
-from megarl.trainer.memory_plan import GB, activation_bytes, microbatch_tokens, trainer_memory
+from megarl.trainer.memory_plan import GB, microbatch_tokens, stage_activation_bytes, trainer_memory
 
 RECOMPUTE_ORDER = ("none", "selective", "full")
 # a candidate fits when its worst rank's plan is within this share of trainer.gpu_memory_gb: the plan's terms are
@@ -68,7 +68,7 @@ def _worst(hf: dict[str, Any], cfg: Config, **trainer: Any) -> int:
 
 class _Layout:
     """One layout's plan, made once (the parameter shapes per stage are the costly part), and its worst rank under
-    any recompute: only the activations change with it (`memory_plan.activation_bytes`)."""
+    any recompute: only the activations change with it (`memory_plan.stage_activation_bytes`)."""
 
     def __init__(self, hf: dict[str, Any], cfg: Config, **layout: Any) -> None:
         self.hf, self.t = hf, cfg.trainer.model_copy(update={**layout, "recompute": "none", "recompute_layers": None})
@@ -78,9 +78,8 @@ class _Layout:
         self.flash = planned_layer_spec(self.t.layer_spec) == "te"
 
     def worst(self, recompute: str, recompute_layers: int | None = None) -> int:
-        t = self.t
-        act = activation_bytes(self.hf, self.tokens, self.longest, self.hf["num_hidden_layers"] // t.pp, t.tp,
-                               self.flash, recompute, t.expert_tp, t.precision, recompute_layers)
+        act = stage_activation_bytes(self.hf, self.t, self.tokens, self.longest, self.flash, recompute,
+                                     recompute_layers)
         return max(m.total - m.activations + m.in_flight * act for m in self.rows)
 
 

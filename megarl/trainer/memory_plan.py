@@ -155,6 +155,13 @@ def grad_bytes(t: Any) -> int:
     return 2 if t.grad_reduce_in_bf16 else FP32
 
 
+def stage_activation_bytes(hf: dict[str, Any], t: Any, tokens: int, longest: int, flash: bool, recompute: str,
+                           recompute_layers: int | None) -> int:
+    """One microbatch's activations on a rank of trainer layout `t` (a stage's layers), under `recompute`."""
+    return activation_bytes(hf, tokens, longest, hf["num_hidden_layers"] // t.pp, t.tp, flash, recompute, t.expert_tp,
+                            t.precision, recompute_layers)
+
+
 def optimizer_shard(params: int, expert: int, t: Any) -> float:
     """Parameters whose main copy and Adam moments one rank holds: all of its `params`, or with
     `trainer.distributed_optimizer` the dense ones' 1/DP share and the `expert` ones' 1/expert-DP share."""
@@ -175,7 +182,6 @@ def trainer_memory(hf: dict[str, Any], cfg: Config, flash: bool | None = None, f
     if flash is None:
         flash = planned_layer_spec(t.layer_spec) == "te"
     tokens, longest = microbatch_tokens(cfg)
-    layers = hf["num_hidden_layers"] // t.pp
     out = []
     for stage in range(t.pp):
         shapes = megatron_local_shapes(hf, t.tp, t.pp, t.ep, stage, t.expert_tp)
@@ -192,8 +198,8 @@ def trainer_memory(hf: dict[str, Any], cfg: Config, flash: bool | None = None, f
                 grads=grad_bytes(t) * params,
                 main_params=int(FP32 * shard) if t.precision == "bf16" else 0,
                 optimizer=int(2 * FP32 * shard),
-                activations=in_flight * activation_bytes(hf, tokens, longest, layers, t.tp, flash, t.recompute,
-                                                         t.expert_tp, t.precision, t.recompute_layers),
+                activations=in_flight * stage_activation_bytes(hf, t, tokens, longest, flash, t.recompute,
+                                                               t.recompute_layers),
                 logits=logits_bytes(hf, tokens, t.tp, fused, t.logprob_chunk_tokens, t.logprob_vocab_block)
                 if last else 0,
                 reserve=RESERVE_BYTES,
