@@ -4,8 +4,9 @@
     (and no further than the last batch the run trains on);
     for each step l:
         if the schedule pushes the trainer's weights now: wait until the fleet has finished every batch of
-        the older weights, let lost replicas out and restarted ones in (`megarl.rollout.membership`), then push
-        (a partitioned broadcast from every trainer rank);
+        the older weights (with `sync.inflight`, not at all: the push lands while the fleet generates, and
+        batches are formed from finished groups, `megarl.rollout.partial`), let lost replicas out and restarted
+        ones in (`megarl.rollout.membership`), then push (a partitioned broadcast from every trainer rank);
         take batch l (waiting only if it is not ready), add its advantages, broadcast it to all trainer ranks
         (as tensors: `megarl.trainer.batch_tensors`);
         one optimizer step on it (policy version += 1); rank 0 records the step and the timeline;
@@ -184,7 +185,7 @@ def run_loop(cfg: Config, rank: int, policy, weight_sync,
             if before is not None:
                 if rollout is not None:
                     with _span(timeline, "trainer", "wait", f"push point {before}"):
-                        rollout.quiesce(before)  # no replica is still generating with the older weights
+                        rollout.before_push(before)  # no replica generating with older weights, unless in flight
                 push()
                 if rollout is not None:
                     rollout.pushed(before)
@@ -198,6 +199,7 @@ def run_loop(cfg: Config, rank: int, policy, weight_sync,
                 record["pipeline/batches_generated"] = rollout.batches_generated()
                 record["fleet/replicas"] = rollout.live_replicas()  # replicas still answering
                 record["fleet/replicas_in_sync"] = len(weight_sync.live)  # replicas the pushes reach
+                record.update(rollout.step_metrics())  # groups requeued; partial rollouts: carried, dropped
                 position = rollout.data_position(step) or {}  # where the batch's prompts start in the data
                 record.update({f"data/{k}": position[k] for k in ("epoch", "index") if k in position})
             with _span(timeline, "trainer", "train", f"step {step}"):  # advantages, broadcast, optimizer step

@@ -65,3 +65,22 @@ def test_a_static_share_goes_back_to_any_replica():
     share = queue.take_open(0)
     queue.give_back(share)
     assert queue.take_open(1) == share == Chunk(0, range(0, 2))
+
+
+def test_a_reopened_batch_hands_out_only_its_unstarted_prompts():
+    """A resumed run's partial rollouts (`megarl.rollout.partial.CarriedGroups`): batch 1 had prompts 0, 3, 4 and 6
+    started before the checkpoint; reopened, it hands out the others in chunks of consecutive prompts and completes
+    when they are in."""
+    queue = ChunkQueue(first=3, chunk_prompts=2)
+    problems = problem_batch(1, 7, 9, seed=0)
+    queue.reopen(1, problems, [[1, 2, 3]] * 7, [5, 1, 2])
+    with pytest.raises(ValueError, match="batch 1 cannot be reopened"):
+        queue.reopen(1, problems, [[1, 2, 3]] * 7, [5])
+    with pytest.raises(ValueError, match="batch 3 cannot be reopened"):
+        queue.reopen(3, problems, [[1, 2, 3]] * 7, [5])
+    chunks = [queue.take_open(0), queue.take_open(1), queue.take_open(0)]
+    assert chunks == [Chunk(1, range(1, 3)), Chunk(1, range(5, 6)), None]
+    assert queue.complete_below() == 1
+    assert queue.done(chunks[0], [_group(1, 1), _group(1, 2)]) is None
+    batch = queue.done(chunks[1], [_group(1, 5)])
+    assert batch is not None and queue.complete_below() == 3

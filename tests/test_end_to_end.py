@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from megarl.checkpoint import open_checkpoint, step_dir
 from megarl.launch import finish_run, prepare
 from megarl.metrics import mismatch
 from megarl.metrics.timeline import load_spans
@@ -82,6 +83,15 @@ def _overlaps(a, b) -> bool:
 
 
 SEQUENTIAL = PIPELINES[2]  # the pipelined run the sequential controller's run is compared with
+# in-flight weight updates + partial rollouts (sync.inflight, KV recompute): (m, n, steps), responses long enough
+# (up to 48 tokens, EOS rare for the tiny model) that pushes land while the fleet generates; a reward half the
+# responses earn and a large step, so that every update moves the weights and a token's lag shows in its log-prob
+INFLIGHT = (1, 1, 8)
+INFLIGHT_JOB = ["algorithm.name=gspo", "algorithm.decoupled.enabled=true", "sync.inflight=true",
+                "reward.name=tests.reward_fns:odd_word_count", "optimizer.lr=0.02",
+                "sync.inflight_kv=recompute", "rollout.max_new_tokens=48", "checkpoint.interval=4",
+                "checkpoint.keep_last=2"]
+INFLIGHT_SAVED = 3  # the in-flight run's first checkpoint (after step 3), which a second run resumes
 EVALUATION = ["eval.interval=2", "eval.prompts=4", "eval.samples=2"]  # in SEQUENTIAL's pipelined run only
 
 
@@ -99,6 +109,12 @@ def runs(moe_fleet_2x1, tiny_moe_dir, tmp_path_factory) -> dict[Any, tuple[Any, 
             job += EVALUATION
         cfgs[(m, n, steps, algorithm, old_logprobs)] = prepare(None, _overrides(
             tiny_moe_dir, root / f"pipeline{i}", m, n, steps, *job))
+    cfgs["inflight"] = prepare(None, _overrides(tiny_moe_dir, root / "inflight", *INFLIGHT, *INFLIGHT_JOB))
+    # resumes the in-flight run's checkpoint, which only exists once that run is done (prepare would refuse it)
+    resumed = prepare(None, _overrides(tiny_moe_dir, root / "inflight_resumed", *INFLIGHT, *INFLIGHT_JOB))
+    saved = str(step_dir(root / "inflight" / "checkpoints", INFLIGHT_SAVED))
+    cfgs["inflight_resumed"] = resumed.model_copy(update={"checkpoint": resumed.checkpoint.model_copy(
+        update={"resume": saved})})
     train_jobs_in_one_set_of_ranks(list(cfgs.values()), 2, moe_fleet_2x1.urls, root)
     return {key: (Path(cfg.run.dir), finish_run(cfg)) for key, cfg in cfgs.items()}
 
@@ -199,3 +215,64 @@ def test_sequential_controller_gives_the_same_run_without_overlap(runs):
     # the pipeline did generate while the trainer trained
     on_train = [s for s in on_spans if s.kind == "train"]
     assert any(_overlaps(g, t) for g in on_spans if g.kind == "generate" for t in on_train)
+
+
+def test_inflight_pushes_and_partial_rollouts_keep_every_token_within_the_bound(runs):
+    """sync.inflight: pushes land while the fleet generates (at exactly the schedule's steps), batches are formed
+    from finished groups, and every trained token's version -- from the engine's own spans -- lags the trainer by
+    at most the bound m + n - 1; no group is trained twice or lost (each started group is trained, dropped past
+    the bound and counted, finished and waiting, or still generating); some responses span a push and were
+    continued, not restarted; with KV recompute the tokens sampled by the trainer's current version have the
+    trainer's log-probs (fp32 numerics, as at lag 0 without in-flight updates) although earlier tokens of their
+    response came from an older version."""
+    m, n, steps = INFLIGHT
+    bound = m + n - 1
+    run_dir, summary = runs["inflight"]
+    records = _records(run_dir)
+    assert [r["step"] for r in records] == list(range(steps))
+    assert [r["policy_version"] for r in records] == list(range(steps))
+    assert [r["sync/versions"] for r in records] == [[0]] + [_pushes_at_step(k, m, n, steps) for k in range(1, steps)]
+    trained: list[tuple[int, int]] = []
+    dropped: list[tuple[int, int]] = []
+    for r in records:
+        assert r["batch/samples"] == 16 and len(r["partial/groups"]) == 4, r
+        assert 0 <= r["batch_lag"] <= bound and r["token_lag/max"] <= bound, r
+        total = sum(r[f"token_lag/tokens_lag{k}"] for k in range(bound + 1))
+        assert total == pytest.approx(r["response/length_mean"] * 16)  # every response token has a lag in 0..bound
+        trained += [tuple(g) for g in r["partial/groups"]]
+        dropped += [(h, p) for h, p, lag in r["partial/dropped"] if lag > bound]
+        assert r["partial/started_groups"] == (len(trained) + len(dropped) + r["partial/in_flight_groups"]
+                                               + r["partial/pooled_groups"])
+        for key in ("loss", "grad_norm", "entropy"):
+            assert math.isfinite(r[key]), (key, r)
+        if r["mismatch/lag0/abs_diff_mean"] is not None:  # tokens of the trainer's version: numerics only
+            assert r["mismatch/lag0/abs_diff_mean"] < 1e-4, r
+    assert len(set(trained)) == len(trained) == 4 * steps and not set(trained) & set(dropped)
+    assert records[-1]["partial/dropped_total"] == len(dropped)
+    spanning = [r["token_lag/spanning_share"] for r in records]
+    assert sum(spanning) > 0, spanning  # pushes landed mid-response, and those responses went on
+    assert any(r["mismatch/lag0/abs_diff_mean"] is not None and r["token_lag/spanning_share"] > 0 for r in records)
+    # the weights did move: one update of staleness shows in the log-probs, far above the lag-0 numerics
+    assert max(r["mismatch/lag1/abs_diff_mean"] or 0 for r in records) > 1e-3
+    assert sum(r["partial/carried_groups"] for r in records) > 0  # groups joined a later batch than their own
+
+
+def test_a_checkpoint_carries_the_finished_groups_and_a_resumed_run_trains_them(runs):
+    """With partial rollouts a checkpoint lets the started groups finish and saves the finished ones not trained yet
+    (`CarriedGroups`), with the prompts not started yet; the run resumed from it trains each carried group (or drops
+    it past the bound, counted) and never a group the first run trained before the checkpoint."""
+    m, n, steps = INFLIGHT
+    first, _ = runs["inflight"]
+    resumed, _ = runs["inflight_resumed"]
+    carried = open_checkpoint(step_dir(first / "checkpoints", INFLIGHT_SAVED), {}).loop_state()["pending"]
+    assert type(carried).__name__ == "CarriedGroups" and carried.next_home > INFLIGHT_SAVED + 1
+    before = {tuple(g) for r in _records(first)[:INFLIGHT_SAVED + 1] for g in r["partial/groups"]}
+    after = _records(resumed)
+    assert [r["step"] for r in after] == list(range(INFLIGHT_SAVED + 1, steps))
+    assert [r["policy_version"] for r in after] == list(range(INFLIGHT_SAVED + 1, steps))
+    trained = [tuple(g) for r in after for g in r["partial/groups"]]
+    dropped = {(h, p) for r in after for h, p, _ in r["partial/dropped"]}
+    assert len(set(trained)) == len(trained) == 4 * (steps - INFLIGHT_SAVED - 1)
+    assert not (set(trained) | dropped) & before  # nothing trained twice across the resume
+    assert {g.key for g in carried.groups} <= set(trained) | dropped  # nothing carried is lost
+    assert all(r["token_lag/max"] <= m + n - 1 for r in after)

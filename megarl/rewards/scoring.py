@@ -60,12 +60,27 @@ class BatchScorer:
     def rewards_of(self, problems: Sequence[Problem], samples: list[list[Sample]]) -> Scores:
         """Each response's reward (`samples[g]` are the K responses to `problems[g]`), how many timed out, and
         how many the reward function flagged, per flag (e.g. `unparsable`: megarl/rewards/registry.py)."""
+        groups = self.group_scores(problems, samples)
+        flags: dict[str, int] = {}
+        for scores in groups:
+            for flag, n in scores.flags.items():
+                flags[flag] = flags.get(flag, 0) + n
+        return Scores([s.rewards[0] for s in groups], sum(s.timeouts for s in groups), flags)
+
+    def group_scores(self, problems: Sequence[Problem], samples: list[list[Sample]]) -> list[Scores]:
+        """`rewards_of` group by group (each `Scores` holds one group's rewards, timeouts and flags): partial
+        rollouts (`megarl.rollout.partial`) train groups in other batches than the ones they were scored with."""
         items = [(self.decode(s.response_ids), p.answer) for p, group in zip(problems, samples, strict=True)
                  for s in group]
         scored = self.rewards.score(items)
         k = len(samples[0])
-        return Scores([scored.rewards[g * k:(g + 1) * k] for g in range(len(samples))], len(scored.timed_out),
-                      {flag: len(items) for flag, items in scored.flags.items()})
+
+        def within(g: int, indices: list[int]) -> int:
+            return sum(g * k <= i < (g + 1) * k for i in indices)
+
+        return [Scores([scored.rewards[g * k:(g + 1) * k]], within(g, scored.timed_out),
+                       {flag: n for flag, items in scored.flags.items() if (n := within(g, items))})
+                for g in range(len(samples))]
 
     def __call__(self, index: int, problems: Sequence[Problem], samples: list[list[Sample]]) -> RolloutBatch:
         """Batch `index`: `samples[g]` are the K responses to `problems[g]`."""

@@ -88,6 +88,24 @@ class ChunkQueue:
         self.next_batch += 1
         return j
 
+    def reopen(self, j: int, problems: list[Problem], prompts: list[list[int]], unstarted: list[int]) -> None:
+        """Open batch `j` (below `next_batch`) again with only its prompts `unstarted` to generate: a resumed run's
+        partial rollouts (`megarl.rollout.partial.CarriedGroups`); its other prompts' groups were generated before
+        the checkpoint (an empty group marks them)."""
+        if j >= self.next_batch or j in self.open:
+            raise ValueError(f"batch {j} cannot be reopened: it was never opened, or it is open")
+        todo: deque[tuple[int | None, range]] = deque()
+        for i in sorted(unstarted):  # consecutive prompts in chunks of at most chunk_prompts
+            last = todo[-1][1] if todo else None
+            if last is not None and last.stop == i and len(last) < self.chunk_prompts:
+                todo[-1] = (None, range(last.start, i + 1))
+            else:
+                todo.append((None, range(i, i + 1)))
+        batch = OpenBatch(problems, prompts, todo)
+        batch.groups = [None if i in set(unstarted) else [] for i in range(len(problems))]
+        batch.missing = len(unstarted)
+        self.open[j] = batch
+
     def give_back(self, chunk: Chunk) -> None:
         """A chunk whose generation failed goes back to the front of its batch's queue (taken again next)."""
         self.open[chunk.batch].todo.appendleft((None, chunk.prompts))

@@ -52,9 +52,9 @@ submitted for (`RolloutClient.generate(cache_salt=version_salt(v))`, vLLM's `cac
 and so into every block of the request): a request submitted for version v only ever reuses blocks of requests
 submitted for v. vLLM's CPU backend honours the salt (checked by the test through its prefix-cache hit counter).
 
-Not yet integrated: the rollout worker still quiesces before every push, so in `megarl train` no request is in flight
-when a push lands and `sync.inflight` changes nothing yet; partial rollouts (groups generating across batches, the
-staleness bound on their oldest token, the decoupled loss) are the next increment of issue 48.
+In `megarl train`: with `sync.inflight` the rollout worker runs partial rollouts (`megarl.rollout.partial`): it does
+not quiesce before a push, so the push lands while requests generate, and batches are formed from finished groups,
+each carrying the `TokenVersions` read here to the trainer (`RolloutBatch.token_versions`).
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
+from megarl.algorithms.versions import token_lag_bound
 from megarl.batch import RolloutBatch
 from megarl.config.schema import Config
 from megarl.data.arithmetic import problem_batch
@@ -27,7 +28,8 @@ from megarl.rewards.registry import reward_function
 from megarl.rewards.scoring import BatchScorer
 from megarl.rollout.client import RolloutClient
 from megarl.rollout.evaluation import Evaluator
-from megarl.rollout.worker import RolloutWorker
+from megarl.rollout.partial import CarriedGroups
+from megarl.rollout.worker import PartialRollouts, RolloutWorker
 from megarl.sync.schedule import SyncSchedule
 
 logger = logging.getLogger(__name__)
@@ -35,10 +37,11 @@ PROMPTS_FILE = "prompts.txt"  # in run.dir: the exact text of the first prompts,
 
 
 def start_rollout_worker(cfg: Config, clients: list[RolloutClient], timeline: Timeline, start: int = 0,
-                         ready: dict[int, RolloutBatch] | None = None,
+                         ready: dict[int, RolloutBatch] | CarriedGroups | None = None,
                          data_position: dict[str, Any] | None = None) -> RolloutWorker:
-    """The run's rollout worker, generating from batch `start` on (`ready`: batches a checkpoint saved;
-    `data_position`: the data position it recorded, checked against this run's data)."""
+    """The run's rollout worker, generating from batch `start` on (`ready`: batches a checkpoint saved, or its
+    groups with partial rollouts; `data_position`: the data position it recorded, checked against this run's data).
+    With `sync.inflight` it runs partial rollouts (`megarl.rollout.partial`)."""
     r = cfg.rollout
     tokenizer = AutoTokenizer.from_pretrained(str(cfg.model.hf_dir))
     task = build_task(cfg, tokenizer)
@@ -66,6 +69,8 @@ def start_rollout_worker(cfg: Config, clients: list[RolloutClient], timeline: Ti
             evaluator=evaluator, position=task.position, chunk_prompts=r.chunk_prompts,
             chunks_in_flight=chunks_in_flight(prompts_per_batch, r.replicas, r.chunk_prompts),
             replica_log=lambda i: replica_log(cfg.run.dir, i), min_replicas=r.min_replicas,
+            partial=PartialRollouts(prompts_per_batch, token_lag_bound(cfg.algorithm.max_token_lag, cfg.sync.interval,
+                                                                       cfg.sync.offset)) if cfg.sync.inflight else None,
         )
     except BaseException:
         rewards.close()

@@ -11,10 +11,12 @@ a batch is in, a scoring thread computes its rewards in the reward pool (other p
 the batch becomes ready. The controller (trainer rank 0) only
 
     take(step)      blocks until batch `step` is ready (it is the trainer's only wait for data),
+    before_push(j)  at the push point before batch `j`: `quiesce(j)`, unless partial rollouts are on,
     quiesce(j)      blocks until every chunk of every batch before `j` is generated (before a push or
                     a checkpoint: no replica is then generating with the old weights),
     pushed(j)       after the push before batch `j`: generation may go on up to the next push,
     pending()       the batches generated but not yet consumed (a checkpoint saves them),
+    step_metrics()  what the last `take` met: groups requeued, and with partial rollouts carried and dropped,
     evaluate()      the held-out evaluation on the fleet's current weights (`megarl.rollout.evaluation`),
     data_position(j)  where batch j starts in the task's data (recorded in checkpoints),
 
@@ -41,6 +43,15 @@ deterministic for a seeded request. What is NOT reproducible: which replica took
 which other requests share the engine's batch (vLLM is not batch-invariant by default) -- at worst a last-bit
 difference of a log-prob that flips a sampled token on a tie; the same caveat held for the static split.
 
+Partial rollouts (`partial`, on with `sync.inflight`: `megarl.rollout.partial`). A push no longer waits: the loops
+keep generating while it lands (each replica pauses in vLLM's keep mode with its requests held), each chunk is scored
+as soon as it is in, its groups join a pool, and `take(l)` forms batch l from the P pooled groups of the lowest
+(home batch, prompt), after dropping and counting the ones past the staleness bound. The window counts groups
+(`megarl.rollout.partial.admission_limit`). Each request is salted with the version the fleet held when it was sent
+(vLLM's `cache_salt`, `megarl.rollout.inflight.version_salt`). A checkpoint (`quiesce`, then `pending`) lets every
+started group finish, starts no new home batch meanwhile, and saves the pooled groups (`CarriedGroups`); a resumed
+run trains them like any other.
+
 Nothing here touches torch.distributed: the component talks to the fleet over HTTP and to the
 controller through these calls, so it can move to its own process behind an RPC (the task's closures --
 problems, tokenizer, seeds -- would then be built there from the config).
@@ -52,6 +63,8 @@ import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
 
 from megarl.batch import RolloutBatch
 from megarl.data.problem import Problem
@@ -60,6 +73,8 @@ from megarl.rewards.scoring import BatchScorer
 from megarl.rollout.chunk_queue import Chunk, ChunkQueue
 from megarl.rollout.client import RolloutClient, RolloutServerLost, Sample
 from megarl.rollout.evaluation import Evaluator
+from megarl.rollout.inflight import version_salt
+from megarl.rollout.partial import CarriedGroups, GroupPool, ScoredGroup, admission_limit, batch_of_groups
 from megarl.sync.schedule import SyncSchedule
 
 logger = logging.getLogger(__name__)
@@ -68,6 +83,15 @@ logger = logging.getLogger(__name__)
 class RolloutWorkerError(RuntimeError):
     """Generation or scoring of a batch failed; raised to the controller at its next blocking call
     (`take`, `quiesce`, `pending`), naming the replica and batch."""
+
+
+@dataclass(frozen=True)
+class PartialRollouts:
+    """Partial rollouts (`megarl.rollout.partial`): `batch_groups` groups form a batch; a group whose oldest token
+    lags the trainer by more than `bound` versions is dropped and counted."""
+
+    batch_groups: int
+    bound: int
 
 
 class RolloutWorker:
@@ -80,7 +104,8 @@ class RolloutWorker:
     scorer and closes it). Batches `start` to `end - 1` are generated (`ready`: batches already generated, a
     resumed run's saved ones). `chunk_prompts`: prompts per chunk of the shared queue; `chunks_in_flight`: chunks
     each replica generates at once (`rollout.chunk_prompts`). `static_split`: instead, the split used before the
-    queue (replica r generates share r of every batch; `megarl bench longtail` compares them)."""
+    queue (replica r generates share r of every batch; `megarl bench longtail` compares them). `partial`: partial
+    rollouts (see the module docstring; `ready` is then the `CarriedGroups` a checkpoint saved, if any)."""
 
     def __init__(
         self,
@@ -95,7 +120,7 @@ class RolloutWorker:
         end: int,
         overlap: bool = True,
         start: int = 0,
-        ready: dict[int, RolloutBatch] | None = None,
+        ready: dict[int, RolloutBatch] | CarriedGroups | None = None,
         evaluator: Evaluator | None = None,
         position: Callable[[int], dict] | None = None,
         chunk_prompts: int = 1,
@@ -103,15 +128,38 @@ class RolloutWorker:
         static_split: bool = False,
         replica_log: Callable[[int], str] | None = None,
         min_replicas: int = 1,
+        partial: PartialRollouts | None = None,
     ) -> None:
         self.clients, self.schedule, self.timeline, self.overlap, self.end = clients, schedule, timeline, overlap, end
         self._problems, self._encode = problems, encode
         self._sampling, self._seed, self._scorer = sampling, seed, score
         self._evaluator, self._position = evaluator, position
         self._cv = threading.Condition()
-        self._ready: dict[int, RolloutBatch] = dict(ready or {})
-        first = max([start - 1, *self._ready]) + 1  # next batch to generate
+        self._partial = partial
+        ready = ready or None  # a fresh run's (empty) saved batches
+        if partial is not None and (static_split or not overlap):
+            raise ValueError("partial rollouts (sync.inflight) need the overlapped pipeline with the shared queue: "
+                             "set rollout.overlap=true, or sync.inflight=false")
+        if isinstance(ready, CarriedGroups) != (partial is not None and ready is not None):
+            raise ValueError("the checkpoint's rollout state was written with sync.inflight="
+                             f"{isinstance(ready, CarriedGroups)}: resume with the same sync.inflight")
+        carried = ready if isinstance(ready, CarriedGroups) else None
+        self._ready: dict[int, RolloutBatch] = {} if carried is not None else dict(ready or {})
+        self._pool = GroupPool(carried.groups if carried is not None else None)
+        self._start, self._carried = start, len(self._pool)
+        self._admitted = 0  # partial: groups started since batch `start` (a requeued one counts once)
+        self._consumed = 0  # partial: groups trained since batch `start`
+        self._hold = False  # partial: a checkpoint is waiting for the started groups, start no home batch
+        # the policy version the fleet holds (`pushed`; None: not known before the resumed run's first push)
+        self._version: int | None = 0 if start == 0 else None
+        self.dropped: list[tuple[int, int, int]] = []  # partial: (home, prompt, lag of its oldest token) per drop
+        self.requeued = 0  # groups a lost replica was generating, given back to the queue and generated again
+        self._last_take: dict[str, Any] = {}
+        first = carried.next_home if carried is not None else max([start - 1, *self._ready]) + 1  # next to generate
         self._queue = ChunkQueue(first, chunk_prompts, len(clients) if static_split else None)
+        for j, unstarted in (carried.unstarted if carried is not None else {}).items():
+            problems_j = problems(j)
+            self._queue.reopen(j, problems_j, [encode(p.prompt) for p in problems_j], unstarted)
         self.chunks_taken = [0] * len(clients)  # per replica: chunks it generated (the bench reports them)
         self._static = static_split
         self._lost: dict[int, str] = {}  # replicas that stopped answering -> why
@@ -121,13 +169,14 @@ class RolloutWorker:
         self._incarnation = [0] * len(clients)  # per replica: bumped by `admit`, so the old loops of a slot end
         self._replica_log = replica_log or (lambda r: "its server's log")
         self._scoring = 0  # batches handed to the reward pool, not ready yet
-        # the weights the fleet holds: a resumed run stops where the next batch begins with a push
-        if 0 < first < end and schedule.sync_before_batch(first) is None:  # (first == end: nothing left to make)
+        # the weights the fleet holds: a resumed run stops where the next batch begins with a push (first == end:
+        # nothing left to make; partial rollouts resume at any home batch, the push of the resumed run's start first)
+        if carried is None and 0 < first < end and schedule.sync_before_batch(first) is None:
             raise ValueError(
                 f"cannot start generating at batch {first}: no push precedes it in {schedule}, so the "
                 "fleet's weights for it are unknown; resume only from checkpoints megarl wrote"
             )
-        self._limit = first if first > 0 else schedule.generation_limit(None)
+        self._limit = (start if carried is not None else first) if first > 0 else schedule.generation_limit(None)
         self._demand = 0  # sequential mode: batches below it may be generated
         self._error: BaseException | None = None
         self._closing = False
@@ -140,6 +189,8 @@ class RolloutWorker:
     # ---- the controller's calls ------------------------------------------------------------------------------
     def take(self, step: int) -> RolloutBatch:
         """Batch `step`, once it is generated and scored (the trainer's wait is recorded on the timeline)."""
+        if self._partial is not None:
+            return self._form(step)
         with self.timeline.span("trainer", "wait", f"step {step}"), self._cv:
             if not self.overlap:  # the sequential controller generated n batches ahead before each step
                 self._raise_demand(self.schedule.batches_ready_before_step(step))
@@ -147,9 +198,71 @@ class RolloutWorker:
             self._wait(lambda: step in self._ready)
             return self._ready.pop(step)
 
+    def _form(self, step: int) -> RolloutBatch:
+        """Partial rollouts: batch `step` from the pool (`megarl.rollout.partial`), once `batch_groups` groups within
+        the staleness bound of version `step` are in."""
+        assert self._partial is not None
+        size, bound = self._partial.batch_groups, self._partial.bound
+        dropped: list[ScoredGroup] = []
+
+        def formed() -> list[ScoredGroup] | None:
+            if stale := self._pool.drop_stale(step, bound):
+                dropped.extend(stale)
+                self.dropped.extend((g.home, g.prompt, step - g.oldest) for g in stale)
+                self._cv.notify_all()  # room in the window
+            return self._pool.form(size)
+
+        with self.timeline.span("trainer", "wait", f"step {step}"), self._cv:
+            groups: list[ScoredGroup] | None = None
+
+            def ready() -> bool:
+                nonlocal groups
+                groups = formed()
+                return groups is not None
+
+            self._wait(ready)
+            assert groups is not None
+            self._consumed += len(groups)
+            in_flight = self._carried + self._admitted - self._consumed - len(self.dropped) - len(self._pool)
+            self._last_take = {"partial/dropped_groups": len(dropped), "partial/dropped_total": len(self.dropped),
+                               "partial/carried_groups": sum(g.home < step for g in groups),
+                               "partial/in_flight_groups": in_flight,
+                               "partial/started_groups": self._carried + self._admitted,
+                               "partial/pooled_groups": len(self._pool),  # finished, not taken yet
+                               # which groups: (home batch, prompt) trained, and (home, prompt, lag) dropped
+                               "partial/groups": [list(g.key) for g in groups],
+                               "partial/dropped": [[g.home, g.prompt, step - g.oldest] for g in dropped]}
+            self._cv.notify_all()
+        if dropped:
+            logger.info("batch %d: %d group(s) dropped, their oldest token past the staleness bound of %d versions "
+                        "(%d so far)", step, len(dropped), bound, len(self.dropped))
+        return batch_of_groups(step, groups)
+
+    def step_metrics(self) -> dict[str, Any]:
+        """What the last `take` met: `fleet/requeued_groups` (so far: groups a lost replica was generating, generated
+        again by the others) and, with partial rollouts, `partial/*`: the groups dropped past the staleness bound
+        (this batch, and so far), the batch's groups carried from an earlier home batch, the groups still
+        generating, finished and waiting, and started so far, and which groups the batch holds and which it
+        dropped (`partial/groups`: [home batch, prompt]; `partial/dropped`: [home batch, prompt, lag])."""
+        with self._cv:
+            return {"fleet/requeued_groups": self.requeued, **self._last_take}
+
+    def before_push(self, before: int) -> None:
+        """At the push point before batch `before`: wait for the fleet's window (`quiesce`), unless partial rollouts
+        are on: then the push lands while the groups generate (vLLM's keep mode holds them)."""
+        if self._partial is None:
+            self.quiesce(before)
+
     def quiesce(self, before: int) -> None:
         """Block until every chunk of every batch before `before`, the end of the fleet's current window (the next
-        push's batch, or the run's end), is generated: then no replica is generating."""
+        push's batch, or the run's end), is generated: then no replica is generating. With partial rollouts (a
+        checkpoint): start no new home batch and block until every started group is in and scored (`before` is not
+        used); the next `pushed` lets the fleet go on."""
+        if self._partial is not None:
+            with self._cv:
+                self._hold = True
+                self._wait(lambda: not self._generating and self._scoring == 0)
+            return
         with self._cv:
             if before != min(self._limit, self.end):
                 raise RuntimeError(f"quiesce({before}): the fleet's window ends at batch {min(self._limit, self.end)}")
@@ -161,11 +274,19 @@ class RolloutWorker:
         """The push that precedes batch `before` is done: generate up to the next push."""
         with self._cv:
             self._limit = self.schedule.generation_limit(before)
+            self._version = self.schedule.generation_version(before)
+            self._hold = False
             self._cv.notify_all()
 
-    def pending(self) -> dict[int, RolloutBatch]:
-        """After `quiesce`: wait for the scoring of every generated batch; the batches not consumed yet."""
+    def pending(self) -> dict[int, RolloutBatch] | CarriedGroups:
+        """After `quiesce`: wait for the scoring of every generated batch; the batches not consumed yet (partial
+        rollouts: the groups not taken yet, and the first home batch not started)."""
         with self._cv:
+            if self._partial is not None:
+                self._wait(lambda: not self._generating and self._scoring == 0)
+                unstarted = {j: sorted(i for _, prompts in batch.todo for i in prompts)
+                             for j, batch in self._queue.open.items() if batch.todo}
+                return CarriedGroups(self._pool.groups(), self._queue.next_batch, unstarted)
             self._wait(lambda: self._scoring == 0 and not self._queue.open)
             return dict(self._ready)
 
@@ -286,11 +407,35 @@ class RolloutWorker:
     def _next_chunk(self, replica: int) -> Chunk | None:
         """(Condition held.) The next chunk to generate: an untaken one of an open batch, else the first of the
         next batch if the schedule allows it; None if there is none now."""
+        if self._partial is not None:
+            return self._admit(replica)
         chunk = self._queue.take_open(replica)
         while chunk is None and self._may_open(self._queue.next_batch):
-            problems = self._problems(self._queue.next_batch)
-            self._queue.open_batch(problems, [self._encode(p.prompt) for p in problems])
+            self._open_next()
             chunk = self._queue.take_open(replica)
+        return chunk
+
+    def _open_next(self) -> None:
+        problems = self._problems(self._queue.next_batch)
+        self._queue.open_batch(problems, [self._encode(p.prompt) for p in problems])
+
+    def _admit(self, replica: int) -> Chunk | None:
+        """(Condition held.) Partial rollouts: the next chunk, opening the next home batch if need be, while the
+        groups started stay within `admission_limit` of the version the fleet holds; None otherwise."""
+        assert self._partial is not None
+        if self._hold or self._version is None:
+            return None
+        limit = admission_limit(self._version, self._partial.bound, self._partial.batch_groups, self._start, self.end,
+                                len(self.dropped), self._carried)
+        chunk = self._queue.take_open(replica)
+        if chunk is None and self._admitted < limit:
+            self._open_next()
+            chunk = self._queue.take_open(replica)
+        if chunk is not None and self._admitted + len(chunk.prompts) > limit:
+            self._queue.give_back(chunk)  # (back where it was: the front of its batch)
+            return None
+        if chunk is not None:
+            self._admitted += len(chunk.prompts)
         return chunk
 
     def _start_loop(self, replica: int, slot: int) -> None:
@@ -315,11 +460,14 @@ class RolloutWorker:
                         return
                     self._generating.add(chunk)
                     prompts = [self._queue.open[chunk.batch].prompts[i] for i in chunk.prompts]
+                    problems = [self._queue.open[chunk.batch].problems[i] for i in chunk.prompts]
                     base = self._seed(chunk.batch)
+                    salt = {"cache_salt": version_salt(self._version)} if self._partial is not None else {}
                 j = chunk.batch
                 with self.timeline.span(f"replica {replica}", "generate", f"batch {j}"):
                     try:  # prompt i of batch j is sampled with seed(j) + i, whichever replica serves it
-                        out = client.generate(prompts, **self._sampling, seed=[base + i for i in chunk.prompts])
+                        out = client.generate(prompts, **self._sampling, seed=[base + i for i in chunk.prompts],
+                                              **salt)
                     except RolloutServerLost as err:
                         self._lose(replica, chunk, err, client)
                         continue
@@ -331,7 +479,10 @@ class RolloutWorker:
                     self.chunks_taken[replica] += 1
                     self._generating.discard(chunk)
                     batch = self._queue.done(chunk, out)
-                    if batch is not None:
+                    if self._partial is not None:  # every chunk's groups are scored and pooled as they come in
+                        self._scoring += 1
+                        self._score_pool.submit(self._score_groups, chunk, problems, out)
+                    elif batch is not None:
                         self._scoring += 1
                         self._score_pool.submit(self._score, j, batch.problems, batch.groups)
                     self._cv.notify_all()
@@ -347,6 +498,9 @@ class RolloutWorker:
             self._generating.discard(chunk)
             if chunk.batch in self._queue.open:  # (another loop cannot have completed it: nobody else held it)
                 self._queue.give_back(chunk)
+                self.requeued += len(chunk.prompts)
+                if self._partial is not None:
+                    self._admitted -= len(chunk.prompts)
             first = replica not in self._lost and client is self.clients[replica]  # not an older incarnation's loop
             if client is self.clients[replica]:
                 self._lost.setdefault(replica, cause)
@@ -374,6 +528,22 @@ class RolloutWorker:
                     raise RolloutWorkerError(f"scoring batch {j}: {type(err).__name__}: {err}") from err
             with self._cv:
                 self._ready[j] = batch
+                self._scoring -= 1
+                self._cv.notify_all()
+        except BaseException as err:  # noqa: BLE001 - handed to the controller
+            self._fail(err)
+
+    def _score_groups(self, chunk: Chunk, problems: list[Problem], samples: list[list[Sample]]) -> None:
+        """Partial rollouts: score a chunk's groups and pool them."""
+        try:
+            with self.timeline.span("reward", "score", f"batch {chunk.batch}"):
+                try:
+                    scores = self._scorer.group_scores(problems, samples)
+                except Exception as err:
+                    raise RolloutWorkerError(f"scoring batch {chunk.batch}: {type(err).__name__}: {err}") from err
+            with self._cv:
+                for i, group, score in zip(chunk.prompts, samples, scores, strict=True):
+                    self._pool.add(ScoredGroup(chunk.batch, i, group, score.rewards[0], score.timeouts, score.flags))
                 self._scoring -= 1
                 self._cv.notify_all()
         except BaseException as err:  # noqa: BLE001 - handed to the controller
