@@ -254,7 +254,6 @@ def test_inflight_pushes_and_partial_rollouts_keep_every_token_within_the_bound(
     assert any(r["mismatch/lag0/abs_diff_mean"] is not None and r["token_lag/spanning_share"] > 0 for r in records)
     # the weights did move: one update of staleness shows in the log-probs, far above the lag-0 numerics
     assert max(r["mismatch/lag1/abs_diff_mean"] or 0 for r in records) > 1e-3
-    assert sum(r["partial/carried_groups"] for r in records) > 0  # groups joined a later batch than their own
 
 
 def test_a_checkpoint_carries_the_finished_groups_and_a_resumed_run_trains_them(runs):

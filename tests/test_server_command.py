@@ -74,3 +74,21 @@ def test_a_budget_beyond_the_models_positions_is_refused():
     with pytest.raises(ConfigError, match=r"rollout\.max_new_tokens=200 tokens exceeds the model's "
                                           r"max_position_embeddings=128: .* lower rollout\.max_new_tokens to 128"):
         check_against_model(arithmetic, tiny, cuda=False)
+
+
+def test_sequence_refill_gives_the_engine_a_static_shares_slots_and_twice_the_requests():
+    """rollout.refill=sequences on the 30B recipe's layout, worked out by hand: 72 prompts on 8 replicas are a static
+    share of 9 prompts, so 9 chunks of one prompt in flight a replica and 9 x 16 = 144 sequence slots (vLLM's
+    --max-num-seqs); twice the chunks, 18, so 9 more groups wait in vLLM's queue. refill=groups: 9 chunks and vLLM's
+    own default."""
+    over = [HF_DIR, "data.prompts_per_step=72", "rollout.replicas=8", "rollout.samples_per_prompt=16",
+            "rollout.chunk_prompts=1"]
+    sequences = load_config(RECIPE, [*over, "rollout.refill=sequences"])
+    assert sequences.sequence_slots() == 144 and sequences.rollout_chunks_in_flight() == 18
+    assert _flag(server_command(fleet_spec(sequences, gpu=True), 8000), "--max-num-seqs") == "144"
+    groups = load_config(RECIPE, over)
+    assert groups.sequence_slots() is None and groups.rollout_chunks_in_flight() == 9
+    assert "--max-num-seqs" not in server_command(fleet_spec(groups, gpu=True), 8000)
+    # chunks of 4 prompts: ceil(9 / 4) = 3 chunks of 4 x 16 sequences = 192 slots, 6 chunks in flight
+    chunked = load_config(RECIPE, [*over, "rollout.refill=sequences", "rollout.chunk_prompts=4"])
+    assert chunked.sequence_slots() == 192 and chunked.rollout_chunks_in_flight() == 6

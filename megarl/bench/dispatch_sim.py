@@ -167,8 +167,8 @@ SCENARIOS = (
 
 
 def _in_flight(chunk_prompts: int, prompts: int = cluster.PROMPTS, replicas: int = cluster.REPLICAS) -> int:
-    """`megarl.rollout.task.chunks_in_flight`."""
-    from megarl.rollout.task import chunks_in_flight
+    """`megarl.config.schema.chunks_in_flight`."""
+    from megarl.config.schema import chunks_in_flight
 
     return chunks_in_flight(prompts, replicas, chunk_prompts)
 

@@ -651,7 +651,7 @@ def bench_setting(windows: int = 4, window: int = 4, replicas: int = 2, prompts:
     (ceil(P / R) chunks of one prompt in flight). With `UNIT_STEP` every second is one decode step."""
     from megarl.bench.dispatch_sim import simulate_window
     from megarl.bench.longtail import long_prompts
-    from megarl.rollout.task import chunks_in_flight
+    from megarl.config.schema import chunks_in_flight
 
     def batch(j: int) -> list[list[int]]:
         return [[long_tokens if long else short_tokens] * samples for long in long_prompts(j, prompts, long_share)]

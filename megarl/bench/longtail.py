@@ -74,11 +74,11 @@ def measure_window(
 ) -> dict[str, Any]:
     """Window `window_index` (batches [w * window, (w + 1) * window), w >= 1) with `dispatch` ('static' or
     'queue'): wall time, each replica's idle seconds and chunks."""
+    from megarl.config.schema import chunks_in_flight
     from megarl.data.problem import Problem
     from megarl.metrics.timeline import Timeline, busy_seconds
     from megarl.rewards.pool import RewardPool
     from megarl.rewards.scoring import BatchScorer
-    from megarl.rollout.task import chunks_in_flight
     from megarl.rollout.worker import RolloutWorker
     from megarl.sync.schedule import SyncSchedule
 

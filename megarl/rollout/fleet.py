@@ -81,6 +81,9 @@ class FleetSpec:
     max_model_len: int | None = None
     # vLLM --enforce-eager (no torch.compile, no CUDA graphs); None: eager on CPU, CUDA graphs on GPUs (`eager`)
     enforce_eager: bool | None = None
+    # vLLM --max-num-seqs: the sequences a replica runs at once (`Config.sequence_slots`, rollout.refill=sequences);
+    # None: vLLM's default
+    max_num_seqs: int | None = None
     extra_args: list[str] = field(default_factory=list)  # appended to the server command line
     # return every token's routed experts (MoE, GPU: vLLM's V2 model runner with prefix caching)
     return_routed_experts: bool = False
@@ -235,6 +238,7 @@ def server_command(spec: FleetSpec, port: int) -> list[str]:
     (`megarl.rollout.engine_probe`); eager or with CUDA graphs (`eager`), its context the run's longest sequence
     (`FleetSpec.max_model_len`)."""
     length = ["--max-model-len", str(spec.max_model_len)] if spec.max_model_len else []
+    slots = ["--max-num-seqs", str(spec.max_num_seqs)] if spec.max_num_seqs else []
     graphs = ["--enforce-eager"] if eager(spec) else []
     routes = ["--enable-return-routed-experts", "--enable-prefix-caching"] if spec.return_routed_experts else []
     experts = ["--enable-expert-parallel"] if spec.expert_parallel else []
@@ -242,7 +246,7 @@ def server_command(spec: FleetSpec, port: int) -> list[str]:
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(spec.model_dir), "--port", str(port), "--host", spec.host,
         "--tensor-parallel-size", str(spec.tp), "--dtype", spec.dtype, *graphs,
-        "--enable-scale-out", "--seed", "0", *length, *routes, *experts, *_gpu_args(spec),
+        "--enable-scale-out", "--seed", "0", *length, *slots, *routes, *experts, *_gpu_args(spec),
         "--weight-transfer-config", json.dumps({"backend": BACKEND_NAME}),
         "--worker-extension-cls", "megarl.sync.vllm_receiver.MegarlWorkerExtension",
         "--middleware", f"{EngineProbeMiddleware.__module__}.{EngineProbeMiddleware.__name__}",
@@ -366,5 +370,5 @@ def fleet_spec(cfg: Config, **where: Any) -> FleetSpec:
                      startup_timeout_s=r.startup_timeout_s, dtype=r.dtype, max_model_len=cfg.max_model_len(),
                      enforce_eager=r.enforce_eager,
                      return_routed_experts=r.return_routed_experts, expert_parallel=r.expert_parallel,
-                     step_timeout_s=r.step_timeout_s, node_replicas=r.replicas)
+                     step_timeout_s=r.step_timeout_s, node_replicas=r.replicas, max_num_seqs=cfg.sequence_slots())
     return replace(spec, **where)

@@ -10,7 +10,6 @@ the data stream where the checkpoint left it (checked against the position the c
 from __future__ import annotations
 
 import logging
-import math
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +66,7 @@ def start_rollout_worker(cfg: Config, clients: list[RolloutClient], timeline: Ti
             seed=lambda index: cfg.run.seed * 100_003 + index * prompts_per_batch,
             score=scorer, timeline=timeline, end=cfg.run.steps, overlap=r.overlap, start=start, ready=ready,
             evaluator=evaluator, position=task.position, chunk_prompts=r.chunk_prompts,
-            chunks_in_flight=chunks_in_flight(prompts_per_batch, r.replicas, r.chunk_prompts),
+            chunks_in_flight=cfg.rollout_chunks_in_flight(),
             replica_log=lambda i: replica_log(cfg.run.dir, i), min_replicas=r.min_replicas,
             partial=PartialRollouts(prompts_per_batch, token_lag_bound(cfg.algorithm.max_token_lag, cfg.sync.interval,
                                                                        cfg.sync.offset)) if cfg.sync.inflight else None,
@@ -83,14 +82,6 @@ def replica_log(run_dir: str | Path, replica: int) -> str:
     paths = [Path(run_dir) / "logs" / f"vllm_replica{replica}.log", Path(run_dir) / f"vllm_replica{replica}.log"]
     found = [str(p) for p in paths if p.is_file()]
     return found[0] if found else " or ".join(map(str, paths))
-
-
-def chunks_in_flight(prompts: int, replicas: int, chunk_prompts: int) -> int:
-    """Chunks each replica generates at once: enough for a static share, ceil(prompts / replicas) prompts, so the
-    whole batch starts at once as before (work started late would end late) and the engines batch about as many
-    requests (`rollout.chunk_prompts`)."""
-    share = math.ceil(prompts / replicas)
-    return max(1, math.ceil(share / chunk_prompts))
 
 
 EVAL_BATCH_INDEX = -1  # the arithmetic held-out set: its own seed stream, apart from training batches 0, 1, ...
