@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 from megarl.config.load import ConfigError, load_config
 from megarl.config.schema import Config
+from megarl.rollout.cpu_binding import NODE_REPLICAS_ENV
 
 if TYPE_CHECKING:  # nemo-run takes seconds to import: the functions that use it import it, after the config is valid
     import nemo_run as run
@@ -78,6 +79,11 @@ class Topology:
     @property
     def rollout_nodes(self) -> int:
         return -(-self.replicas // self.replicas_per_node)
+
+    def replicas_on_node(self, replica: int) -> int:
+        """How many replicas the job puts on replica `replica`'s node: replicas_per_node, or fewer on the last."""
+        first = replica // self.replicas_per_node * self.replicas_per_node
+        return min(self.replicas_per_node, self.replicas - first)
 
 
 @dataclass(frozen=True)
@@ -187,11 +193,14 @@ def trainer_step_options(topo: Topology) -> list[str]:
 
 def replica_step_options(job: Job, topo: Topology, replica: int) -> list[str]:
     """Replica `replica`'s step: rollout.tp GPUs of its node (disjoint from the node's other replicas', as SLURM
-    gives each step its own), the replica's share of the node's CPUs and memory; its output in RUN_DIR/logs (this
-    later --output overrides nemo-run's own)."""
-    node = replica // topo.replicas_per_node
+    gives each step its own), the replica's share of the node's CPUs and memory; how many replicas share its node
+    (MEGARL_NODE_REPLICAS, as slurm/megarl_job.sh exports it: on CPU nodes, unless SLURM confined the step to cores of
+    its own, each replica's TP workers take their own block of the cores, `megarl.rollout.cpu_binding`); its output
+    in RUN_DIR/logs (this later --output overrides nemo-run's own)."""
+    node, sharing = replica // topo.replicas_per_node, topo.replicas_on_node(replica)
     return [*step_options(1, 1, 1, "${cpus_per_replica}", gpu_option(topo, topo.rollout_tp), "${mem_per_replica_mb}"),
-            f"--nodelist=${{rollout_nodes[{node}]}}", shlex.quote(f"--output={job.serve_log(replica)}")]
+            f"--nodelist=${{rollout_nodes[{node}]}}", f"--export=ALL,{NODE_REPLICAS_ENV}={sharing}",
+            shlex.quote(f"--output={job.serve_log(replica)}")]
 
 
 def prepare_step_options(topo: Topology) -> list[str]:
@@ -263,6 +272,7 @@ def local_script(job: Job, topo: Topology, torchrun: list[str]) -> str:
         f"cd {shlex.quote(str(job.workdir))} || exit 2",
         f'{_sh(job.prepare())} || {{ echo "megarl prepare failed: nothing was started" >&2; exit 2; }}',
         "export MEGARL_BIND_ADDR=127.0.0.1",
+        f"export {NODE_REPLICAS_ENV}={topo.replicas}  # the replicas share this machine's cores, a block each (CPU)",
         "serve_pids=()",
         "trap 'kill -TERM \"${serve_pids[@]}\" 2>/dev/null' EXIT",
     ]

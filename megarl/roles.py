@@ -137,15 +137,16 @@ def node_address() -> str:
 
 def serve_node_replicas() -> int:
     """How many replicas share the cores this `megarl serve` may use, on CPU nodes (`megarl.rollout.cpu_binding`):
-    the job's replicas on this node (`MEGARL_NODE_REPLICAS`, which slurm/megarl_job.sh sets), or 1 when the launcher
-    confined the step to cores of its own. Its replica gets slot `replica mod` that many of them."""
+    the job's replicas on this node (`MEGARL_NODE_REPLICAS`, which slurm/megarl_job.sh and launchers/megarl_nemo.py
+    set), or 1 when the launcher confined the step to cores of its own. Its replica gets slot `replica mod` that many
+    of them."""
     from megarl.rollout.cpu_binding import NODE_REPLICAS_ENV, node_replicas, usable_cpus
 
     try:
         return node_replicas(os.environ, usable_cpus(), os.cpu_count() or 1)
     except ValueError as err:
-        raise ConfigError(f"{err}: set by the job script (slurm/megarl_job.sh), or unset {NODE_REPLICAS_ENV} for "
-                          "one replica per node") from None
+        raise ConfigError(f"{err}: set by the launcher (slurm/megarl_job.sh, launchers/megarl_nemo.py), or unset "
+                          f"{NODE_REPLICAS_ENV} for one replica per node") from None
 
 
 class _Stop(Exception):

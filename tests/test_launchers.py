@@ -179,7 +179,7 @@ def test_slurm_dryrun_30b_topology_from_config(launch_driver: LaunchDriver, tmp_
         assert step_options(line) == [
             "--nodes=1", "--ntasks=1", "--ntasks-per-node=1", "--cpus-per-task=${cpus_per_replica}",
             f"--gpus-per-node={tp}", "--mem=${mem_per_replica_mb}M", "--exact",
-            f"--nodelist=${{rollout_nodes[{i // per_node}]}}",
+            f"--nodelist=${{rollout_nodes[{i // per_node}]}}", f"--export=ALL,MEGARL_NODE_REPLICAS={per_node}",
             f"--output={ROOT}/{cfg.run.dir}/logs/serve_replica{i}.log"], line
         assert line.endswith(f"megarl serve --config {cfg.run.dir}/config.yaml --replica {i} & pids[{i + 1}]=$!")
     first_role = min(lines.index(line) for line in ranks + serves)
@@ -217,6 +217,8 @@ def test_slurm_dryrun_overrides_container_and_options(launch_driver: LaunchDrive
         image = "nvcr.io/x/fleet:1" if line in serves else "nvcr.io/x/megarl:1"
         assert f"--container-image {image} " in line and "/lustre:/lustre,/shared:/shared" in line
     assert "--nodelist=${rollout_nodes[1]}" in serves[2]
+    # how many replicas share each one's node (its CPU binding, megarl/rollout/cpu_binding.py): 2, 2, then 1 alone
+    assert [step_options(line)[8] for line in serves] == [f"--export=ALL,MEGARL_NODE_REPLICAS={n}" for n in (2, 2, 1)]
     assert [step_options(line)[4] for line in ranks + serves] == ["--gpus-per-node=4"] + ["--gpus-per-node=2"] * 3
     assert [f"'--output=/shared/runs/guru 7b/logs/serve_replica{i}.log' env " in line
             for i, line in enumerate(serves)] == [True] * 3
@@ -257,7 +259,8 @@ def test_local_dryrun(launch_driver: LaunchDriver, tmp_path: Path) -> None:
         f"--replica {r} > {cfg.run.dir}/logs/serve_replica{r}.log 2>&1 &" for r in range(2)]
     torchrun = lines.index(f"CUDA_VISIBLE_DEVICES=0,1 {venv}/torchrun --standalone --nproc-per-node=2 --no-python "
                            f"{venv}/megarl rank --config {cfg.run.dir}/config.yaml")
-    assert prepare < serves[0] < serves[-1] < torchrun
+    assert prepare < lines.index("export MEGARL_NODE_REPLICAS=2  # the replicas share this machine's cores, a block "
+                                 "each (CPU)") < serves[0] < serves[-1] < torchrun
     assert lines[torchrun + 1:torchrun + 3] == ["status=$?", 'kill -TERM "${serve_pids[@]}" 2>/dev/null']
     assert_shell_ok(script, tmp_path)
 
@@ -265,8 +268,8 @@ def test_local_dryrun(launch_driver: LaunchDriver, tmp_path: Path) -> None:
 FAKE_MEGARL = r"""#!/bin/bash
 # Stands in for megarl on the emulated nodes: records each role's start in $LOG ($FAKE_LOG where the job's environment
 # sets it), one line of KEY=VALUE fields: its node, SLURM step, the GPUs SLURM gave the step (CUDA_VISIBLE_DEVICES),
-# the environment it was run from (bin/megarl's venv: the directory above the path it was called by) and the step's
-# resources as slurmctld accounts them (scontrol show step: TRES, TresPerNode).
+# a replica's MEGARL_NODE_REPLICAS, the environment it was run from (bin/megarl's venv: the directory above the path
+# it was called by) and the step's resources as slurmctld accounts them (scontrol show step: TRES, TresPerNode).
 LOG=${FAKE_LOG:-__LOG__}
 role=$1
 shift
@@ -283,7 +286,7 @@ case $role in
         [[ -z ${FAIL_PREPARE:-} ]] || exit 1 ;;
     serve)
         replica=${*: -1}
-        echo "serve replica=$replica $(step 1)" | tee -a "$LOG"
+        echo "serve replica=$replica node_replicas=${MEGARL_NODE_REPLICAS-unset} $(step 1)" | tee -a "$LOG"
         trap 'exit 0' TERM
         while :; do sleep 0.2; done ;;
     rank)
@@ -335,7 +338,8 @@ def check_placement(records: list[dict[str, str]], world: int, ranks_per_node: i
     """The job's steps where and with what the launcher asked: `megarl prepare` first, one task with no GPU; the
     ranks `ranks_per_node` to a trainer node, all in one step that holds exactly their GPUs; `replicas_per_node`
     replicas to a rollout node, each its own step with `tp` GPUs disjoint from its neighbours' and its share of the
-    node's CPUs and memory (the emulated node: tests/slurm_cluster.py); every replica's step running at once."""
+    node's CPUs and memory (the emulated node: tests/slurm_cluster.py), told how many replicas share the node
+    (MEGARL_NODE_REPLICAS: the CPU binding's blocks); every replica's step running at once."""
     prepare, ranks = records[0], [r for r in records if r["role"] == "rank"]
     serves = sorted((r for r in records if r["role"] == "serve"), key=lambda r: int(r["replica"]))
     assert prepare["role"] == "prepare" and gpu_set(prepare) == set(), why
@@ -356,6 +360,7 @@ def check_placement(records: list[dict[str, str]], world: int, ranks_per_node: i
         assert len(set().union(*map(gpu_set, on_node))) == tp * replicas_per_node, f"GPUs shared on {node}\n{why}"
         for r in on_node:
             assert (r["TRES"], r["TresPerNode"]) == (f"cpu={cpus},mem={mem}M,node=1", f"gres:gpu:{tp}"), why
+            assert r["node_replicas"] == str(len(on_node)), why
     running = [r for r in records if r["role"] == "running"]
     assert len(running) == 1 and {r["step"] for r in serves} <= set(running[0]["steps"].split(",")), why
     assert len({r["step"] for r in serves}) == replicas, why

@@ -25,8 +25,8 @@ do: each replica, knowing nothing of the other, would take core 0 for its worker
 gets every core, as before ("0-1" for TP 1, "0|1" for TP 2).
 
 `megarl train`'s fleet divides this machine's cores among all its replicas (N = rollout.replicas). A SLURM job's
-replica (`megarl serve`) divides its node's cores among the replicas the job puts on that node
-(`NODE_REPLICAS_ENV`, set by slurm/megarl_job.sh; slot = replica index mod N, the job's placement), unless SLURM
+replica (`megarl serve`) divides its node's cores among the replicas the job puts on that node (`NODE_REPLICAS_ENV`,
+set by slurm/megarl_job.sh and launchers/megarl_nemo.py; slot = replica index mod N, the job's placement), unless SLURM
 already confined its step to CPUs of its own (task/affinity or task/cgroup with `--cpus-per-task --exact`: the
 step's affinity is then a strict subset of the node's cores), in which case those are the replica's alone (N = 1):
 `node_replicas`.
@@ -37,7 +37,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 
-NODE_REPLICAS_ENV = "MEGARL_NODE_REPLICAS"  # how many replicas a SLURM job runs on this node (slurm/megarl_job.sh)
+NODE_REPLICAS_ENV = "MEGARL_NODE_REPLICAS"  # how many replicas a job runs on this node (set by the launchers)
 NOBIND = "nobind"  # vLLM's VLLM_CPU_OMP_THREADS_BIND value that pins nothing
 
 
