@@ -45,12 +45,12 @@ difference of a log-prob that flips a sampled token on a tie; the same caveat he
 
 Partial rollouts (`partial`, on with `sync.inflight`: `megarl.rollout.partial`). A push no longer waits: the loops
 keep generating while it lands (each replica pauses in vLLM's keep mode with its requests held), each chunk is scored
-as soon as it is in, its groups join a pool, and `take(l)` forms batch l from the P pooled groups of the lowest
-(home batch, prompt), after dropping and counting the ones past the staleness bound. The window counts groups
+as soon as it is in, its groups join a pool, and `take(l)` forms batch l from the first P pooled groups to finish,
+after dropping and counting the ones past the staleness bound. The window counts groups
 (`megarl.rollout.partial.admission_limit`). Each request is salted with the version the fleet held when it was sent
 (vLLM's `cache_salt`, `megarl.rollout.inflight.version_salt`). A checkpoint (`quiesce`, then `pending`) lets every
-started group finish, starts no new home batch meanwhile, and saves the pooled groups (`CarriedGroups`); a resumed
-run trains them like any other.
+started group finish, starts none meanwhile, and saves the pooled groups and the prompts not started
+(`CarriedGroups`); then the fleet goes on. A resumed run trains them like any other.
 
 Nothing here touches torch.distributed: the component talks to the fleet over HTTP and to the
 controller through these calls, so it can move to its own process behind an RPC (the task's closures --
@@ -256,8 +256,8 @@ class RolloutWorker:
     def quiesce(self, before: int) -> None:
         """Block until every chunk of every batch before `before`, the end of the fleet's current window (the next
         push's batch, or the run's end), is generated: then no replica is generating. With partial rollouts (a
-        checkpoint): start no new home batch and block until every started group is in and scored (`before` is not
-        used); the next `pushed` lets the fleet go on."""
+        checkpoint): start no new group and block until every started group is in and scored (`before` is not
+        used); `pending` (or the next `pushed`) lets the fleet go on."""
         if self._partial is not None:
             with self._cv:
                 self._hold = True
@@ -286,6 +286,8 @@ class RolloutWorker:
                 self._wait(lambda: not self._generating and self._scoring == 0)
                 unstarted = {j: sorted(i for _, prompts in batch.todo for i in prompts)
                              for j, batch in self._queue.open.items() if batch.todo}
+                self._hold = False  # the snapshot is taken: the fleet goes on (no push need follow a checkpoint)
+                self._cv.notify_all()
                 return CarriedGroups(self._pool.groups(), self._queue.next_batch, unstarted)
             self._wait(lambda: self._scoring == 0 and not self._queue.open)
             return dict(self._ready)
