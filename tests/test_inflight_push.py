@@ -15,6 +15,10 @@ Checked against independent references:
   prompt + response under the OLD checkpoint, and of every token after it under the NEW one, within 1e-5;
   with `keep`, the tokens before the push still match the old weights, and the mismatch of the tokens after it
   against the new weights is measured and printed (and must be visible: stale KV changes them by far more than 1e-5).
+- the engine's routing (read at vLLM's capture point, `megarl.rollout.routing_probe`, in the same run): every
+  position routed once, the recomputed prefix twice; each position's first routing (the row vLLM returns for it) is
+  transformers' routing at the version `route_segments` assigns to the row, and the re-prefill's is the new weights'
+  (`_check_routing`; figures in docs/pipeline.md).
 
 Tolerance: vLLM's CPU kernels (TP 2) and transformers both run fp32 with different reduction orders (~1e-6 per
 token); a wrong or stale weight moves a log-prob by > 1e-2.
