@@ -218,7 +218,7 @@ def test_push_lands_while_responses_generate(moe_fleet, tiny_moe_dir, new_checkp
                 assert s.policy_version == v_old
                 sequences.append((prompt, s.response_ids))
                 boundaries.append((len(held), torch.tensor(s.response_logprobs)))
-                keys.append(((rid, j), s.token_versions))
+                keys.append(((rid, j), s.token_versions, len(held)))
         old_ref, old_routes = _reference(tiny_moe_dir, sequences)
         new_ref, new_routes = _reference(new_checkpoint, sequences)
         before = max(float((e[:b] - o[:b]).abs().max()) for (b, e), o in zip(boundaries, old_ref, strict=True))
@@ -253,13 +253,13 @@ def _check_routing(kv: str, routing: list[dict], sequences: list, keys: list, ve
     by_key = {engine_request_key(k): v for k, v in routing[0].items() if engine_request_key(k)}
     tally = {name: [0, 0, 0] for name in ("old rows", "new rows", "re-prefill")}
     flips = prefix = 0
-    for (prompt, response), (key, token_versions), old, new in zip(sequences, keys, old_routes, new_routes,
+    for (prompt, response), (key, token_versions, held), old, new in zip(sequences, keys, old_routes, new_routes,
                                                                    strict=True):
         by_pos: dict[int, list] = {}
         for pos, layers in by_key[key]:
             by_pos.setdefault(pos, []).append(layers)
         rows = len(prompt) + len(response) - 1
-        cut = len(prompt) - 1 + token_versions.runs[0][1]  # the first row routed after the push
+        cut = len(prompt) - 1 + held  # the first row routed after the push: the forward of the last held token
         assert sorted(by_pos) == list(range(rows)), (kv, key, sorted(by_pos))
         twice = kv == "recompute"
         assert [len(by_pos[p]) for p in range(rows)] == [2 if twice and p < cut else 1 for p in range(rows)], key
