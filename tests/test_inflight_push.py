@@ -15,6 +15,10 @@ Checked against independent references:
   prompt + response under the OLD checkpoint, and of every token after it under the NEW one, within 1e-5;
   with `keep`, the tokens before the push still match the old weights, and the mismatch of the tokens after it
   against the new weights is measured and printed (and must be visible: stale KV changes them by far more than 1e-5).
+- the engine's routing (read at vLLM's capture point, `megarl.rollout.routing_probe`, in the same run): every
+  position routed once, the recomputed prefix twice; each position's first routing (the row vLLM returns for it) is
+  transformers' routing at the version `route_segments` assigns to the row, and the re-prefill's is the new weights'
+  (`_check_routing`; figures in docs/pipeline.md).
 
 Tolerance: vLLM's CPU kernels (TP 2) and transformers both run fp32 with different reduction orders (~1e-6 per
 token); a wrong or stale weight moves a log-prob by > 1e-2.
@@ -34,6 +38,7 @@ from safetensors.torch import load_file
 from megarl.config.schema import OptimizerConfig
 from megarl.models.qwen_provider import read_hf_config
 from megarl.rollout.inflight import engine_request_key, version_salt
+from megarl.trainer.routing_replay import route_segments
 from tests.dist_utils import free_port, run_distributed
 from tests.fleet_fixture import perturbed_checkpoint
 
@@ -48,6 +53,9 @@ RECEIVE = {"keep": {"receive": "streamed"}, "recompute": {"receive": "staged", "
 # the machine is shared: if a poll comes too late (every response already finished when the replica paused), the
 # run is inconclusive and is repeated (old weights pushed again, new responses), at most this many times
 ATTEMPTS = 3
+# router-logit margin between the k-th and the (k+1)-th expert below which engine and transformers may pick
+# differently (fp32 with other reduction orders: logits differ by ~1e-6); such (row, layer) pairs are not compared
+ROUTE_TIE = 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +112,7 @@ def _inflight_push(sync, client, kv: str, v_old: int, push, points: str) -> dict
 
     rids = [f"inflight-{kv}-{i}" for i in range(len(PROMPTS))]
     box: dict = {}
+    assert all(not r for r in client.collective_rpc("megarl_routing_probe_start")), "routing probe failed to start"
     gen = threading.Thread(target=lambda: box.update(samples=client.generate(
         PROMPTS, n=N, max_tokens=MAX_TOKENS, ignore_eos=True, seed=5, cache_salt=version_salt(v_old),
         request_ids=rids)))
@@ -135,24 +144,50 @@ def _inflight_push(sync, client, kv: str, v_old: int, push, points: str) -> dict
     gen.join()
     if "samples" not in box:
         raise RuntimeError("the generate call of the in-flight push failed (its traceback is printed above)")
+    routing = client.collective_rpc("megarl_routing_probe_take")
+    assert all("rows" in r for r in routing), routing
     held = dict(sync.fleet.held[0])
     part_way = all(0 < held.get((rid, j), 0) < MAX_TOKENS for rid in rids for j in range(N))
     return {"samples": box["samples"], "seen": seen, "held": held, "held_part_way": part_way,
-            "paused_s": stats.phases["fleet_paused_s"], "rids": rids, "delta_workers": sorted(stats.delta)}
+            "paused_s": stats.phases["fleet_paused_s"], "rids": rids, "delta_workers": sorted(stats.delta),
+            "routing": [r["rows"] for r in routing]}
 
 
-def _reference_logprobs(hf_dir, sequences: list[tuple[list[int], list[int]]]) -> list[torch.Tensor]:
-    """transformers' fp32 log-prob of each response token given prompt + the response before it."""
+def _reference(hf_dir, sequences: list[tuple[list[int], list[int]]]) -> tuple[list[torch.Tensor], list[tuple]]:
+    """transformers' fp32 forward of prompt + response per sequence: the log-prob of each response token given the
+    tokens before it, and the routing of every forwarded token (all but the last): per row and MoE layer the top-k
+    experts (sorted) and the router-logit margin between the k-th and the (k+1)-th expert (a near-tie when tiny)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
-    out = []
+    k = model.config.num_experts_per_tok
+    gate_logits: list[torch.Tensor] = []
+    for layer in model.model.layers:
+        layer.mlp.gate.register_forward_hook(lambda _m, _i, out: gate_logits.append(out[0].float()))
+    logprobs, routes = [], []
     with torch.no_grad():
         for prompt, response in sequences:
+            gate_logits.clear()
             ids = torch.tensor([prompt + response])
             logsm = torch.log_softmax(model(ids).logits[0].float(), -1)
-            out.append(logsm[len(prompt) - 1:-1].gather(-1, torch.tensor(response)[:, None]).squeeze(-1))
-    return out
+            logprobs.append(logsm[len(prompt) - 1:-1].gather(-1, torch.tensor(response)[:, None]).squeeze(-1))
+            top = torch.stack(gate_logits, 1)[:-1].topk(k + 1, dim=-1)  # [rows, layers, k + 1]
+            routes.append((top.indices[..., :k].sort(-1).values, top.values[..., k - 1] - top.values[..., k]))
+    return logprobs, routes
+
+
+def _route_mismatches(engine: list[list[list[int]]], reference: tuple, rows: range) -> tuple[int, int, int]:
+    """(mismatched, near-tied, compared) (row, layer) pairs of the engine's routing over `rows` against a
+    reference's; a pair whose reference margin is below ROUTE_TIE is a near-tie, not compared."""
+    experts, margin = reference
+    bad = ties = 0
+    for row in rows:
+        for layer, chosen in enumerate(engine[row]):
+            if float(margin[row, layer]) < ROUTE_TIE:
+                ties += 1
+            elif sorted(chosen) != experts[row, layer].tolist():
+                bad += 1
+    return bad, ties, len(rows) * len(engine[0]) - ties
 
 
 def test_push_lands_while_responses_generate(moe_fleet, tiny_moe_dir, new_checkpoint, tmp_path):
@@ -168,7 +203,7 @@ def test_push_lands_while_responses_generate(moe_fleet, tiny_moe_dir, new_checkp
         # the in-flight push went as any other: a full streamed one (keep), a delta to both vLLM workers (recompute)
         assert r["delta_workers"] == ([2, 3] if RECEIVE[kv].get("delta") else []), r["delta_workers"]
         seen = {engine_request_key(k): v for k, v in r["seen"].items() if engine_request_key(k)}
-        sequences, boundaries = [], []
+        sequences, boundaries, keys = [], [], []
         for prompt, rid, samples in zip(PROMPTS, r["rids"], r["samples"], strict=True):
             for j, s in enumerate(samples):
                 held = seen[(rid, j)]  # the engine's tokens at the pause
@@ -183,8 +218,9 @@ def test_push_lands_while_responses_generate(moe_fleet, tiny_moe_dir, new_checkp
                 assert s.policy_version == v_old
                 sequences.append((prompt, s.response_ids))
                 boundaries.append((len(held), torch.tensor(s.response_logprobs)))
-        old_ref = _reference_logprobs(tiny_moe_dir, sequences)
-        new_ref = _reference_logprobs(new_checkpoint, sequences)
+                keys.append(((rid, j), s.token_versions, len(held)))
+        old_ref, old_routes = _reference(tiny_moe_dir, sequences)
+        new_ref, new_routes = _reference(new_checkpoint, sequences)
         before = max(float((e[:b] - o[:b]).abs().max()) for (b, e), o in zip(boundaries, old_ref, strict=True))
         after = [(e[b:] - n[b:]).abs() for (b, e), n in zip(boundaries, new_ref, strict=True)]
         after_max, after_mean = max(float(a.max()) for a in after), float(torch.cat(after).mean())
@@ -196,4 +232,53 @@ def test_push_lands_while_responses_generate(moe_fleet, tiny_moe_dir, new_checkp
             assert after_max < 1e-5, after_max
         else:  # stale KV: visible, and reported in docs/pipeline.md
             assert after_max > 1e-3, after_max
+        _check_routing(kv, r["routing"], sequences, keys, (v_old, v_new), old_routes, new_routes)
+
+
+def _check_routing(kv: str, routing: list[dict], sequences: list, keys: list, versions: tuple[int, int],
+                   old_routes: list, new_routes: list) -> None:
+    """The engine's routing at every forward of the in-flight run (`megarl.rollout.routing_probe`, at the point
+    where vLLM captures the routes it returns) against transformers' at the old and the new weights:
+    - every forwarded position (prompt + response - 1 rows) was routed once, except, with recompute, the held
+      prefix (rows before the first post-push row), routed twice: before the push, and in the re-prefill;
+    - each position's first routing (the row vLLM 0.32 returns for it) is the routing of the version that
+      `route_segments` assigns to the row from the response's `token_versions`: the old weights' before the push, the
+      new weights' after it (recompute; with keep, the post-push rows see stale KV and their agreement with the new
+      weights is measured);
+    - with recompute, the re-prefill routes the prefix with the new weights, and differently from the rows
+      returned for it: concatenating it to them (verl PRs 6029/6046) would duplicate rows of the wrong version.
+    (row, layer) pairs whose reference router-logit margin is under ROUTE_TIE are near-ties, not compared."""
+    v_old, v_new = versions
+    assert routing[0] == routing[1], "the two TP workers routed differently"
+    by_key = {engine_request_key(k): v for k, v in routing[0].items() if engine_request_key(k)}
+    tally = {name: [0, 0, 0] for name in ("old rows", "new rows", "re-prefill")}
+    flips = prefix = 0
+    for (prompt, response), (key, token_versions, held), old, new in zip(sequences, keys, old_routes, new_routes,
+                                                                   strict=True):
+        by_pos: dict[int, list] = {}
+        for pos, layers in by_key[key]:
+            by_pos.setdefault(pos, []).append(layers)
+        rows = len(prompt) + len(response) - 1
+        cut = len(prompt) - 1 + held  # the first row routed after the push: the forward of the last held token
+        assert sorted(by_pos) == list(range(rows)), (kv, key, sorted(by_pos))
+        twice = kv == "recompute"
+        assert [len(by_pos[p]) for p in range(rows)] == [2 if twice and p < cut else 1 for p in range(rows)], key
+        assert route_segments(len(prompt), token_versions) == ((v_old, 0, cut), (v_new, cut, rows))
+        first = [by_pos[p][0] for p in range(rows)]
+        for name, ref, span in (("old rows", old, range(cut)), ("new rows", new, range(cut, rows))):
+            tally[name] = [a + b for a, b in zip(tally[name], _route_mismatches(first, ref, span), strict=True)]
+        if twice:
+            again = [by_pos[p][-1] for p in range(cut)]
+            tally["re-prefill"] = [a + b for a, b in zip(tally["re-prefill"], _route_mismatches(again, new, range(cut)),
+                                                         strict=True)]
+            flips += sum(sorted(a) != sorted(b) for x, y in zip(first[:cut], again, strict=True)
+                         for a, b in zip(x, y, strict=True))
+            prefix += cut * len(first[0])
+    print(f"inflight_kv={kv}: engine routing vs transformers (mismatched / near-tied / compared (row, layer) pairs): "
+          + "; ".join(f"{name} {b}/{t}/{c}" for name, (b, t, c) in tally.items() if c or t)
+          + (f"; the re-prefill changed {flips} of the {prefix} prefix (row, layer) routes" if twice else ""))
+    assert tally["old rows"][0] == 0 and tally["old rows"][2] > 0, tally
+    if kv == "recompute":
+        assert tally["new rows"][0] == 0 and tally["re-prefill"][0] == 0, tally
+        assert flips > 0, "the new weights route no prefix token differently: the test cannot tell versions apart"
 

@@ -21,6 +21,8 @@ from megarl.models.tiny import make_tiny_checkpoint
 from megarl.rewards.scoring import scored_batch
 from megarl.rollout.client import RolloutClient, RolloutServerError, Sample, decode_routed_experts
 from megarl.rollout.fleet import FleetSpec, server_command, server_env
+from megarl.token_versions import TokenVersions
+from megarl.trainer.routing_replay import join_continued_routes, route_segments
 
 PROMPT, RESPONSE = [3, 4, 5], [6, 7]
 
@@ -61,6 +63,34 @@ def test_client_refuses_routes_it_cannot_use():
         decode_routed_experts("bm90IGFuIG5weQ==", forwarded)  # base64 of "not an npy"
     with pytest.raises(RolloutServerError, match="outside"):
         decode_routed_experts(numpy2base64(np.full((forwarded, 1, 1), 40000, np.uint16)), forwarded)
+
+
+def test_route_segments_follow_the_token_versions():
+    """Row r of a sample's routes is the forward of input token r, which produced token r + 1: prompt rows and the
+    rows that produced the first run's tokens belong to its version, each later run's rows to its own. By hand:
+    a 3-token prompt and response runs (v5: 4 tokens, v6: 2, v8: 3) -> 3 + 9 - 1 = 11 rows; rows 0-1 produced prompt
+    tokens, rows 2-5 response tokens 0-3 (v5), rows 6-7 tokens 4-5 (v6), rows 8-10 tokens 6-8 (v8)."""
+    assert route_segments(3, TokenVersions(((5, 4), (6, 2), (8, 3)))) == ((5, 0, 6), (6, 6, 8), (8, 8, 11))
+    assert route_segments(1, TokenVersions.single(2, 1)) == ((2, 0, 1),)
+    assert route_segments(4, TokenVersions.single(2, 0)) == ()
+    with pytest.raises(ValueError, match="prompt of at least one token"):
+        route_segments(0, TokenVersions.single(2, 3))
+
+
+def test_continued_routes_keep_each_row_once():
+    """By hand: a 3-token prompt; the first request held 4 tokens (its rows 0-5, filled 1); the continuation, given
+    prompt + those 4 as its 7-token prompt, sampled 3 more (its rows 0-8: the re-prefill's rows 0-5, filled 7, then
+    rows 6-8, filled 2, the forwards of the last held token and of its first two new ones). Joined: 3 + 7 - 1 = 9 rows,
+    0-5 the first request's, 6-8 the continuation's; nothing twice (verl PRs 6029/6046 kept all 6 + 9 rows)."""
+    first = np.full((6, 2, 2), 1, np.uint8)
+    continuation = np.concatenate([np.full((6, 2, 2), 7, np.uint8), np.full((3, 2, 2), 2, np.uint8)])
+    joined = join_continued_routes(first, continuation, prompt_len=3, held=4)
+    assert joined.shape == (3 + 4 + 3 - 1, 2, 2) and joined.dtype == np.uint8
+    assert joined[:6].tolist() == first.tolist() and (joined[6:] == 2).all()
+    with pytest.raises(ValueError, match="do not fit a 3-token prompt with 5 held tokens"):
+        join_continued_routes(first, continuation, prompt_len=3, held=5)
+    with pytest.raises(ValueError, match="same layers and top-k"):
+        join_continued_routes(first, continuation[:, :1], prompt_len=3, held=4)
 
 
 def _sample(routes: np.ndarray | None) -> Sample:

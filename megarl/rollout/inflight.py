@@ -52,6 +52,15 @@ submitted for (`RolloutClient.generate(cache_salt=version_salt(v))`, vLLM's `cac
 and so into every block of the request): a request submitted for version v only ever reuses blocks of requests
 submitted for v. vLLM's CPU backend honours the salt (checked by the test through its prefix-cache hit counter).
 
+Routed experts (`rollout.return_routed_experts`, GPU fleets). Across an in-flight push vLLM 0.32 returns each
+forwarded token's routing once, routed by the version `Sample.token_versions` assigns to the token it produced:
+with `recompute` the re-prefill routes the held prefix again under the new weights, but vLLM's AuxOutput connector
+emits rows only from the request's cursor on, so the prefix rows returned are the old weights' (its first
+computation). The routes need no slicing; `megarl.trainer.routing_replay` says which version routed which rows
+(`route_segments`), how a response resubmitted as a second request joins its routes (`join_continued_routes`), and
+what one trainer forward cannot replay; measured at vLLM's capture point on the CPU fleet by
+tests/test_inflight_push.py (`megarl.rollout.routing_probe`), figures in docs/pipeline.md.
+
 In `megarl train`: with `sync.inflight` the rollout worker runs partial rollouts (`megarl.rollout.partial`): it does
 not quiesce before a push, so the push lands while requests generate, and batches are formed from finished groups,
 each carrying the `TokenVersions` read here to the trainer (`RolloutBatch.token_versions`).

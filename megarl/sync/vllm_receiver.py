@@ -549,9 +549,45 @@ class MegarlWorkerExtension:
                 held[str(req_id)] = len(tokens)
         return held
 
+    def megarl_routing_probe_start(self) -> dict[str, Any]:
+        """Tests: record the engine's routing at every forward from now on (`megarl.rollout.routing_probe`,
+        installed at the first call). Never raises (see the module docstring): an error is returned as
+        {"error": ...}."""
+        try:
+            probe = _routing_probe(self)
+            probe.take()
+            probe.recording = True
+            return {}
+        except Exception as err:  # noqa: BLE001 - a raising worker would desynchronise vLLM's replies
+            logger.error("megarl routing probe failed: %s", err)
+            return {"error": f"{type(err).__name__}: {err}"}
+
+    def megarl_routing_probe_take(self) -> dict[str, Any]:
+        """Tests: stop recording and return what was recorded since `megarl_routing_probe_start`: {"rows": engine
+        request id -> [(position, expert ids per layer)], every computation of a position in order}."""
+        try:
+            probe = _routing_probe(self)
+            probe.recording = False
+            return {"rows": probe.take()}
+        except Exception as err:  # noqa: BLE001 - a raising worker would desynchronise vLLM's replies
+            logger.error("megarl routing probe failed: %s", err)
+            return {"error": f"{type(err).__name__}: {err}"}
+
     def megarl_held_tokens(self) -> dict[str, list[int]]:
         """Like `megarl_held_requests`, the output token ids themselves (tests and debugging: what a request held at
         a pause, to check that it continued from there and was not restarted)."""
         requests = getattr(getattr(self, "model_runner", None), "requests", None) or {}
         return {str(req_id): [int(t) for t in getattr(state, "output_token_ids", None) or []]
                 for req_id, state in requests.items()}
+
+
+def _routing_probe(worker: MegarlWorkerExtension) -> Any:
+    """The worker's `RoutingProbe`, installed on its model runner at the first call."""
+    from megarl.rollout.routing_probe import RoutingProbe
+
+    probe = getattr(worker, "_megarl_routing_probe", None)
+    if probe is None:
+        probe = RoutingProbe()
+        probe.install(worker.model_runner)
+        worker._megarl_routing_probe = probe
+    return probe
