@@ -11,7 +11,8 @@ The rules, for `S = SyncSchedule(m, n)`, K steps, R replicas, P prompts (groups 
            replica with free capacity (ties: replica order, one group per replica per round, as the queue's
            loops fill). Capacity (`admit`): 'groups' -- `in_flight` groups per replica, a group holding its slot
            until its longest response ends (today's queue, `rollout.chunk_prompts=1`); 'sequences' -- `in_flight x
-           K_s` sequence slots, a new group admitted when K_s of them are free (the engine kept full). The fleet
+           K_s` sequence slots, a new group admitted when K_s of them are free (the engine kept full; megarl's
+           `rollout.refill=sequences`, where vLLM's scheduler refills a freed slot from its waiting queue). The fleet
            may have admitted at most `(v + bound + 1) x P + dropped` groups while it holds version v (AReaL's
            admission rule; with the default bound m + n - 1 it is `S.generation_limit` after the first push), and
            admits nothing while paused.
