@@ -157,3 +157,13 @@ def test_packed_sequences_pass_on_cpu_and_gpu():
     check_against_model(cfg, TINY_DENSE, cuda=False)
     moe = {**TINY_MOE, "moe_intermediate_size": 64, "hidden_size": 64}  # a GPU check also sizes the push
     check_against_model(cfg, moe, cuda=True)
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["rollout.overlap=false"], "sync.inflight=true lets pushes land while the fleet generates.*rollout.overlap=true"),
+    (["algorithm.name=oapl"], "algorithm.name='oapl' refuses them: OAPL's V_hat.*set sync.inflight=false"),
+])
+def test_inflight_refuses_what_cannot_take_partial_rollouts(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, ["model.hf_dir=/tmp/unused", "sync.inflight=true", *overrides])
+    load_config(None, ["model.hf_dir=/tmp/unused", *overrides])  # the same settings without in-flight updates
