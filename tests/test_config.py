@@ -167,3 +167,8 @@ def test_inflight_refuses_what_cannot_take_partial_rollouts(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, ["model.hf_dir=/tmp/unused", "sync.inflight=true", *overrides])
     load_config(None, ["model.hf_dir=/tmp/unused", *overrides])  # the same settings without in-flight updates
+
+
+def test_min_new_tokens_above_max_new_tokens_is_named():
+    with pytest.raises(ConfigError, match=r"rollout.min_new_tokens=9 exceeds rollout.max_new_tokens=8"):
+        load_config(None, ["model.hf_dir=/tmp/unused", "rollout.max_new_tokens=8", "rollout.min_new_tokens=9"])

@@ -84,13 +84,14 @@ def _overlaps(a, b) -> bool:
 
 SEQUENTIAL = PIPELINES[2]  # the pipelined run the sequential controller's run is compared with
 # in-flight weight updates + partial rollouts (sync.inflight, KV recompute): (m, n, steps), responses long enough
-# (up to 48 tokens, EOS rare for the tiny model) that pushes land while the fleet generates; a reward half the
-# responses earn and a large step, so that every update moves the weights and a token's lag shows in its log-prob
+# (96 to 128 tokens: rollout.min_new_tokens) that the fleet is still generating when a push lands;
+# a reward half the responses earn and a large step, so that every update moves the weights and a token's lag shows
+# in its log-prob
 INFLIGHT = (1, 1, 8)
 INFLIGHT_JOB = ["algorithm.name=gspo", "algorithm.decoupled.enabled=true", "sync.inflight=true",
                 "reward.name=tests.reward_fns:odd_word_count", "optimizer.lr=0.02",
-                "sync.inflight_kv=recompute", "rollout.max_new_tokens=48", "checkpoint.interval=4",
-                "checkpoint.keep_last=2"]
+                "sync.inflight_kv=recompute", "rollout.max_new_tokens=128", "rollout.min_new_tokens=96",
+                "checkpoint.interval=4", "checkpoint.keep_last=2"]
 INFLIGHT_SAVED = 3  # the in-flight run's first checkpoint (after step 3), which a second run resumes
 EVALUATION = ["eval.interval=2", "eval.prompts=4", "eval.samples=2"]  # in SEQUENTIAL's pipelined run only
 
@@ -236,6 +237,7 @@ def test_inflight_pushes_and_partial_rollouts_keep_every_token_within_the_bound(
     dropped: list[tuple[int, int]] = []
     for r in records:
         assert r["batch/samples"] == 16 and len(r["partial/groups"]) == 4, r
+        assert 96 <= r["response/length_min"] <= r["response/length_max"] <= 128  # vLLM's min_tokens held
         assert 0 <= r["batch_lag"] <= bound and r["token_lag/max"] <= bound, r
         total = sum(r[f"token_lag/tokens_lag{k}"] for k in range(bound + 1))
         assert total == pytest.approx(r["response/length_mean"] * 16)  # every response token has a lag in 0..bound

@@ -24,9 +24,9 @@ def _group(home: int, prompt: int, *runs: tuple[tuple[int, int], ...], rewards=N
     return ScoredGroup(home, prompt, samples, rewards or [float(k) for k in range(len(runs))], **kw)
 
 
-def test_a_batch_is_the_first_groups_to_finish_and_stale_ones_are_dropped():
+def test_a_batch_is_the_lowest_finished_groups_and_stale_ones_are_dropped():
     pool = GroupPool()
-    # finishing order: (2, 0) first, although (0, 1) is of an earlier home batch
+    # finishing order: (2, 0) first; the batch still prefers (0, 1), of an earlier home batch, and (1, 3)
     pool.add(_group(2, 0, ((3, 4),), ((3, 2),)))
     pool.add(_group(0, 1, ((1, 2), (2, 5)), ((1, 7),)))  # oldest token: version 1
     pool.add(_group(1, 3, ((2, 1), (3, 1)), ((2, 3),)))  # oldest: 2
@@ -36,10 +36,10 @@ def test_a_batch_is_the_first_groups_to_finish_and_stale_ones_are_dropped():
     # trainer version 3, bound 2: a lag of 3 (version 0) is past it, a lag of 2 (version 1) is not
     stale = pool.drop_stale(3, 2)
     assert [g.key for g in stale] == [(0, 0)]
-    assert [g.key for g in pool.form(2)] == [(2, 0), (0, 1)]  # the order they finished
-    assert [g.key for g in pool.groups()] == [(1, 3)]
-    assert pool.drop_stale(4, 2) == []  # oldest version 2 at trainer version 4: lag 2, kept
-    assert [g.key for g in pool.drop_stale(5, 2)] == [(1, 3)]
+    assert [g.key for g in pool.form(2)] == [(0, 1), (1, 3)]  # (home batch, prompt) order
+    assert [g.key for g in pool.groups()] == [(2, 0)]
+    assert pool.drop_stale(5, 2) == []  # oldest version 3 at trainer version 5: lag 2, kept
+    assert [g.key for g in pool.drop_stale(6, 2)] == [(2, 0)]
     assert len(pool) == 0
 
 

@@ -256,6 +256,11 @@ class RolloutConfig(_Strict):
     )
     samples_per_prompt: int = Field(8, ge=2, description="K responses per prompt (a group).")
     max_new_tokens: int = Field(1, ge=1, description="Maximum response length in tokens.")
+    min_new_tokens: int = Field(
+        0, ge=0, description="Minimum response length in tokens (vLLM's min_tokens: the end-of-sequence token is not "
+        "sampled before it). 0 (default): none. Lengthens short responses; the in-flight tests use it so that the "
+        "fleet is still generating when a push lands.",
+    )
     temperature: float = Field(1.0, gt=0, description="Sampling temperature (1.0 keeps engine log-probs = policy).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass (1.0 keeps engine log-probs = policy).")
     port: int = Field(0, ge=0, description="HTTP port of the first replica; 0 picks a free one.")
@@ -356,6 +361,9 @@ class RolloutConfig(_Strict):
         if self.min_replicas > self.replicas:
             raise ValueError(f"rollout.min_replicas={self.min_replicas} exceeds rollout.replicas={self.replicas}: "
                              "lower it (rollout.replicas makes every lost replica end the run)")
+        if self.min_new_tokens > self.max_new_tokens:
+            raise ValueError(f"rollout.min_new_tokens={self.min_new_tokens} exceeds rollout.max_new_tokens="
+                             f"{self.max_new_tokens}: lower it, or raise rollout.max_new_tokens")
         return self
 
 

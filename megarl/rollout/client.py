@@ -174,12 +174,13 @@ class RolloutClient:
     # ---- generation ------------------------------------------------------------------------------------------
     def generate(self, prompt_token_ids: list[list[int]], n: int, max_tokens: int | list[int],
                  temperature: float = 1.0, top_p: float = 1.0, seed: int | list[int] | None = None,
-                 ignore_eos: bool = False, cache_salt: str | None = None,
+                 ignore_eos: bool = False, cache_salt: str | None = None, min_tokens: int = 0,
                  request_ids: list[str] | None = None) -> list[list[Sample]]:
         """K = n samples for each prompt (one request per prompt, sent concurrently). `seed`: the sampling seed
         of each prompt (a list), or of the first one with the others following it (an int). `max_tokens`: the
         response budget of every prompt, or of each (a list); `ignore_eos`: sample on past EOS to the budget
-        (vLLM's `ignore_eos`; `megarl bench longtail` uses it to set response lengths). `cache_salt`: vLLM's
+        (vLLM's `ignore_eos`; `megarl bench longtail` uses it to set response lengths); `min_tokens`: no EOS before
+        that many tokens (vLLM's `min_tokens`, `rollout.min_new_tokens`). `cache_salt`: vLLM's
         prefix-cache salt of every request (`megarl.rollout.inflight.version_salt(v)`: requests submitted for
         different versions never share cached blocks). `request_ids`: the id of each prompt's request (default:
         fresh ones), which the engine's counts at an in-flight pause are keyed by (`FleetLifecycle.held`)."""
@@ -192,6 +193,8 @@ class RolloutClient:
             params = {"n": n, "max_tokens": budget, "temperature": temperature, "top_p": top_p, "logprobs": 0}
             if ignore_eos:
                 params["ignore_eos"] = True
+            if min_tokens:
+                params["min_tokens"] = min_tokens
             if seed is not None:
                 params["seed"] = seed[i] if isinstance(seed, list) else seed + i
             rid = request_ids[i] if request_ids is not None else f"megarl-{uuid.uuid4().hex}"

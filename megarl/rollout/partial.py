@@ -11,8 +11,11 @@ be "the groups of home batch l": some of them are still generating when the trai
       1. every pooled group whose oldest token lags version l by more than the bound is dropped, and counted
          (it could only get older; the bound is `algorithm.max_token_lag`, by default the schedule's own
          maximum lag m + n - 1: `megarl.algorithms.versions.token_lag_bound`);
-      2. the first P of the others to have finished form batch l, in the order they finished (AReaL's rule);
-         the trainer waits only while fewer than P are pooled;
+      2. the P pooled groups of the lowest (home batch, prompt) form batch l, in that order; the trainer waits only
+         while fewer than P are pooled. So when every group of home batch l has finished by then, batch l is exactly
+         home batch l, as without partial rollouts; only a group still generating is replaced, by the next finished
+         one. (AReaL takes the first P to finish instead: that mixes home batches even when nothing straggles, and
+         favours groups of short responses, which finish first, over the home batch's others.)
     groups still generating then go on through the next pushes and join a later batch.
 
 So the trainer never waits for the slowest response of a batch, only for P groups; a group is never trained
@@ -89,11 +92,10 @@ class Formed:
 
 
 class GroupPool:
-    """The finished, scored groups the trainer has not taken yet, in the order they finished (see the module
-    docstring)."""
+    """The finished, scored groups the trainer has not taken yet (see the module docstring)."""
 
     def __init__(self, groups: list[ScoredGroup] | None = None) -> None:
-        self._groups: dict[tuple[int, int], ScoredGroup] = {}  # (insertion order: the order they finished)
+        self._groups: dict[tuple[int, int], ScoredGroup] = {}
         self.taken: set[tuple[int, int]] = set()  # every group that left the pool, trained or dropped
         for group in groups or []:
             self.add(group)
@@ -102,7 +104,7 @@ class GroupPool:
         return len(self._groups)
 
     def groups(self) -> list[ScoredGroup]:
-        return list(self._groups.values())
+        return [self._groups[k] for k in sorted(self._groups)]
 
     def add(self, group: ScoredGroup) -> None:
         if group.key in self._groups or group.key in self.taken:
@@ -111,16 +113,16 @@ class GroupPool:
 
     def drop_stale(self, trainer_version: int, bound: int) -> list[ScoredGroup]:
         """Remove and return the groups whose oldest token lags `trainer_version` by more than `bound`."""
-        stale = [g for g in self._groups.values() if trainer_version - g.oldest > bound]
+        stale = [g for g in self.groups() if trainer_version - g.oldest > bound]
         for group in stale:
             self._remove(group)
         return stale
 
     def form(self, size: int) -> list[ScoredGroup] | None:
-        """Remove and return the first `size` groups to have finished, or None while fewer are pooled."""
+        """Remove and return the `size` groups of the lowest (home batch, prompt), or None while fewer are pooled."""
         if len(self._groups) < size:
             return None
-        chosen = list(self._groups.values())[:size]
+        chosen = self.groups()[:size]
         for group in chosen:
             self._remove(group)
         return chosen

@@ -62,7 +62,7 @@ def start_rollout_worker(cfg: Config, clients: list[RolloutClient], timeline: Ti
         return RolloutWorker(
             clients, SyncSchedule(cfg.sync.interval, cfg.sync.offset), problems=task.problems, encode=encode,
             sampling={"n": r.samples_per_prompt, "max_tokens": r.max_new_tokens, "temperature": r.temperature,
-                      "top_p": r.top_p},
+                      "top_p": r.top_p, **({"min_tokens": r.min_new_tokens} if r.min_new_tokens else {})},
             seed=lambda index: cfg.run.seed * 100_003 + index * prompts_per_batch,
             score=scorer, timeline=timeline, end=cfg.run.steps, overlap=r.overlap, start=start, ready=ready,
             evaluator=evaluator, position=task.position, chunk_prompts=r.chunk_prompts,

@@ -45,8 +45,8 @@ difference of a log-prob that flips a sampled token on a tie; the same caveat he
 
 Partial rollouts (`partial`, on with `sync.inflight`: `megarl.rollout.partial`). A push no longer waits: the loops
 keep generating while it lands (each replica pauses in vLLM's keep mode with its requests held), each chunk is scored
-as soon as it is in, its groups join a pool, and `take(l)` forms batch l from the first P pooled groups to finish,
-after dropping and counting the ones past the staleness bound. The window counts groups
+as soon as it is in, its groups join a pool, and `take(l)` forms batch l from the P pooled groups of the lowest
+(home batch, prompt), after dropping and counting the ones past the staleness bound. The window counts groups
 (`megarl.rollout.partial.admission_limit`). Each request is salted with the version the fleet held when it was sent
 (vLLM's `cache_salt`, `megarl.rollout.inflight.version_salt`). A checkpoint (`quiesce`, then `pending`) lets every
 started group finish, starts none meanwhile, and saves the pooled groups and the prompts not started
