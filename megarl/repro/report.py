@@ -153,7 +153,14 @@ def markdown(results: dict[str, Any], study: Study, png_name: str) -> str:
     lines += ["", "Verdicts: " + ", ".join(f"{v} {k}" for k, v in counts.items()) + f" (of {len(verdicts)}). "
               f"'agrees' needs the difference beyond two standard errors over {n} seeds (similarity: within two "
               "standard errors or the tolerance); with few seeds this is a rough reading, not a significance test.",
-              "", "## Provenance", "",
+              ""]
+    if study.paired:
+        from megarl.repro.paired import paired_markdown, paired_summary
+
+        labels = {k: s["line"] for k, s in results["settings"].items()}
+        lines += ["## Per seed (same prompts and sampling seeds in both settings)", "",
+                  *paired_markdown(paired_summary(results, *study.paired), labels), ""]
+    lines += ["## Provenance", "",
               f"- commit `{prov['commit']}`" + (" (with uncommitted changes)" if prov["dirty"] else "")
               + " (this invocation)", "- runs trained at: " + _made_at(results["runs"]),
               f"- machine: {prov['machine']}",
