@@ -118,7 +118,7 @@ def markdown(results: dict[str, Any], study: Study, png_name: str) -> str:
     """The study's report: the claim, the settings, the measured table, each comparison's verdict, provenance."""
     prov = results["provenance"]
     w, n = results["window"], len(results["seeds"])
-    lines = [f"# {study.title}", "", f"Source: {study.source}.", "", f"**The paper's claim.** {study.claim}", "",
+    lines = [f"# {study.title}", "", f"Source: {study.source}.", "", f"**The claim.** {study.claim}", "",
              "## Settings", "",
              f"`megarl repro {study.name}`: {len(results['settings'])} settings x {n} seeds (`run.seed` "
              f"{', '.join(map(str, results['seeds']))}), {results['steps']} steps each, on `{results['config']}`"
