@@ -23,7 +23,7 @@
     megarl bench trainer [--variants ...]     one training step per variant (precision, a change on): time, memory
     megarl bench gpu-step [--out DIR]         on a GPU: bench trainer's variants, bench logprob at 32k, gpu tests
     megarl compare RUN_DIR ... [--out F.md]   sync pushes, bytes, time and rewards of finished runs side by side
-    megarl repro rec-f1|rec-red|oapl-lag|offpolicy-grpo|list [--seeds 3] [--smoke]   a paper's claim, re-run
+    megarl repro rec-f1|rec-red|oapl-lag|offpolicy-grpo|inflight|list [--seeds 3] [--smoke]   a claim, re-run
 
 `megarl COMMAND --help` describes each command's options.
 """
@@ -50,7 +50,7 @@ _DELEGATED = {
                                           "`megarl preflight rank|serve|report` (docs/cluster.md); an environment's "
                                           "versions against its stack's lock: `megarl preflight versions`"),
     "repro": ("megarl.repro", "re-run a source paper's central claim: `megarl repro rec-f1|rec-red|oapl-lag|"
-                              "offpolicy-grpo|list`"),
+                              "offpolicy-grpo|list`; in-flight updates still learn: `megarl repro inflight`"),
 }
 
 

@@ -30,7 +30,7 @@ def test_study_settings_are_valid_configs(name):
     for c in study.comparisons:
         assert {c.a, c.b} <= set(keys), c
     for s in study.settings:
-        cfg = load_config(str(ROOT / "configs/repro.yaml"), [*study.overrides, *s.overrides])
+        cfg = load_config(str(ROOT / study.config), [*study.overrides, *s.overrides])
         # the panel names the schedule the overrides set
         if s.panel.startswith("lag "):
             assert (cfg.sync.interval, cfg.sync.offset) == (1, int(s.panel.split()[1]))
@@ -39,6 +39,31 @@ def test_study_settings_are_valid_configs(name):
         elif s.panel.startswith("sync.interval"):
             assert cfg.sync.interval == int(s.panel.split()[-1])
         assert cfg.algorithm.name in s.overrides[0], (s.key, cfg.algorithm.name)
+
+
+def test_inflight_study_is_the_demo_with_and_without_inflight():
+    """The two arms are the demo job (configs/demo_moe.yaml, its 60 steps) with the same schedule, which lets the fleet
+    run ahead (sync.offset >= 1, so pushes can land mid-generation), and differ in sync.inflight alone; the comparison
+    is the in-flight arm not below the baseline, at the stated tolerance."""
+    from megarl.repro.studies import INFLIGHT_TOLERANCE
+
+    study = STUDIES["inflight"]
+    demo = load_config(str(ROOT / "configs/demo_moe.yaml"), []).model_dump(mode="json")
+    arms = {s.key: load_config(str(ROOT / study.config), [*study.overrides, *s.overrides]).model_dump(mode="json")
+            for s in study.settings}
+    assert set(arms) == {"sync", "inflight"} and study.paired == ("inflight", "sync") and study.steps == 60
+    assert arms["inflight"]["sync"]["inflight"] and not arms["sync"]["sync"]["inflight"]
+    assert arms["inflight"]["sync"]["inflight_kv"] == "recompute"
+    assert arms["sync"]["sync"]["offset"] >= 1 and demo["run"]["steps"] == study.steps
+    assert not demo["sync"].pop("inflight")  # the demo as shipped runs without
+    for arm in arms.values():
+        arm["sync"].pop("inflight")
+        assert arm["sync"] == demo["sync"] and arm["algorithm"] == demo["algorithm"]
+    assert arms["sync"] == arms["inflight"]
+    arms["sync"]["metrics"]["tensorboard"] = demo["metrics"]["tensorboard"]  # the study's one change to the demo
+    assert arms["sync"] == demo
+    (c,) = study.comparisons
+    assert (c.a, c.b, c.expect, c.tolerance) == ("inflight", "sync", "not_less", INFLIGHT_TOLERANCE)
 
 
 def test_rec_f1_grid_is_the_papers():
@@ -166,14 +191,34 @@ def test_repro_smoke(name, moe_fleet, tiny_moe_dir, tmp_path, capsys, monkeypatc
             assert all(math.isfinite(r[k]) for k in REQUIRED)
         cfg = load_config(str(Path(run["dir"]) / "config.yaml"), [])
         assert cfg.run.seed == run["seed"] and cfg.run.steps == 3 and cfg.sync.push_initial
-        assert [r["batch_lag"] for r in records] == [
-            _expected_lag(cfg.sync.interval, cfg.sync.offset, step) for step in range(3)]
+        if cfg.sync.inflight:  # batches of the first groups to finish: every token within the bound m + n - 1
+            bound = cfg.sync.interval + cfg.sync.offset - 1
+            assert all(0 <= r["token_lag/max"] <= r["batch_lag"] <= bound for r in records), records
+            assert all("partial/dropped_groups" in r and 0 <= r["token_lag/spanning_share"] <= 1 for r in records)
+        else:
+            assert not any(k.startswith(("partial/", "token_lag/")) for r in records for k in r)
+            assert [r["batch_lag"] for r in records] == [
+                _expected_lag(cfg.sync.interval, cfg.sync.offset, step) for step in range(3)]
         assert [r["reward/mean"] for r in records] == [
             json.loads(line)["reward/mean"] for line in (Path(run["dir"]) / "metrics.jsonl").read_text().splitlines()]
     # every comparison has its row and verdict; rec-f1's smoke runs both settings of one
     rows = [line for line in report.splitlines() if line.startswith("| ") and "**" in line]
     assert len(rows) == len(study.comparisons)
     assert any("not run" not in row for row in rows) == (len(study.smoke) == 2)
+    if study.paired:  # the per-seed table, from each run's own metrics.jsonl
+        a, b = study.paired
+        assert [row["seed"] for row in results["paired"]["rows"]] == list(seeds)
+        for row in results["paired"]["rows"]:
+            for key in (a, b):
+                (run,) = [r for r in results["runs"] if (r["setting"], r["seed"]) == (key, row["seed"])]
+                steps = [json.loads(line) for line in (Path(run["dir"]) / "metrics.jsonl").read_text().splitlines()]
+                tail = steps[-results["window"]:]
+                assert row[key]["reward"] == pytest.approx(sum(r["reward/mean"] for r in tail) / len(tail))
+                assert row[key]["dropped"] == sum(r.get("partial/dropped_groups", 0) for r in steps)
+                assert row[key]["lag_max"] == max(r.get("token_lag/max", r["batch_lag"]) for r in steps)
+            assert row["diff"] == pytest.approx(row[a]["reward"] - row[b]["reward"])
+        assert "## Per seed" in report and f"| {seeds[0]} | {results['settings'][a]['line']} |" in report
+        assert f"{a} - {b}" in proc.stdout  # the table is printed too
     if name == "rec-f1":  # the same seed gives the same curve: rerun one setting's seed 0 from scratch
         again = tmp_path / "again"
         proc = _smoke(capsys, name, moe_fleet.base_url, tiny_moe_dir, again, "--seeds", "1", "--settings",

@@ -32,7 +32,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--settings", metavar="KEY,KEY", help="run only these settings, comma-separated (`megarl repro "
                    "list` names them; default: all, or the smoke settings with --smoke)")
     p.add_argument("--out", type=Path, help="output directory (default: runs/repro/<study>)")
-    p.add_argument("--config", default="configs/repro.yaml", help="the base job every run starts from")
+    p.add_argument("--config", help="the base job every run starts from (default: the study's: configs/repro.yaml, "
+                   "the inflight study's configs/demo_moe.yaml)")
     p.add_argument("--fleet-url", action="append", default=None,
                    help="reuse a running fleet serving the config's model (repeat per replica)")
     p.add_argument("--fresh", action="store_true", help="rerun every run, even complete ones found in --out")
@@ -73,6 +74,14 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, ReproError, TrainerError) as err:
         print(f"megarl repro: {err}", file=sys.stderr)
         return 2 if isinstance(err, ConfigError) else 1
+    if study.paired:  # the two settings seed by seed, printed and kept in the JSON
+        import json
+
+        from megarl.repro.paired import paired_markdown, paired_summary
+
+        results["paired"] = paired_summary(results, *study.paired)
+        (out / f"{study.name}.json").write_text(json.dumps(results, indent=1) + "\n")
+        print("\n".join(paired_markdown(results["paired"], {k: s["line"] for k, s in results["settings"].items()})))
     png = out / f"{study.name}.png"
     plot(results, study, png)
     (out / f"{study.name}.md").write_text(markdown(results, study, png.name))

@@ -118,7 +118,7 @@ def markdown(results: dict[str, Any], study: Study, png_name: str) -> str:
     """The study's report: the claim, the settings, the measured table, each comparison's verdict, provenance."""
     prov = results["provenance"]
     w, n = results["window"], len(results["seeds"])
-    lines = [f"# {study.title}", "", f"Source: {study.source}.", "", f"**The paper's claim.** {study.claim}", "",
+    lines = [f"# {study.title}", "", f"Source: {study.source}.", "", f"**The claim.** {study.claim}", "",
              "## Settings", "",
              f"`megarl repro {study.name}`: {len(results['settings'])} settings x {n} seeds (`run.seed` "
              f"{', '.join(map(str, results['seeds']))}), {results['steps']} steps each, on `{results['config']}`"
@@ -153,7 +153,14 @@ def markdown(results: dict[str, Any], study: Study, png_name: str) -> str:
     lines += ["", "Verdicts: " + ", ".join(f"{v} {k}" for k, v in counts.items()) + f" (of {len(verdicts)}). "
               f"'agrees' needs the difference beyond two standard errors over {n} seeds (similarity: within two "
               "standard errors or the tolerance); with few seeds this is a rough reading, not a significance test.",
-              "", "## Provenance", "",
+              ""]
+    if study.paired:
+        from megarl.repro.paired import paired_markdown, paired_summary
+
+        labels = {k: s["line"] for k, s in results["settings"].items()}
+        lines += ["## Per seed (same prompts and sampling seeds in both settings)", "",
+                  *paired_markdown(paired_summary(results, *study.paired), labels), ""]
+    lines += ["## Provenance", "",
               f"- commit `{prov['commit']}`" + (" (with uncommitted changes)" if prov["dirty"] else "")
               + " (this invocation)", "- runs trained at: " + _made_at(results["runs"]),
               f"- machine: {prov['machine']}",

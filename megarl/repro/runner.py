@@ -28,10 +28,12 @@ from megarl.repro.studies import Study
 
 # The per-step metrics kept for the report (metrics.jsonl has them all).
 KEPT = ("reward/mean", "batch_lag", "entropy", "loss", "clip_frac", "grad_norm", "mismatch/k3_kl",
-        "mismatch/abs_diff_mean", "response/length_mean", "policy_version", "sync/bytes_sent", "time/step_s")
+        "mismatch/abs_diff_mean", "response/length_mean", "policy_version", "sync/bytes_sent", "time/step_s",
+        # in-flight weight updates + partial rollouts (the `inflight` study): drops, per-token lags, spanning share
+        "partial/dropped_groups", "partial/carried_groups", "token_lag/max", "token_lag/mean",
+        "token_lag/spanning_share")
 # Must be present and finite at every step of every run.
 REQUIRED = ("reward/mean", "batch_lag", "entropy", "loss", "grad_norm", "policy_version")
-BASE_CONFIG = "configs/repro.yaml"
 
 
 class ReproError(RuntimeError):
@@ -56,9 +58,9 @@ class Plan:
 
 
 def plan_for(study: Study, smoke: bool = False, seeds: int | None = None, steps: int | None = None,
-             config: str = BASE_CONFIG, overrides: tuple[str, ...] = (), settings: list[str] | None = None) -> Plan:
+             config: str | None = None, overrides: tuple[str, ...] = (), settings: list[str] | None = None) -> Plan:
     """The runs of `study`: the full grid, or with `smoke` its smoke settings, 2 seeds and 3 steps;
-    `settings` picks settings by key."""
+    `settings` picks settings by key; `config`: the base job (default: the study's, `Study.config`)."""
     n_seeds = seeds if seeds is not None else (2 if smoke else len(study.seeds))
     if n_seeds < 1 or (steps is not None and steps < 1):
         raise ReproError("--seeds and --steps must be positive")
@@ -67,7 +69,7 @@ def plan_for(study: Study, smoke: bool = False, seeds: int | None = None, steps:
     if unknown:
         raise ReproError(f"study {study.name} has no setting {', '.join(unknown)}; it has: "
                          + ", ".join(s.key for s in study.settings))
-    return Plan(study, tuple(range(n_seeds)), steps or (3 if smoke else study.steps), keys, config,
+    return Plan(study, tuple(range(n_seeds)), steps or (3 if smoke else study.steps), keys, config or study.config,
                 tuple(overrides))
 
 
