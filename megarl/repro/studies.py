@@ -216,8 +216,9 @@ def _inflight() -> Study:
         source="issue 48 item 7 (AReaL's interruptible generation and partial rollouts, PipelineRL's in-flight "
                "updates); the demo job, configs/demo_moe.yaml",
         claim="The demo task trained with in-flight weight updates and partial rollouts (sync.inflight=true, KV "
-              "recomputed after each push, groups formed from the first to finish, tokens at most the schedule's "
-              "m + n - 1 = 2 versions old) reaches the reward of the same run without them: same schedule "
+              "recomputed after each push, batches formed from the finished groups of the lowest (home batch, "
+              "prompt), tokens at most the schedule's m + n - 1 = 2 versions old) reaches the reward of the same "
+              "run without them: same schedule "
               "(sync.interval 2, sync.offset 1), same steps, same seeds, the reward over the last steps not below "
               f"the baseline's by more than {INFLIGHT_TOLERANCE} (or two standard errors over the seeds).",
         settings=(
