@@ -83,14 +83,15 @@ def _overlaps(a, b) -> bool:
 
 
 SEQUENTIAL = PIPELINES[2]  # the pipelined run the sequential controller's run is compared with
-# in-flight weight updates + partial rollouts (sync.inflight, KV recompute): (m, n, steps), responses long enough
-# (96 to 128 tokens: rollout.min_new_tokens) that the fleet is still generating when a push lands;
-# a reward half the responses earn and a large step, so that every update moves the weights and a token's lag shows
-# in its log-prob
-INFLIGHT = (1, 1, 8)
+# in-flight weight updates + partial rollouts (sync.inflight, KV recompute): (m, n, steps), a push every step and a
+# bound of 2 versions, so that a response a push splits can still be trained; responses as long as the tiny model's
+# 128 positions allow (96 to 112 tokens: rollout.min_new_tokens), so that the fleet is often generating when a push
+# lands; a reward half the responses earn and a large step, so that every update moves the weights and
+# a token's lag shows in its log-prob
+INFLIGHT = (1, 2, 8)
 INFLIGHT_JOB = ["algorithm.name=gspo", "algorithm.decoupled.enabled=true", "sync.inflight=true",
                 "reward.name=tests.reward_fns:odd_word_count", "optimizer.lr=0.02",
-                "sync.inflight_kv=recompute", "rollout.max_new_tokens=128", "rollout.min_new_tokens=96",
+                "sync.inflight_kv=recompute", "rollout.max_new_tokens=112", "rollout.min_new_tokens=96",
                 "checkpoint.interval=4", "checkpoint.keep_last=2"]
 INFLIGHT_SAVED = 3  # the in-flight run's first checkpoint (after step 3), which a second run resumes
 EVALUATION = ["eval.interval=2", "eval.prompts=4", "eval.samples=2"]  # in SEQUENTIAL's pipelined run only
@@ -237,7 +238,7 @@ def test_inflight_pushes_and_partial_rollouts_keep_every_token_within_the_bound(
     dropped: list[tuple[int, int]] = []
     for r in records:
         assert r["batch/samples"] == 16 and len(r["partial/groups"]) == 4, r
-        assert 96 <= r["response/length_min"] <= r["response/length_max"] <= 128  # vLLM's min_tokens held
+        assert 96 <= r["response/length_min"] <= r["response/length_max"] <= 112  # vLLM's min_tokens held
         assert 0 <= r["batch_lag"] <= bound and r["token_lag/max"] <= bound, r
         total = sum(r[f"token_lag/tokens_lag{k}"] for k in range(bound + 1))
         assert total == pytest.approx(r["response/length_mean"] * 16)  # every response token has a lag in 0..bound
@@ -251,9 +252,12 @@ def test_inflight_pushes_and_partial_rollouts_keep_every_token_within_the_bound(
             assert r["mismatch/lag0/abs_diff_mean"] < 1e-4, r
     assert len(set(trained)) == len(trained) == 4 * steps and not set(trained) & set(dropped)
     assert records[-1]["partial/dropped_total"] == len(dropped)
-    spanning = [r["token_lag/spanning_share"] for r in records]
-    assert sum(spanning) > 0, spanning  # pushes landed mid-response, and those responses went on
-    assert any(r["mismatch/lag0/abs_diff_mean"] is not None and r["token_lag/spanning_share"] > 0 for r in records)
+    # over both in-flight runs (whether a push lands mid-response depends on the machine's timing: about half of
+    # them did in the runs of 2026-11-28): pushes landed mid-response and those responses went on, and some steps
+    # trained lag-0 tokens of such responses, which the check above held to fp32 numerics
+    both = records + _records(runs["inflight_resumed"][0])
+    assert sum(r["token_lag/spanning_share"] for r in both) > 0
+    assert any(r["mismatch/lag0/abs_diff_mean"] is not None and r["token_lag/spanning_share"] > 0 for r in both)
     # the weights did move: one update of staleness shows in the log-probs, far above the lag-0 numerics
     assert max(r["mismatch/lag1/abs_diff_mean"] or 0 for r in records) > 1e-3
 
