@@ -281,3 +281,4 @@ def test_a_checkpoint_carries_the_finished_groups_and_a_resumed_run_trains_them(
     assert not (set(trained) | dropped) & before  # nothing trained twice across the resume
     assert {g.key for g in carried.groups} <= set(trained) | dropped  # nothing carried is lost
     assert all(r["token_lag/max"] <= m + n - 1 for r in after)
+    assert all(r["mismatch/lag0/abs_diff_mean"] is None or r["mismatch/lag0/abs_diff_mean"] < 1e-4 for r in after)
