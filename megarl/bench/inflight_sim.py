@@ -22,9 +22,12 @@ The rules, for `S = SyncSchedule(m, n)`, K steps, R replicas, P prompts (groups 
   batch    step k takes complete, scored groups (`score_s` after the group's last response) in completion order.
            A group whose oldest token has version v is trained at lag k - v; if that exceeds `bound` it is dropped
            and counted, never trained. A group still generating whose oldest token could only be trained past the
-           bound is aborted (counted, its tokens wasted): when step k starts waiting (k - v > bound) and once
-           batch k is formed (k + 1 - v > bound). Then the trainer trains for `train(lengths of the batch's
-           responses)` seconds.
+           bound is, with `doomed='abort'` (the default), aborted (counted, its tokens wasted): when step k starts
+           waiting (k - v > bound) and once batch k is formed (k + 1 - v > bound). With `doomed='finish'` (what
+           `megarl.rollout.partial` implements) it is not: it generates to its end, holding its slot and its place
+           in the admission limit, and is dropped at the first take after it is scored (every scored group past
+           the bound is dropped then, as `GroupPool.drop_stale`). Then the trainer trains for `train(lengths of
+           the batch's responses)` seconds.
   control  `quiesce=True`, today's controller on the same engine: a push first waits until every admitted group
            is generated, the fleet admits only prompt batches < `S.generation_limit`, and batch k is prompt batch k.
 Pure Python, deterministic. `inflight_projection` turns it into the 30B projection next to the sequential
@@ -141,6 +144,7 @@ def simulate_inflight(
     recompute_per_token_s: float = 0.0,
     slowdown: Sequence[float] | None = None,
     quiesce: bool = False,
+    doomed: str = "abort",
 ) -> InflightResult:
     """K = `steps` trainer steps on `replicas` replicas with in-flight pushes and partial rollouts (module doc).
     `lengths(j)[i]`: the response lengths of prompt i of prompt batch j; `train`: seconds of a step given its
@@ -149,8 +153,9 @@ def simulate_inflight(
     admitted group is generated, and batch k is prompt batch k (its P groups, once all are scored)."""
     if steps < 1 or replicas < 1 or in_flight < 1:
         raise ValueError(f"need steps, replicas, in_flight >= 1, got {steps}, {replicas}, {in_flight}")
-    if admit not in ("groups", "sequences") or kv not in ("keep", "recompute"):
-        raise ValueError(f"admit {admit!r} (use 'groups' or 'sequences'), kv {kv!r} (use 'keep' or 'recompute')")
+    if admit not in ("groups", "sequences") or kv not in ("keep", "recompute") or doomed not in ("abort", "finish"):
+        raise ValueError(f"admit {admit!r} (use 'groups' or 'sequences'), kv {kv!r} (use 'keep' or 'recompute'), "
+                         f"doomed {doomed!r} (use 'abort' or 'finish')")
     bound = schedule.interval + schedule.offset - 1 if bound is None else bound
     if bound < 0:
         raise ValueError(f"the staleness bound must be >= 0, got {bound}")
@@ -304,6 +309,15 @@ def simulate_inflight(
                 ready = deque(x for x in ready if x[1] not in want)
                 form()
             elif state == "wait":
+                if doomed == "finish":  # `GroupPool.drop_stale`: every scored group past the bound, at the take
+                    kept: deque[tuple[float, int]] = deque()
+                    for item in ready:
+                        g = groups[item[1]]
+                        if item[0] <= t + _EPS and g.fate == "generating" and k - g.version > bound:
+                            abort(g, "dropped")
+                        else:
+                            kept.append(item)
+                    ready = kept
                 while ready and ready[0][0] <= t + _EPS and len(batch) < prompts:
                     g = groups[ready.popleft()[1]]
                     if g.fate != "generating":
@@ -340,8 +354,9 @@ def simulate_inflight(
         state = "train"
 
     def sweep(step: int) -> None:
-        """Abort the groups still generating that could only be trained at `step` or later, past the bound."""
-        if quiesce:
+        """Abort the groups still generating that could only be trained at `step` or later, past the bound (with
+        `doomed='abort'`)."""
+        if quiesce or doomed == "finish":
             return
         for g in groups:
             if g.fate == "generating" and g.done_at is None and step - g.version > bound:
@@ -476,11 +491,11 @@ def colocated_step(batch: Sequence[Sequence[int]], replicas: int = COLOCATED_REP
 
 def project_inflight(m: int, n: int, per_prompt: bool = False, admit: str = "sequences", kv: str = "keep",
                      steps: int = 64, bound: int | None = None, quiesce: bool = False,
-                     costs: EngineCosts = CLUSTER_COSTS) -> InflightResult:
+                     costs: EngineCosts = CLUSTER_COSTS, doomed: str = "abort") -> InflightResult:
     return simulate_inflight(
         SyncSchedule(m, n), steps, cluster.REPLICAS, _lengths(per_prompt), costs, cluster.train_seconds,
         cluster.PUSH_S, SCORE_GROUP_S, IN_FLIGHT, admit, bound, kv, cluster.PROMPT_TOKENS, RECOMPUTE_PER_TOKEN_S,
-        quiesce=quiesce)
+        quiesce=quiesce, doomed=doomed)
 
 
 def summarize(r: InflightResult, first: int, last: int, stream_mean: float) -> dict:
@@ -518,7 +533,8 @@ ROWS = (  # (controller, sync (m, n), admission, KV)
 )
 
 
-def inflight_projection(steps: int = 64, lengths: Sequence[str] = ("per-sample", "per-prompt")) -> dict:
+def inflight_projection(steps: int = 64, lengths: Sequence[str] = ("per-sample", "per-prompt"),
+                        doomed: str = "abort") -> dict:
     """The 30B projection: the sequential controller, today's best pipelined schedule (static shares,
     `pipeline_sim`), the colocated synchronous baseline on the same 64 GPUs, today's queue on the engine model
     (the control: pushes wait for the tail) and in-flight + partial rollouts, per schedule and admission policy;
@@ -541,9 +557,10 @@ def inflight_projection(steps: int = 64, lengths: Sequence[str] = ("per-sample",
         base["colocated_free_switch_step_s"] = base["colocated_step_s"] - base["colocated_parts_s"]["switch_s"]
         rows = []
         for controller, (m, n), admit, kv in ROWS:
-            r = project_inflight(m, n, per_prompt, admit, kv, steps, quiesce=controller == "queue")
+            r = project_inflight(m, n, per_prompt, admit, kv, steps, quiesce=controller == "queue", doomed=doomed)
             row = summarize(r, first, last, stream)
-            row.update({"controller": controller, "interval": m, "offset": n, "bound": m + n - 1, "admit": admit,
+            row.update({"controller": controller, "doomed": doomed, "interval": m, "offset": n, "bound": m + n - 1,
+                        "admit": admit,
                         "kv": kv, "vs_sequential": base["sequential_step_s"] / row["steady_step_s"],
                         "vs_colocated": base["colocated_step_s"] / row["steady_step_s"],
                         "vs_pipelined_8_1": base["pipelined_8_1_step_s"] / row["steady_step_s"]})
@@ -643,7 +660,7 @@ UNIT_STEP = EngineCosts(step_s=1.0, per_seq_s=0.0, prefill_per_seq_s=0.0)  # sec
 
 def bench_setting(windows: int = 4, window: int = 4, replicas: int = 2, prompts: int = 16, samples: int = 4,
                   long_share: float = 0.1, long_tokens: int = 256, short_tokens: int = 16,
-                  costs: EngineCosts = UNIT_STEP) -> dict:
+                  costs: EngineCosts = UNIT_STEP, doomed: str = "abort") -> dict:
     """`megarl bench longtail`'s task (the same batches: `longtail.long_prompts`), windows 1..`windows` of `window`
     batches on `replicas` replicas: static and queue per window as the bench runs them (`dispatch_sim`), and the
     same batches as one run with no trainer cost, pushes of no cost at each window (`sync (window, 0)`): today's
@@ -671,7 +688,7 @@ def bench_setting(windows: int = 4, window: int = 4, replicas: int = 2, prompts:
         (f"in-flight, sync ({window}, 1), bound {window}", 1, None, False),
     ):
         r = simulate_inflight(SyncSchedule(window, offset), steps, replicas, batch, costs, 0.0, 0.0, 0.0, flight,
-                              "groups", bound, quiesce=quiesce)
+                              "groups", bound, quiesce=quiesce, doomed=doomed)
         lo, hi = r.window(window, steps)
         runs.append({"run": name, "per_batch": (hi - lo) / (steps - window), "dropped": r.dropped,
                      "aborted": r.aborted, "replica_idle": r.replica_idle_fraction(window, steps),
