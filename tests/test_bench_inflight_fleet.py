@@ -8,6 +8,7 @@ import pytest
 from megarl.bench.inflight_fleet import (
     FleetBenchSpec,
     covered_s,
+    format_tables,
     length_accounting,
     replica_time,
     summarize_modes,
@@ -91,3 +92,4 @@ def test_modes_pair_their_rounds():
     assert out["ratio_per_round"] == pytest.approx([0.5, 0.75])
     assert out["inflight"]["step_wall_s"]["median"] == pytest.approx(2.0)
     assert out["ratio_of_medians"] == pytest.approx(2.0 / 3.0)
+    assert "per round 0.50, 0.75 (median 0.62)" in format_tables(FleetBenchSpec(), out)
