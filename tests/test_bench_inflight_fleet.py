@@ -84,7 +84,7 @@ def test_modes_pair_their_rounds():
         stats = {"responses": 2, "mean": 5.0, "long": 0}
         return {"mode": mode, "first_batch": first, "wall_per_batch_s": wall, "step_walls_s": [wall, wall],
                 "idle_share": 0.5, "wait_share": 0.1, "push_share": 0.1, "dropped_groups": 0,
-                "lengths": {"trained": stats, "sampled": stats}, "held_per_push": [], "max_token_lag": 1,
+                "lengths": {"trained": stats, "sampled": stats}, "held_per_push": [], "pushes": [], "max_token_lag": 1,
                 "responses_spanning": 0}
 
     out = summarize_modes([run("queue", 0, 2.0), run("inflight", 0, 1.0), run("inflight", 1000, 3.0),

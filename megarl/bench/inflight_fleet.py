@@ -209,6 +209,7 @@ def summarize_modes(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "sampled_responses": sum(s["responses"] for s in sampled),
             "sampled_long": sum(s["long"] for s in sampled),
             "sampled_mean_length": _weighted_mean(sampled),
+            "push_s": spread([p["seconds"] for r in rs for p in r["pushes"]]) if any(r["pushes"] for r in rs) else None,
             "held_requests_per_push": statistics.fmean(n for r in rs for n in r["held_per_push"])
             if any(r["held_per_push"] for r in rs) else 0.0,
             "max_token_lag": max(r["max_token_lag"] for r in rs),
@@ -231,8 +232,8 @@ def _weighted_mean(stats: list[dict[str, Any]]) -> float | None:
 def format_tables(spec: FleetBenchSpec, summary: dict[str, Any]) -> str:
     lines = [
         "| mode | step wall median (p10-p90) s | wall per batch, runs' means (s) | replica idle | trainer wait | "
-        "push | requests held per push | dropped groups | trained responses: long / all (mean length) | "
-        "sampled: long / all (mean length) | max token lag |",
+        "push (share; median s) | requests held per push | dropped groups | trained responses: long / all (mean "
+        "length) | sampled: long / all (mean length) | max token lag |",
         "|---|---|---|---:|---:|---:|---:|---:|---|---|---:|",
     ]
     for mode in MODES:
@@ -243,7 +244,8 @@ def format_tables(spec: FleetBenchSpec, summary: dict[str, Any]) -> str:
         lines.append(
             f"| {mode} | {w['median']:.2f} ({w['p10']:.2f}-{w['p90']:.2f}) | "
             f"{', '.join(f'{x:.2f}' for x in m['wall_per_batch_s'])} | {m['idle_share']:.0%} | {m['wait_share']:.0%} | "
-            f"{m['push_share']:.0%} | {m['held_requests_per_push']:.1f} | {m['dropped_groups']} | "
+            f"{m['push_share']:.0%}; {m['push_s']['median'] if m['push_s'] else 0:.2f} | "
+            f"{m['held_requests_per_push']:.1f} | {m['dropped_groups']} | "
             f"{m['trained_long']} / {m['trained_responses']} ({m['trained_mean_length']:.1f}) | "
             f"{m['sampled_long']} / {m['sampled_responses']} ({m['sampled_mean_length']:.1f}) | "
             f"{m['max_token_lag']} |")
@@ -295,14 +297,15 @@ class _Pusher:
                                           bucket_bytes=int(SyncConfig().bucket_mb * 2**20), timeout_s=300,
                                           inflight=True, inflight_kv=kv)  # type: ignore[arg-type]
 
-    def push(self, version: int, inflight: bool) -> int:
-        """Push the weights as `version`, pausing in keep mode (`inflight`) or wait mode; the requests the pause
-        held part-way (0 in wait mode)."""
+    def push(self, version: int, inflight: bool) -> dict[str, Any]:
+        """Push the weights as `version`, pausing in keep mode (`inflight`) or wait mode: the requests the pause held
+        part-way (0 in wait mode) and the push's phases (`SyncStats.phases`, seconds)."""
         fleet = self.sync.fleet
         assert fleet is not None
         fleet.inflight = inflight
-        self.sync.push(self.slices, version)
-        return sum(1 for counts in fleet.held.values() for n in counts.values() if n > 0)
+        stats = self.sync.push(self.slices, version)
+        return {"held": sum(1 for counts in fleet.held.values() for n in counts.values() if n > 0),
+                "seconds": stats.seconds, **{k: v for k, v in stats.phases.items() if k.endswith("_s")}}
 
     def close(self) -> None:
         import torch.distributed as dist
@@ -350,7 +353,7 @@ def run_mode(spec: FleetBenchSpec, mode: str, first: int, urls: list[str], pushe
     ends: list[float] = []
     trained: list[list[int]] = []
     dropped: list[tuple[int, int, int, int]] = []
-    held: list[int] = []
+    pushes: list[dict[str, Any]] = []
     keys: set[tuple[int, int]] = set()
     max_lag, spanning, last_before = 0, 0, None
     try:
@@ -360,7 +363,7 @@ def run_mode(spec: FleetBenchSpec, mode: str, first: int, urls: list[str], pushe
                 with timeline.span("trainer", "wait", f"push point {before}"):
                     worker.before_push(before)
                 with timeline.span("push", "push", f"v{step}"):
-                    held.append(pusher.push(step, inflight))
+                    pushes.append(pusher.push(step, inflight))
                 worker.pushed(before)
                 last_before = before
             batch = worker.take(step)
@@ -399,8 +402,8 @@ def run_mode(spec: FleetBenchSpec, mode: str, first: int, urls: list[str], pushe
     if max_lag > bound:
         raise RuntimeError(f"{mode}: a trained token lagged {max_lag} versions, past the bound {bound}")
     return summarize_run(spec, mode, first, t0, ends, timeline.spans(), len(urls), trained, dropped,
-                         {"held_per_push": held, "max_token_lag": max_lag, "responses_spanning": spanning,
-                          "bound": bound, "groups": accounted})
+                         {"held_per_push": [p["held"] for p in pushes], "pushes": pushes, "max_token_lag": max_lag,
+                          "responses_spanning": spanning, "bound": bound, "groups": accounted})
 
 
 def measure(spec: FleetBenchSpec, urls: list[str], hf_dir: Path, rounds: int) -> list[dict[str, Any]]:
