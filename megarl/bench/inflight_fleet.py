@@ -393,6 +393,9 @@ def run_mode(spec: FleetBenchSpec, mode: str, first: int, urls: list[str], pushe
             worker.quiesce(min(schedule.generation_limit(last_before), end))
             pooled = len(worker.pending()) * spec.prompts  # generated ahead, not trained
             keys = {(j, i) for j in range(spec.steps) for i in range(spec.prompts)}
+        if lost := worker.lost():  # a replica that stopped answering: the two modes no longer share a fleet
+            raise RuntimeError(f"{mode} (batches from {first}): replica(s) lost during the run, the measurement is "
+                               f"void: {lost}")
         # every group the clients were asked for is trained (once), dropped, or finished and not taken yet
         accounted = {"started": sent[0], "trained": len(keys), "dropped": len(worker.dropped), "left": pooled}
         if sent[0] != len(keys) + len(worker.dropped) + pooled:
@@ -491,4 +494,10 @@ def _on_fleet(spec: FleetBenchSpec, replicas: int, rounds: int, work_dir: Path) 
     print(f"starting {replicas} vLLM CPU replicas of the tiny MoE ...", flush=True)
     with launch(FleetSpec(model_dir=model, tp=1, replicas=replicas, log_dir=work_dir)) as fleet:
         os.environ[SECRET_ENV] = str(fleet.secret_file)  # the clients send the fleet's secret
-        return measure(spec, fleet.urls, model, rounds)
+        try:
+            return measure(spec, fleet.urls, model, rounds)
+        except BaseException:  # the replicas' logs live in the temporary directory: show their ends before it goes
+            for log in sorted(work_dir.glob("vllm_replica*.log")):
+                tail = log.read_text(errors="replace").splitlines()[-80:]
+                print(f"---- the last lines of {log.name} ----", *tail, sep="\n", file=sys.stderr)
+            raise
