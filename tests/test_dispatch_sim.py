@@ -110,6 +110,23 @@ def test_inflight_by_hand_a_group_past_the_bound_is_aborted():
     assert r.groups[0].fate == "aborted" and r.groups[3].replica == 0
 
 
+def test_inflight_by_hand_doomed_finish_generates_the_group_to_its_end_then_drops_it():
+    # the case above under the implemented rule (`doomed='finish'`, megarl.rollout.partial): g0 (10 tokens, v0) is
+    # not aborted when batch 1 = g2 forms at 10 (trains 10-14); it goes on to its end at 11 (6 tokens at v0 before
+    # the push 6-7, 4 after), holding r0 and its place in the limit ((1 + 2) x 1: nothing more is admitted at v1).
+    # Step 2: push 14-15; at 15 the take drops g0 (scored at 11, lag 2 > 1), so v2's limit (2 + 2) x 1 + 1 dropped
+    # admits g3 on r0 and g4 on r1, both 15-18; batch 2 = g3 (finished first: replica order) trains 18-22, step 3
+    # (no push) trains g4 22-26. The abort rule's run ends at 23, this one at 26.
+    r = _run(SyncSchedule(1, 1), 4, [10, 2, 3, 3, 3, 3], 4.0, 1.0, doomed="finish")
+    assert [s.groups for s in r.steps] == [(1,), (2,), (3,), (4,)]
+    assert [s.end for s in r.steps] == pytest.approx([6, 14, 22, 26])
+    assert (r.dropped, r.aborted, r.wasted_tokens) == (1, 0, pytest.approx(10.0))
+    assert r.groups[0].fate == "dropped" and r.groups[0].done_at == pytest.approx(11.0)
+    assert [g.replica for g in r.groups[3:]] == [0, 1] and r.pushes == [(6, 7), (14, 15)]
+    with pytest.raises(ValueError, match="doomed"):
+        _run(SyncSchedule(1, 1), 4, [2, 2], 4.0, 1.0, doomed="keep")
+
+
 def test_inflight_by_hand_a_complete_group_past_the_bound_is_dropped():
     # sync (1, 2), bound 2, train 10 s, push 1 s. v0 may admit 3 groups: g0 (15 tokens) on r0, g1 (1) on r1, then g2
     # (1) on r1 at t = 1. Batch 0 = g1 at 1, trains 1-11. Step 1: push 11-12 (g0 has 11 tokens), g3 (v1) on r1

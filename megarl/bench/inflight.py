@@ -3,7 +3,8 @@
 `megarl.bench.inflight_sim` simulates a push that does not wait for the tail: every replica pauses for the push
 (requests stay in the engine), generates on with the new version, unfinished groups join a later batch; a batch
 is formed from complete groups, and a group whose oldest token would be trained past the staleness bound
-(default m + n - 1) is dropped or aborted and counted. Same engine model and constants as `megarl bench
+(default m + n - 1) is dropped or aborted and counted (`--doomed finish`: never aborted, as the implementation:
+generated to its end, then dropped). Same engine model and constants as `megarl bench
 pipeline`'s and `megarl bench longtail`'s projections (`megarl.bench.pipeline_sim`, `megarl.bench.dispatch_sim`).
 
 Prints, per length model (per-sample, per-prompt):
@@ -35,6 +36,10 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--lengths", nargs="+", choices=("per-sample", "per-prompt"), default=["per-sample", "per-prompt"],
                    help="response-length models (dispatch_sim.guru_lengths)")
     p.add_argument("--bench-windows", type=int, default=16, help="windows of the longtail bench's setting")
+    p.add_argument("--doomed", choices=("abort", "finish"), default="abort",
+                   help="a group still generating that can only be trained past the bound: aborted at once (abort, "
+                        "the default) or generated to its end and dropped at the next take (finish: what "
+                        "megarl.rollout.partial implements)")
     p.add_argument("--out", type=Path, default=Path("docs/figures/bench_inflight.json"), help="JSON output")
     return p
 
@@ -46,11 +51,11 @@ def run(args: argparse.Namespace) -> int:
         print("megarl bench inflight: --steps must be >= 8 and --bench-windows >= 1", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
-    projection = inflight_projection(args.steps, tuple(args.lengths))
+    projection = inflight_projection(args.steps, tuple(args.lengths), args.doomed)
     print(f"30B projection ({args.steps} steps a run, steady steps {projection['steady_steps']}, "
           f"{time.perf_counter() - t0:.0f} s):")
     print(projection_markdown(projection))
-    bench = bench_setting(windows=args.bench_windows)
+    bench = bench_setting(windows=args.bench_windows, doomed=args.doomed)
     print("\nmegarl bench longtail's setting (2 replicas, 16 prompts x 4, 10% to 256 tokens, else 16; one decode step "
           f"a second, no per-sequence cost; no trainer or push cost; windows 1..{args.bench_windows} of 4 batches):")
     print(bench_markdown(bench))

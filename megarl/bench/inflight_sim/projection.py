@@ -36,11 +36,11 @@ def _lengths(per_prompt: bool) -> Callable[[int], list[list[int]]]:
 
 def project_inflight(m: int, n: int, per_prompt: bool = False, admit: str = "sequences", kv: str = "keep",
                      steps: int = 64, bound: int | None = None, quiesce: bool = False,
-                     costs: EngineCosts = CLUSTER_COSTS) -> InflightResult:
+                     costs: EngineCosts = CLUSTER_COSTS, doomed: str = "abort") -> InflightResult:
     return simulate_inflight(
         SyncSchedule(m, n), steps, cluster.REPLICAS, _lengths(per_prompt), costs, cluster.train_seconds,
         cluster.PUSH_S, SCORE_GROUP_S, IN_FLIGHT, admit, bound, kv, cluster.PROMPT_TOKENS, RECOMPUTE_PER_TOKEN_S,
-        quiesce=quiesce)
+        quiesce=quiesce, doomed=doomed)
 
 
 def summarize(r: InflightResult, first: int, last: int, stream_mean: float) -> dict:
@@ -78,7 +78,8 @@ ROWS = (  # (controller, sync (m, n), admission, KV)
 )
 
 
-def inflight_projection(steps: int = 64, lengths: Sequence[str] = ("per-sample", "per-prompt")) -> dict:
+def inflight_projection(steps: int = 64, lengths: Sequence[str] = ("per-sample", "per-prompt"),
+                        doomed: str = "abort") -> dict:
     """The 30B projection: the sequential controller, today's best pipelined schedule (static shares,
     `pipeline_sim`), the colocated synchronous baseline on the same 64 GPUs, today's queue on the engine model
     (the control: pushes wait for the tail) and in-flight + partial rollouts, per schedule and admission policy;
@@ -101,9 +102,10 @@ def inflight_projection(steps: int = 64, lengths: Sequence[str] = ("per-sample",
         base["colocated_free_switch_step_s"] = base["colocated_step_s"] - base["colocated_parts_s"]["switch_s"]
         rows = []
         for controller, (m, n), admit, kv in ROWS:
-            r = project_inflight(m, n, per_prompt, admit, kv, steps, quiesce=controller == "queue")
+            r = project_inflight(m, n, per_prompt, admit, kv, steps, quiesce=controller == "queue", doomed=doomed)
             row = summarize(r, first, last, stream)
-            row.update({"controller": controller, "interval": m, "offset": n, "bound": m + n - 1, "admit": admit,
+            row.update({"controller": controller, "doomed": doomed, "interval": m, "offset": n, "bound": m + n - 1,
+                        "admit": admit,
                         "kv": kv, "vs_sequential": base["sequential_step_s"] / row["steady_step_s"],
                         "vs_colocated": base["colocated_step_s"] / row["steady_step_s"],
                         "vs_pipelined_8_1": base["pipelined_8_1_step_s"] / row["steady_step_s"]})

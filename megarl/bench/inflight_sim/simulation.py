@@ -24,9 +24,12 @@ The rules, for `S = SyncSchedule(m, n)`, K steps, R replicas, P prompts (groups 
   batch    step k takes complete, scored groups (`score_s` after the group's last response) in completion order.
            A group whose oldest token has version v is trained at lag k - v; if that exceeds `bound` it is dropped
            and counted, never trained. A group still generating whose oldest token could only be trained past the
-           bound is aborted (counted, its tokens wasted): when step k starts waiting (k - v > bound) and once
-           batch k is formed (k + 1 - v > bound). Then the trainer trains for `train(lengths of the batch's
-           responses)` seconds.
+           bound is, with `doomed='abort'` (the default), aborted (counted, its tokens wasted): when step k starts
+           waiting (k - v > bound) and once batch k is formed (k + 1 - v > bound). With `doomed='finish'` (what
+           `megarl.rollout.partial` implements) it is not: it generates to its end, holding its slot and its place
+           in the admission limit, and is dropped at the first take after it is scored (every scored group past
+           the bound is dropped then, as `GroupPool.drop_stale`). Then the trainer trains for `train(lengths of
+           the batch's responses)` seconds.
   control  `quiesce=True`, today's controller on the same engine: a push first waits until every admitted group
            is generated, the fleet admits only prompt batches < `S.generation_limit`, and batch k is prompt batch k.
 Pure Python, deterministic. `megarl.bench.inflight_sim.projection` turns it into the 30B projection,
@@ -141,6 +144,7 @@ def simulate_inflight(
     recompute_per_token_s: float = 0.0,
     slowdown: Sequence[float] | None = None,
     quiesce: bool = False,
+    doomed: str = "abort",
 ) -> InflightResult:
     """K = `steps` trainer steps on `replicas` replicas with in-flight pushes and partial rollouts (module doc).
     `lengths(j)[i]`: the response lengths of prompt i of prompt batch j; `train`: seconds of a step given its
@@ -149,8 +153,9 @@ def simulate_inflight(
     admitted group is generated, and batch k is prompt batch k (its P groups, once all are scored)."""
     if steps < 1 or replicas < 1 or in_flight < 1:
         raise ValueError(f"need steps, replicas, in_flight >= 1, got {steps}, {replicas}, {in_flight}")
-    if admit not in ("groups", "sequences") or kv not in ("keep", "recompute"):
-        raise ValueError(f"admit {admit!r} (use 'groups' or 'sequences'), kv {kv!r} (use 'keep' or 'recompute')")
+    if admit not in ("groups", "sequences") or kv not in ("keep", "recompute") or doomed not in ("abort", "finish"):
+        raise ValueError(f"admit {admit!r} (use 'groups' or 'sequences'), kv {kv!r} (use 'keep' or 'recompute'), "
+                         f"doomed {doomed!r} (use 'abort' or 'finish')")
     bound = schedule.interval + schedule.offset - 1 if bound is None else bound
     if bound < 0:
         raise ValueError(f"the staleness bound must be >= 0, got {bound}")
@@ -304,6 +309,15 @@ def simulate_inflight(
                 ready = deque(x for x in ready if x[1] not in want)
                 form()
             elif state == "wait":
+                if doomed == "finish":  # `GroupPool.drop_stale`: every scored group past the bound, at the take
+                    kept: deque[tuple[float, int]] = deque()
+                    for item in ready:
+                        g = groups[item[1]]
+                        if item[0] <= t + _EPS and g.fate == "generating" and k - g.version > bound:
+                            abort(g, "dropped")
+                        else:
+                            kept.append(item)
+                    ready = kept
                 while ready and ready[0][0] <= t + _EPS and len(batch) < prompts:
                     g = groups[ready.popleft()[1]]
                     if g.fate != "generating":
@@ -340,8 +354,9 @@ def simulate_inflight(
         state = "train"
 
     def sweep(step: int) -> None:
-        """Abort the groups still generating that could only be trained at `step` or later, past the bound."""
-        if quiesce:
+        """Abort the groups still generating that could only be trained at `step` or later, past the bound (with
+        `doomed='abort'`)."""
+        if quiesce or doomed == "finish":
             return
         for g in groups:
             if g.fate == "generating" and g.done_at is None and step - g.version > bound:

@@ -1,0 +1,95 @@
+"""`megarl bench inflight-fleet`'s bookkeeping (`megarl.bench.inflight_fleet`) against hand-computed cases: the
+replicas' idle share with pushes overlapping requests in flight, the trainer's shares, the length accounting of
+trained vs sampled vs dropped responses, one run's steady window and drops, and the paired ratio. Pure: no fleet
+(the bench itself runs on the real one)."""
+
+import pytest
+
+from megarl.bench.inflight_fleet import (
+    FleetBenchSpec,
+    covered_s,
+    format_tables,
+    length_accounting,
+    replica_time,
+    summarize_modes,
+    summarize_run,
+    trainer_time,
+)
+from megarl.bench.longtail import long_prompts
+from megarl.metrics.timeline import Span
+
+
+def test_covered_seconds_by_hand():
+    # [1, 4) u [3, 6) u [8, 12) inside [0, 10): 5 + 2
+    assert covered_s([(3, 6), (1, 4), (8, 12)], 0, 10) == pytest.approx(7.0)
+    assert covered_s([(-5, -1), (10, 11)], 0, 10) == 0.0
+
+
+def test_replica_idle_counts_a_push_as_idle_even_with_requests_held():
+    # window [0, 10). Replica 0 has requests in flight over [1, 6) and [8, 12) (two overlapping loops at [3, 4));
+    # a push pauses every replica over [5, 7). Replica 0 decodes over [1, 5) and [8, 10): 6 s; paused 2 s; nothing in
+    # flight and no push over [0, 1) and [7, 8): 2 s; idle share 4 / 10. Replica 1 never has a request: decodes 0 s,
+    # paused 2 s, empty 8 s, idle share 1.
+    spans = [Span("replica 0", "generate", 1, 4), Span("replica 0", "generate", 3, 6),
+             Span("replica 0", "generate", 8, 12), Span("push", "push", 5, 7), Span("trainer", "wait", 0, 1)]
+    r0, r1 = replica_time(spans, 0.0, 10.0, 2)
+    assert (r0["decoding_s"], r0["paused_s"], r0["empty_s"], r0["idle_share"]) == pytest.approx((6, 2, 2, 0.4))
+    assert (r1["decoding_s"], r1["paused_s"], r1["empty_s"], r1["idle_share"]) == pytest.approx((0, 2, 8, 1.0))
+
+
+def test_trainer_shares_by_hand():
+    # [0, 10): waits [0, 2) (for a batch) and [4, 5) (for the fleet before a push), pushes [5, 6), trains [6, 10);
+    # a replica's "wait"-kind span on another lane is not the trainer's
+    spans = [Span("trainer", "wait", 0, 2), Span("trainer", "wait", 4, 5), Span("push", "push", 5, 6),
+             Span("trainer", "train", 6, 10), Span("replica 0", "wait", 2, 4)]
+    assert trainer_time(spans, 0.0, 10.0) == pytest.approx({"wait_share": 0.3, "push_share": 0.1,
+                                                            "train_share": 0.4})
+
+
+def test_length_accounting_by_hand():
+    # sampled: two short (16) and two long (256) responses, mean 136; trained: three short and one long, mean 76,
+    # bias 76 / 136 - 1; one dropped long group of one response
+    out = length_accounting([16, 256, 16, 256], [16, 16, 256, 16], [256], 256)
+    assert (out["sampled"]["responses"], out["sampled"]["long"], out["sampled"]["mean"]) == (4, 2, 136.0)
+    assert (out["trained"]["responses"], out["trained"]["long"], out["trained"]["mean"]) == (4, 1, 76.0)
+    assert (out["dropped"]["responses"], out["dropped"]["long"]) == (1, 1)
+    assert out["bias"] == pytest.approx(76 / 136 - 1)
+
+
+def test_one_runs_steady_window_walls_drops_and_lengths_by_hand():
+    # 3 steps, the first left out: the window runs from step 0's end (2) to step 2's end (7), 2 batches, 2.5 s a
+    # batch; step walls 2 (step 1: 2 -> 4) and 3. Prompts: 2 x 1 sample; long share 0.5 (which prompts are long is
+    # the bench's fixed draw, read here from `long_prompts` to know each one's set length). Drops: (step 0, home 0,
+    # prompt 1) is before the window; (step 2, home 1, prompt 0) counts, with home batch 1's prompt 0's set length.
+    spec = FleetBenchSpec(prompts=2, samples=1, steps=3, skip=1, long_share=0.5, long_tokens=100, short_tokens=10)
+    first = 5
+    length = {(j, i): 100 if long else 10 for j in range(first, first + 3)
+              for i, long in enumerate(long_prompts(j, 2, 0.5))}
+    spans = [Span("replica 0", "generate", 1, 6), Span("push", "push", 3, 4)]
+    trained = [[999], [10, 10], [10, 100]]
+    run = summarize_run(spec, "inflight", first, 0.0, [2.0, 4.0, 7.0], spans, 1, trained,
+                        [(0, 0, 1, 2), (2, 1, 0, 2)], {})
+    assert run["wall_per_batch_s"] == pytest.approx(2.5) and run["step_walls_s"] == pytest.approx([2.0, 3.0])
+    # replica 0 decodes [2, 3) and [4, 6) of [2, 7): 3 s, idle share 2 / 5
+    assert run["idle_share"] == pytest.approx(0.4)
+    assert (run["dropped_groups"], run["dropped_total"]) == (1, 2)
+    assert run["lengths"]["dropped"]["mean"] == length[(first + 1, 0)]
+    sampled = [length[(first + j, i)] for j in (1, 2) for i in (0, 1)]
+    assert run["lengths"]["sampled"]["mean"] == pytest.approx(sum(sampled) / 4)
+    assert run["lengths"]["trained"]["mean"] == pytest.approx(130 / 4)  # step 0's batch is outside the window
+
+
+def test_modes_pair_their_rounds():
+    def run(mode, first, wall):
+        stats = {"responses": 2, "mean": 5.0, "long": 0}
+        return {"mode": mode, "first_batch": first, "wall_per_batch_s": wall, "step_walls_s": [wall, wall],
+                "idle_share": 0.5, "wait_share": 0.1, "push_share": 0.1, "dropped_groups": 0,
+                "lengths": {"trained": stats, "sampled": stats}, "held_per_push": [], "pushes": [], "max_token_lag": 1,
+                "responses_spanning": 0}
+
+    out = summarize_modes([run("queue", 0, 2.0), run("inflight", 0, 1.0), run("inflight", 1000, 3.0),
+                           run("queue", 1000, 4.0)])
+    assert out["ratio_per_round"] == pytest.approx([0.5, 0.75])
+    assert out["inflight"]["step_wall_s"]["median"] == pytest.approx(2.0)
+    assert out["ratio_of_medians"] == pytest.approx(2.0 / 3.0)
+    assert "per round 0.50, 0.75 (median 0.62)" in format_tables(FleetBenchSpec(), out)
