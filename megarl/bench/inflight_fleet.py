@@ -317,11 +317,11 @@ class _Pusher:
 def run_mode(spec: FleetBenchSpec, mode: str, first: int, urls: list[str], pusher: _Pusher,
              steps: int | None = None) -> dict[str, Any]:
     """One run of `mode` on batches `first`.. (`steps` overrides spec.steps: the warm-up)."""
+    from megarl.config.schema import chunks_in_flight
     from megarl.data.problem import Problem
     from megarl.metrics.timeline import Timeline
     from megarl.rewards.pool import RewardPool
     from megarl.rewards.scoring import BatchScorer
-    from megarl.rollout.task import chunks_in_flight
     from megarl.rollout.worker import PartialRollouts, RolloutWorker
     from megarl.sync.schedule import SyncSchedule
 
