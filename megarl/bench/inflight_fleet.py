@@ -19,7 +19,8 @@ Two modes, the only difference the switch `sync.inflight` makes in `megarl train
             in vLLM's wait mode; batch l is home batch l.
   inflight  `sync.inflight`: the worker's partial mode (`PartialRollouts(P, bound)`, bound `--bound`, by default the
             schedule's m + n - 1) and the push pauses each replica in vLLM's keep mode with its requests held, KV
-            `--kv` (`sync.inflight_kv`); batch l is the first P groups to finish within the bound, stale ones dropped.
+            `--kv` (`sync.inflight_kv`); batch l is the P finished groups of the lowest (home batch, prompt)
+            within the bound, stale ones dropped.
 
 The weights pushed are the checkpoint's own, relabelled with each version (a full push every time: every byte
 moves and is loaded; what the weights are does not change the lengths, which are set). Each run starts with a push
