@@ -60,6 +60,7 @@ each carrying the `TokenVersions` read here to the trainer (`RolloutBatch.token_
 from __future__ import annotations
 
 import re
+import uuid
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
@@ -71,6 +72,20 @@ InflightKV = Literal["keep", "recompute"]
 # it `generate-tokens-R` (the external id), `InputProcessor.assign_request_id` appends `-` and 8 random characters,
 # and with n > 1 `ParentRequest.get_child_info` prefixes each child with its index and `_`.
 _ENGINE_ID = re.compile(r"^(?:(?P<index>\d+)_)?generate-tokens-(?P<rid>.+)-[^-]{8}$")
+_GROUP_ID = re.compile(r"^megarl-b(?P<batch>\d+)-p(?P<prompt>\d+)-[0-9a-f]{8}$")
+
+
+def group_request_id(batch: int, prompt: int) -> str:
+    """The `request_id` the rollout worker sends prompt `prompt` of (home) batch `batch` with: the group it is, and
+    8 random hex digits (a group generated again, e.g. after its replica was lost, is another request). An engine's
+    counts at a pause (`held_counts`) and its log name the groups so (`group_of_request`)."""
+    return f"megarl-b{batch}-p{prompt}-{uuid.uuid4().hex[:8]}"
+
+
+def group_of_request(request_id: str) -> tuple[int, int] | None:
+    """`(batch, prompt)` of a `group_request_id`; None for another id."""
+    match = _GROUP_ID.match(request_id)
+    return None if match is None else (int(match["batch"]), int(match["prompt"]))
 
 
 def version_salt(version: int) -> str:
