@@ -21,9 +21,10 @@ Checked from outside, per cell: the engine held requests of named groups at the 
 step (the job returned); the push at the fault served replica 0 alone and later steps ran on one replica; every
 group the replica held was trained exactly once (`partial/groups` in metrics.jsonl) or dropped and counted, no group
 was trained twice, every started group is accounted for at every step, and `fleet/requeued_groups` counts at least
-the held groups; M: the aborted calls were answered (replica 1's own access log: the `/pause?mode=abort` and a 200
-for at least every held request, no `/resume` after the fault), replica 1 is paused afterwards, and what the
-trainer said names the replica and the abort; K: no process of replica 1's group is left.
+the held groups; M: the engine finished every held response as aborted (its own `vllm:request_success_total`
+counter), the calls were answered (replica 1's access log: the `/pause?mode=abort` and a 200 for at least every held
+request, no `/resume` after the fault), and replica 1 is paused afterwards: it computed no token with its half-loaded
+weights; K: no process of replica 1's group is left.
 
 Marked `kills_session_fleet("moe_fleet_2x1")`: it runs after every other test of the session, and a later user of
 the fleet gets replica 1 restarted (tests/fleet_fixture.py)."""
@@ -214,7 +215,7 @@ def test_a_replica_failing_while_it_holds_requests_loses_no_group(moe_fleet_2x1,
         assert all(set(r["sync/served_versions"]) == {"0", "1"} for r in records[:step]), (name, records[:step])
         hit = records[step]
         assert hit["sync/versions"] == [step] and hit["sync/served_versions"] == {"0": str(step)}, (name, hit)
-        assert hit["time/push_s"] < PUSH_S, (name, hit["time/push_s"])
+        assert hit["sync/seconds"] < PUSH_S, (name, hit["sync/seconds"])
         assert all(r["fleet/replicas_in_sync"] == 1 for r in records[step:]), name
         assert all(r["fleet/replicas"] == 1 for r in records[step + 1:]), name
         # nothing lost, nothing trained twice; the held groups generated again and trained
@@ -224,7 +225,7 @@ def test_a_replica_failing_while_it_holds_requests_loses_no_group(moe_fleet_2x1,
         assert requeued >= len(held), (name, requeued, held)
         report.append(f"{name}: push at step {step} (attempt {cell['attempt'] + 1}); replica 1 held "
                       f"{len(cell['held'])} responses of groups {sorted(held)} -> trained at steps {where}; "
-                      f"requeued {requeued}; push {hit['time/push_s']:.1f} s")
+                      f"requeued {requeued}; push {hit['sync/seconds']:.1f} s")
     m = cells.cells["M"]
     # M: the load failed in replica 1's own worker (not the trainer); the held requests' calls were answered after an
     # abort (replica 1's access log), it was never resumed and stays paused: no token from its half-loaded model
@@ -235,10 +236,13 @@ def test_a_replica_failing_while_it_holds_requests_loses_no_group(moe_fleet_2x1,
     answered = log.count('"POST /inference/v1/generate HTTP/1.1" 200')
     assert answered >= len({rid for rid, _ in m["held"]}), (answered, m["held"], log[-3000:])
     assert m["paused"] is True
-    assert "given up like a replica that died" in said and "the replica dropped its requests" in said, said[-3000:]
+    # what the trainer said (its ranks' stderr reaches this test's capture only where their forkserver started
+    # under it, so it is shown, not asserted)
+    lines = [ln for ln in said.splitlines() if "given up like a replica that died" in ln
+             or "the replica dropped its requests" in ln]
     # K: the killed server's whole group is gone
     k = cells.cells["K"]
     assert not process_group_members(k["server"])
     print("\n".join(report) + f"\nM: the engine aborted {m['aborted']:.0f} responses, {answered} generate calls "
           f"answered 200; K: replica 1's group gone "
-          f"{k['gone_s']:.1f} s after the kill; both jobs: {wall:.0f} s")
+          f"{k['gone_s']:.1f} s after the kill; both jobs: {wall:.0f} s; the trainer said: {lines}")

@@ -52,6 +52,21 @@ submitted for (`RolloutClient.generate(cache_salt=version_salt(v))`, vLLM's `cac
 and so into every block of the request): a request submitted for version v only ever reuses blocks of requests
 submitted for v. vLLM's CPU backend honours the salt (checked by the test through its prefix-cache hit counter).
 
+When a replica fails with requests held (the fault cells, tests/test_fault_inflight.py). A replica that dies while
+it is paused (its server or engine killed) drops its requests: their calls fail as a lost replica's, the rollout
+worker gives their chunks back to the queue (`fleet/requeued_groups`) and the push goes on to the others, as for
+any replica that dies during a push. A push whose loaders fail part-way on a replica ("mixed": some parameters new,
+some old) must not let the requests it holds go on with those weights: `FleetLifecycle` then aborts every request
+in its engine (`POST /pause?mode=abort&clear_cache=false` on the paused replica: each generate call answers at once,
+200, its choices' `finish_reason` "abort" with the tokens they had), leaves it paused, condemns it (its launcher
+restarts it, which repairs it; it rejoins with a full push) and reports it as a replica that died, so the push goes
+on to the others while `rollout.min_replicas` are left (without in-flight updates such a push fails the run,
+docs/sync.md). The rollout worker treats a chunk with an aborted choice as not generated: it is given back to the
+queue and counted like a lost replica's, never pooled, and the replica takes no more chunks; its groups are
+generated again from their seeds on the others. A replica that refused an update before touching its model resumes
+with its previous weights (its held requests go on under them, each token labelled with the version that made it)
+and the push fails the run as without in-flight updates.
+
 In `megarl train`: with `sync.inflight` the rollout worker runs partial rollouts (`megarl.rollout.partial`): it does
 not quiesce before a push, so the push lands while requests generate, and batches are formed from finished groups,
 each carrying the `TokenVersions` read here to the trainer (`RolloutBatch.token_versions`).

@@ -48,7 +48,9 @@ keep generating while it lands (each replica pauses in vLLM's keep mode with its
 as soon as it is in, its groups join a pool, and `take(l)` forms batch l from the P pooled groups of the lowest
 (home batch, prompt), after dropping and counting the ones past the staleness bound. The window counts groups
 (`megarl.rollout.partial.admission_limit`). Each request is salted with the version the fleet held when it was sent
-(vLLM's `cache_salt`, `megarl.rollout.inflight.version_salt`). A checkpoint (`quiesce`, then `pending`) lets every
+(vLLM's `cache_salt`, `megarl.rollout.inflight.version_salt`). A chunk with an aborted choice (a replica given up
+at a push that failed part-way on it, `megarl.rollout.inflight`) is not generated: it is given back and counted like
+a lost replica's, never pooled. A checkpoint (`quiesce`, then `pending`) lets every
 started group finish, starts no new home batch meanwhile, and saves the pooled groups (`CarriedGroups`); a resumed
 run trains them like any other.
 
