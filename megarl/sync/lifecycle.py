@@ -166,8 +166,8 @@ class FleetLifecycle:
             released = f"the {held} request(s) it held at the pause were aborted, to be generated again elsewhere"
         except RolloutServerError as fail:  # (one that stopped answering has dropped them anyway)
             released = f"aborting the {held} request(s) it held failed: {type(fail).__name__}: {fail}"
-        why = (f"replica {rep} ({client.url}): {type(err).__name__}: {err} (it may hold a mix of old and new weights; "
-               f"with in-flight updates it is given up like a replica that died: {released}; it stays paused and "
+        why = (f"replica {rep} ({client.url}): {type(err).__name__}: {err} (with in-flight updates a replica whose "
+               f"loaders failed part-way is given up like a replica that died: {released}; it stays paused and "
                "serves nothing until it is restarted)")
         self._condemn(rep, why)
         return why
