@@ -352,7 +352,7 @@ class FleetLifecycle:
                     failures[rep] = f"{why} (it serves nothing until its launcher has restarted it)"
                     dead.add(rep)
                     continue  # nothing more is asked of it (a resume would wait the bound again)
-                if mixed and self.inflight:  # (megarl.rollout.inflight: "When a push fails")
+                if mixed and self.inflight:  # (megarl.rollout.inflight: "When a replica fails with requests held")
                     failures[rep] = self._give_up_mixed(rep, client, err)
                     dead.add(rep)
                     continue
