@@ -7,6 +7,7 @@ from tests.fleet_fixture import (  # noqa: F401 - session fixtures used across t
     moe_fleet_2x1,
     order_fleet_killers_last,
     revive_killed_fleets,
+    session_failpoints,
     tiny_moe_dir,
 )
 from tests.slurm_cluster import slurm_cluster  # noqa: F401 - session fixture: a real 3-node SLURM cluster

@@ -93,11 +93,26 @@ def moe_fleet(tiny_moe_dir: Path, fleet_secret: Path,
 
 
 @pytest.fixture(scope="session")
-def moe_fleet_2x1(tiny_moe_dir: Path, fleet_secret: Path,
+def session_failpoints(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The session's failpoint directory (`megarl.sync.failpoints`), named by `MEGARL_FAILPOINTS` from the start of
+    `moe_fleet_2x1` until the session ends, so that its servers (restarted ones too) and the trainer ranks spawned
+    against it look there; no point is armed unless a test creates its file (tests/test_fault_inflight.py). A test
+    that needs a directory of its own sets the variable itself (tests/test_fault_matrix.py)."""
+    from megarl.sync import failpoints
+
+    points = tmp_path_factory.mktemp("failpoints")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(failpoints.ENV, str(points))
+        yield points
+
+
+@pytest.fixture(scope="session")
+def moe_fleet_2x1(tiny_moe_dir: Path, fleet_secret: Path, session_failpoints: Path,
                   tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetHandle]:
     """Two replicas of the tiny MoE, tensor parallel 1 each: several replicas generate at the same time. Their
     rollout.step_timeout_s is `ENGINE_BOUND_S`: an engine core silent that long is judged hung
-    (`megarl.rollout.engine_probe`), and so is a step of their worker (vLLM's CPU backend runs one at TP 1 too)."""
+    (`megarl.rollout.engine_probe`), and so is a step of their worker (vLLM's CPU backend runs one at TP 1 too).
+    Their servers see the session's failpoint directory (`session_failpoints`)."""
     spec = FleetSpec(model_dir=tiny_moe_dir, tp=1, replicas=2, log_dir=tmp_path_factory.mktemp("fleet2_logs"),
                      secret_file=fleet_secret, step_timeout_s=ENGINE_BOUND_S)
     with launch(spec) as fleet:

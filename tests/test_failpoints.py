@@ -1,7 +1,8 @@
 """`megarl.sync.failpoints`: a disarmed point costs nothing and never waits; an armed one holds its caller, says so
-(`<name>.reached`), and lets it go once the test removes the file; `hold_before_first` holds a consumer as it asks for
-its first item, and only then. The fault matrix (tests/test_fault_matrix.py, cells P, R and L) kills replicas at the
-three points the push has."""
+(`<name>.reached`), and lets it go once the test removes the file; one armed with `fail` raises there, once;
+`hold_before_first` holds a consumer as it asks for its first item, and only then. The fault matrix
+(tests/test_fault_matrix.py, cells P, R and L) kills replicas at the three points the push has; its in-flight cells
+(tests/test_fault_inflight.py) make a replica's load fail at one."""
 
 from __future__ import annotations
 
@@ -82,4 +83,17 @@ def test_hold_before_first_holds_the_consumer_at_its_first_item_only(tmp_path: P
     assert list(failpoints.hold_before_first(point, [])) == []
     assert not (tmp_path / f"{point}.reached").exists()
     (tmp_path / point).unlink()
+    assert list(failpoints.hold_before_first(point, iter("ab"))) == ["a", "b"]
+
+
+def test_a_point_armed_to_fail_raises_once_in_the_first_caller(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(failpoints.ENV, str(tmp_path))
+    point = "push.loading.replica1"
+    (tmp_path / point).write_text(failpoints.FAIL)
+    consumed: list[str] = []
+    with pytest.raises(failpoints.FailpointError, match=point):
+        for item in failpoints.hold_before_first(point, iter("ab")):
+            consumed.append(item)
+    assert consumed == [] and int((tmp_path / f"{point}.reached").read_text()) == os.getpid()
+    assert not (tmp_path / point).exists()  # disarmed by the failure: the next pass goes on
     assert list(failpoints.hold_before_first(point, iter("ab"))) == ["a", "b"]

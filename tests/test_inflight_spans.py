@@ -6,7 +6,14 @@ import pytest
 from pydantic import ValidationError
 
 from megarl.config.schema import SyncConfig
-from megarl.rollout.inflight import engine_request_key, held_counts, token_versions_from_spans, version_salt
+from megarl.rollout.inflight import (
+    engine_request_key,
+    group_of_request,
+    group_request_id,
+    held_counts,
+    token_versions_from_spans,
+    version_salt,
+)
 from megarl.token_versions import TokenVersions
 
 
@@ -39,6 +46,15 @@ def test_engine_ids_map_back_to_the_clients_request():
     assert engine_request_key("cmpl-1234-5678abcd") is None
     assert held_counts({"1_generate-tokens-r-0000aaaa": 7, "chatcmpl-x-12345678": 3}) == {("r", 1): 7}
     assert version_salt(3) != version_salt(4)
+
+
+def test_a_groups_request_id_names_the_group_through_the_engines_id():
+    """The rollout worker names each request for its group (home batch, prompt), so that an engine's counts at a
+    pause (`held_counts`, keyed by the client's id recovered from vLLM's internal one) say which groups it held."""
+    rid = group_request_id(12, 3)
+    assert group_of_request(rid) == (12, 3) and rid != group_request_id(12, 3)  # a new request each time
+    assert engine_request_key(f"2_generate-tokens-{rid}-0a1b2c3d") == (rid, 2)
+    assert group_of_request("megarl-ab12") is None and group_of_request(f"{rid}x") is None
 
 
 def test_config_fields():

@@ -263,11 +263,14 @@ class RolloutClient:
         """Every worker creates its weight-transfer engine and joins the sync group (blocks until all joined)."""
         self._post("/init_weight_transfer_engine", {"init_info": init_info})
 
-    def pause(self, timeout_s: float | None = None, mode: Literal["wait", "keep"] = "wait",
+    def pause(self, timeout_s: float | None = None, mode: Literal["wait", "keep", "abort"] = "wait",
               clear_cache: bool = True) -> None:
         """Pause generation. `wait`: stop admitting requests and return once the running ones have finished;
         `keep` (in-flight updates, `megarl.rollout.inflight`): stop stepping at once and return once no model step
-        is in flight; the running requests stay frozen in the engine until `resume`. `clear_cache`: then empty the
+        is in flight; the running requests stay frozen in the engine until `resume`. `abort`: end every request in
+        the engine (running, waiting or frozen by `keep`) at once: each generate call answers 200 with what it had,
+        its choices' `finish_reason` "abort"; the engine stays paused (requests sent later wait, unscheduled, until
+        `resume`). `clear_cache`: then empty the
         prefix cache; in vLLM 0.32 this also preempts every running request, whose KV is then recomputed when it
         is scheduled again (so keep mode keeps the KV only with `clear_cache=False`, whatever vLLM's route
         docstring says). `timeout_s` here and in the other calls of a push: this call's timeout (default the

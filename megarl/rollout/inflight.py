@@ -61,6 +61,21 @@ computation). The routes need no slicing; `megarl.trainer.routing_replay` says w
 what one trainer forward cannot replay; measured at vLLM's capture point on the CPU fleet by
 tests/test_inflight_push.py (`megarl.rollout.routing_probe`), figures in docs/pipeline.md.
 
+When a replica fails with requests held (the fault cells, tests/test_fault_inflight.py). A replica that dies while
+it is paused (its server or engine killed) drops its requests: their calls fail as a lost replica's, the rollout
+worker gives their chunks back to the queue (`fleet/requeued_groups`) and the push goes on to the others, as for
+any replica that dies during a push. A push whose loaders fail part-way on a replica ("mixed": some parameters new,
+some old) must not let the requests it holds go on with those weights: `FleetLifecycle` then aborts every request
+in its engine (`POST /pause?mode=abort&clear_cache=false` on the paused replica: each generate call answers at once,
+200, its choices' `finish_reason` "abort" with the tokens they had), leaves it paused, condemns it (its launcher
+restarts it, which repairs it; it rejoins with a full push) and reports it as a replica that died, so the push goes
+on to the others while `rollout.min_replicas` are left (without in-flight updates such a push fails the run,
+docs/sync.md). The rollout worker treats a chunk with an aborted choice as not generated: it is given back to the
+queue and counted like a lost replica's, never pooled, and the replica takes no more chunks; its groups are
+generated again from their seeds on the others. A replica that refused an update before touching its model resumes
+with its previous weights (its held requests go on under them, each token labelled with the version that made it)
+and the push fails the run as without in-flight updates.
+
 In `megarl train`: with `sync.inflight` the rollout worker runs partial rollouts (`megarl.rollout.partial`): it does
 not quiesce before a push, so the push lands while requests generate, and batches are formed from finished groups,
 each carrying the `TokenVersions` read here to the trainer (`RolloutBatch.token_versions`).
@@ -69,6 +84,7 @@ each carrying the `TokenVersions` read here to the trainer (`RolloutBatch.token_
 from __future__ import annotations
 
 import re
+import uuid
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
@@ -80,6 +96,20 @@ InflightKV = Literal["keep", "recompute"]
 # it `generate-tokens-R` (the external id), `InputProcessor.assign_request_id` appends `-` and 8 random characters,
 # and with n > 1 `ParentRequest.get_child_info` prefixes each child with its index and `_`.
 _ENGINE_ID = re.compile(r"^(?:(?P<index>\d+)_)?generate-tokens-(?P<rid>.+)-[^-]{8}$")
+_GROUP_ID = re.compile(r"^megarl-b(?P<batch>\d+)-p(?P<prompt>\d+)-[0-9a-f]{8}$")
+
+
+def group_request_id(batch: int, prompt: int) -> str:
+    """The `request_id` the rollout worker sends prompt `prompt` of (home) batch `batch` with: the group it is, and
+    8 random hex digits (a group generated again, e.g. after its replica was lost, is another request). An engine's
+    counts at a pause (`held_counts`) and its log name the groups so (`group_of_request`)."""
+    return f"megarl-b{batch}-p{prompt}-{uuid.uuid4().hex[:8]}"
+
+
+def group_of_request(request_id: str) -> tuple[int, int] | None:
+    """`(batch, prompt)` of a `group_request_id`; None for another id."""
+    match = _GROUP_ID.match(request_id)
+    return None if match is None else (int(match["batch"]), int(match["prompt"]))
 
 
 def version_salt(version: int) -> str:

@@ -12,9 +12,10 @@ rank follows):
 The fleet is quiesced at a push point (no replica is generating), so a replica joins or leaves between two windows
 and every replica of a window holds the same weights: the lags stay those of the schedule. With partial rollouts
 (`sync.inflight`) it is not: a replica lost at a push point has given its chunks back already (they are generated
-again on the others, `fleet/requeued_groups`), and a rejoined one takes new groups after the push, at the version
-the others hold; every token's version is still the engine's own record. Below
-`rollout.min_replicas` live replicas the run fails (the sync or the rollout worker raises).
+again on the others, `fleet/requeued_groups`; one whose push failed part-way has had its requests aborted, and its
+chunks went back the same way: `megarl.rollout.inflight`), and a rejoined one takes new groups after the push, at
+the version the others hold; every token's version is still the engine's own record. Below `rollout.min_replicas` live
+replicas the run fails (the sync or the rollout worker raises).
 """
 
 from __future__ import annotations

@@ -48,9 +48,11 @@ keep generating while it lands (each replica pauses in vLLM's keep mode with its
 as soon as it is in, its groups join a pool, and `take(l)` forms batch l from the P pooled groups of the lowest
 (home batch, prompt), after dropping and counting the ones past the staleness bound. The window counts groups
 (`megarl.rollout.partial.admission_limit`). Each request is salted with the version the fleet held when it was sent
-(vLLM's `cache_salt`, `megarl.rollout.inflight.version_salt`). A checkpoint (`quiesce`, then `pending`) lets every
-started group finish, starts none meanwhile, and saves the pooled groups and the prompts not started
-(`CarriedGroups`); then the fleet goes on. A resumed run trains them like any other.
+(vLLM's `cache_salt`, `megarl.rollout.inflight.version_salt`). A chunk with an aborted choice (a replica given up
+at a push that failed part-way on it, `megarl.rollout.inflight`) is not generated: it is given back and counted like
+a lost replica's, never pooled. A checkpoint (`quiesce`, then `pending`) lets every started group finish, starts
+none meanwhile, and saves the pooled groups and the prompts not started (`CarriedGroups`); then the fleet goes on. A
+resumed run trains them like any other.
 
 Nothing here touches torch.distributed: the component talks to the fleet over HTTP and to the
 controller through these calls, so it can move to its own process behind an RPC (the task's closures --
@@ -73,7 +75,7 @@ from megarl.rewards.scoring import BatchScorer
 from megarl.rollout.chunk_queue import Chunk, ChunkQueue
 from megarl.rollout.client import RolloutClient, RolloutServerLost, Sample
 from megarl.rollout.evaluation import Evaluator
-from megarl.rollout.inflight import version_salt
+from megarl.rollout.inflight import group_request_id, version_salt
 from megarl.rollout.partial import CarriedGroups, GroupPool, ScoredGroup, admission_limit, batch_of_groups
 from megarl.sync.schedule import SyncSchedule
 
@@ -469,6 +471,7 @@ class RolloutWorker:
                 with self.timeline.span(f"replica {replica}", "generate", f"batch {j}"):
                     try:  # prompt i of batch j is sampled with seed(j) + i, whichever replica serves it
                         out = client.generate(prompts, **self._sampling, seed=[base + i for i in chunk.prompts],
+                                              request_ids=[group_request_id(j, i) for i in chunk.prompts],  # [faults]
                                               **salt)
                     except RolloutServerLost as err:
                         self._lose(replica, chunk, err, client)
@@ -477,6 +480,14 @@ class RolloutWorker:
                         raise RolloutWorkerError(
                             f"replica {replica} ({client.url}), batch {j}: {type(err).__name__}: {err}"
                         ) from err
+                    # [inflight-faults hook] a chunk with an aborted choice was not generated: megarl aborts only the
+                    # requests of a replica it gave up (`FleetLifecycle._give_up_mixed`), so it is lost like one that
+                    # stopped answering: the chunk goes back to the queue (counted in `requeued`), never to the pool
+                    if aborted := sum(s.finish_reason == "abort" for group in out for s in group):
+                        self._lose(replica, chunk, RolloutServerLost(
+                            f"{aborted} of the chunk's samples came back aborted (finish_reason 'abort'): the replica "
+                            "dropped its requests (a push that failed part-way on it)"), client)
+                        continue
                 with self._cv:
                     self.chunks_taken[replica] += 1
                     self._generating.discard(chunk)

@@ -5,9 +5,12 @@ replica paused but not yet opened, a replica loading what it received, a replica
 Off unless the environment variable `MEGARL_FAILPOINTS` names a directory; then `hold(name)` looks for the file
 `<dir>/<name>` (the test arms the point by creating it). If it is there, `hold` writes `<dir>/<name>.reached` (the
 holding process's pid) and waits until the file is removed (the test removes it once it has acted), at most
-`HOLD_MAX_S`. A point is armed once: the test removes the file, so later passes go straight on. Disarmed, a point
-costs one environment lookup. The fleet's servers inherit the trainer's environment (`megarl.rollout.fleet.server_env`,
-restarts included), so one directory reaches the vLLM workers too.
+`HOLD_MAX_S`. A point is armed once: the test removes the file, so later passes go straight on. A point armed with
+the text `fail` (the file's content) raises `FailpointError` there instead, in the first process to reach it, once
+(that process removes the file after writing `<name>.reached`): a failure of the code at that moment, e.g. a vLLM
+loader that raises part-way through a push (tests/test_fault_inflight.py). Disarmed, a point costs one environment
+lookup. The fleet's servers inherit the trainer's environment (`megarl.rollout.fleet.server_env`, restarts
+included), so one directory reaches the vLLM workers too.
 
 The points:
     push.paused.replica<i>   trainer rank 0 (`megarl.sync.lifecycle`): replica i answered /pause; its update is not
@@ -34,17 +37,28 @@ HOLD_MAX_S = 600.0  # a test that never releases a point does not hold the run f
 POLL_S = 0.02
 
 T = TypeVar("T")
+FAIL = "fail"  # the content of an armed point that raises instead of holding
+
+
+class FailpointError(RuntimeError):
+    """Raised at a failpoint armed with `FAIL` (an injected failure)."""
 
 
 def hold(name: str) -> None:
-    """Wait at failpoint `name` while a test holds it (see the module docstring); return at once otherwise."""
+    """Wait at failpoint `name` while a test holds it, or raise `FailpointError` there if it is armed with `FAIL`
+    (see the module docstring); return at once otherwise."""
     root = os.environ.get(ENV)
     if not root:
         return
     armed = Path(root) / name
-    if not armed.exists():
+    try:
+        fail = armed.read_text().strip() == FAIL
+    except FileNotFoundError:
         return
     (Path(root) / f"{name}.reached").write_text(f"{os.getpid()}\n")
+    if fail:
+        armed.unlink(missing_ok=True)
+        raise FailpointError(f"failure injected at failpoint {name} ({ENV}={root})")
     deadline = time.monotonic() + HOLD_MAX_S
     while armed.exists() and time.monotonic() < deadline:
         time.sleep(POLL_S)

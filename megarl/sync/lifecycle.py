@@ -13,7 +13,9 @@
     update: /update_weights with each TP worker's part of the plan, one thread per replica; it returns once the
             workers have received, checked and loaded their blocks, or refused them
     close:  /collective_rpc megarl_sync_report -> /finish_weight_update(version), or (None) to close a refused
-            update unlabelled -> /resume, except on a replica whose loaders failed part-way (it stays paused)
+            update unlabelled -> /resume, except on a replica whose loaders failed part-way (it stays paused; with
+            in-flight updates its requests are aborted, /pause?mode=abort, it is condemned and the push goes on
+            without it, as without a replica that died)
 
 Every call of a push waits at most `call_timeout_s`, the push's own bound (`sync.timeout_fixed_s` + the busiest
 link's bytes / `sync.timeout_min_gbps`, `megarl.sync.group_timeout`), not the client's 600 s read timeout. A call
@@ -134,16 +136,40 @@ class FleetLifecycle:
         bound = "" if isinstance(err, WorkerSilent) else " (the push's bound: sync.timeout_fixed_s + bytes / " \
             "sync.timeout_min_gbps)"
         why = f"replica {rep} ({self.clients[rep].url}) hangs: {err}{bound}, while its /health answers"
-        if rep not in self.condemned:
-            self.condemned[rep] = why
-            if self.condemn is None:
-                logger.error("%s; no launcher can be told (no fleet registry): it is left out of the sync", why)
-            else:
-                try:
-                    self.condemn(rep, why)
-                    logger.error("%s: condemned, its launcher kills and restarts it", why)
-                except Exception as fail:  # noqa: BLE001 - the push goes on without it either way
-                    logger.error("%s; condemning it failed: %s", why, fail)
+        self._condemn(rep, why)
+        return why
+
+    def _condemn(self, rep: int, why: str) -> None:
+        """Tell replica `rep`'s launcher to kill and restart it (once; `condemn`), and say so."""
+        if rep in self.condemned:
+            return
+        self.condemned[rep] = why
+        if self.condemn is None:
+            logger.error("%s; no launcher can be told (no fleet registry): it is left out of the sync", why)
+            return
+        try:
+            self.condemn(rep, why)
+            logger.error("%s: condemned, its launcher kills and restarts it", why)
+        except Exception as fail:  # noqa: BLE001 - the push goes on without it either way
+            logger.error("%s; condemning it failed: %s", why, fail)
+
+    def _give_up_mixed(self, rep: int, client: RolloutClient, err: Exception) -> str:
+        """With in-flight updates, replica `rep`'s loaders failed part-way while it held requests (they are frozen in
+        its engine, `/pause?mode=keep`): abort every request in its engine (`/pause?mode=abort`: each call answers at
+        once, its choices' `finish_reason` "abort", and the rollout worker gives their chunks back to the queue, to
+        be generated again on the other replicas; the replica stays paused, so not one token is computed with its
+        half-loaded weights) and condemn it (its launcher restarts it, which repairs it; it rejoins with a full
+        push). The caller reports it as a replica that died: the push goes on without it. Returns why."""
+        held = len({rid for rid, _ in self.held.get(rep, {})})
+        try:
+            client.pause(timeout_s=self.call_timeout_s, mode="abort", clear_cache=False)
+            released = f"the {held} request(s) it held at the pause were aborted, to be generated again elsewhere"
+        except RolloutServerError as fail:  # (one that stopped answering has dropped them anyway)
+            released = f"aborting the {held} request(s) it held failed: {type(fail).__name__}: {fail}"
+        why = (f"replica {rep} ({client.url}): {type(err).__name__}: {err} (with in-flight updates a replica whose "
+               f"loaders failed part-way is given up like a replica that died: {released}; it stays paused and "
+               "serves nothing until it is restarted)")
+        self._condemn(rep, why)
         return why
 
     def record_needs(self) -> RolloutNeeds:
@@ -299,7 +325,8 @@ class FleetLifecycle:
         with `version`, close the session of one that refused it without a new label; resume generation on
         every replica except one whose loaders failed part-way (it may hold mixed weights: it stays paused).
         Returns the reports, what failed per replica (naming what it serves now) and the replicas among those
-        whose server, engine or a worker died (they serve nothing until restarted)."""
+        whose server, engine or a worker died (they serve nothing until restarted) or, with in-flight updates,
+        whose loaders failed part-way (`_give_up_mixed`: their requests are aborted and they are condemned)."""
         reports: list[dict[str, Any]] = []
         failures: dict[int, str] = {}
         dead: set[int] = set()
@@ -325,6 +352,10 @@ class FleetLifecycle:
                     failures[rep] = f"{why} (it serves nothing until its launcher has restarted it)"
                     dead.add(rep)
                     continue  # nothing more is asked of it (a resume would wait the bound again)
+                if mixed and self.inflight:  # (megarl.rollout.inflight: "When a replica fails with requests held")
+                    failures[rep] = self._give_up_mixed(rep, client, err)
+                    dead.add(rep)
+                    continue
                 if mixed:
                     after = ("it may hold a mix of old and new weights, so it is left paused and serves nothing until "
                              "a later push loads completely or it is restarted")

@@ -430,9 +430,9 @@ class PartitionedWeightSync:
                                   f"left, fewer than rollout.min_replicas={self.min_replicas} (resume from the last "
                                   "checkpoint once the fleet is back)")
         if self.rank == 0:
-            logger.warning("weight sync to version %d goes on without a replica that stopped answering (%s): %d "
-                           "replica(s) left in the sync; a restarted one rejoins at a later push", version, names,
-                           len(self.live))
+            logger.warning("weight sync to version %d goes on without a replica that stopped answering or was given "
+                           "up (%s): %d replica(s) left in the sync; a restarted one rejoins at a later push", version,
+                           names, len(self.live))
 
 
 
