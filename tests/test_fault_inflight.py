@@ -52,17 +52,19 @@ from tests.dist_utils import process_group_members
 from tests.shared_ranks import train_jobs_in_one_set_of_ranks
 from tests.test_end_to_end import _overrides
 
-M, N, STEPS = 1, 1, 8  # sync (1, 1): a push at the start of every step 1 .. STEPS - 2
-PROMPTS, K = 4, 4
+M, N, STEPS = 1, 1, 10  # sync (1, 1): a push at the start of every step 1 .. STEPS - 2
+PROMPTS, K = 4, 2
 HEALTH_S = 8
-# responses of up to 96 tokens (EOS is rare for the tiny model; prompts are 4 tokens, its context 128): the fleet, not
-# the trainer, is the slower side, so that a push finds requests generating (with 48 tokens the fleet sometimes had
-# every group it may start done before each of three pushes, and nothing was held)
+# long responses, few of them: up to 112 tokens (EOS is rare for the tiny model; prompts are 4 tokens, its context
+# 128), 2 per prompt. Decoding costs the fleet about the same per step whatever the few sequences, training costs the
+# trainer per token: the fleet is the slower side, so a push finds requests generating, the regime in-flight updates
+# are for (with 4 x 4 responses of 48 or 96 tokens the fleet had sometimes finished every group it may start before
+# each of three or four pushes in a row, and nothing was held)
 JOB = ["algorithm.name=gspo", "algorithm.decoupled.enabled=true", "sync.inflight=true", "sync.inflight_kv=recompute",
-       "reward.name=tests.reward_fns:odd_word_count", "rollout.max_new_tokens=96", "rollout.min_replicas=1",
-       f"rollout.health_timeout_s={HEALTH_S}"]
+       "reward.name=tests.reward_fns:odd_word_count", "rollout.max_new_tokens=112", f"rollout.samples_per_prompt={K}",
+       "rollout.min_replicas=1", f"rollout.health_timeout_s={HEALTH_S}"]
 LAST_FAULT_STEP = STEPS - 3  # a fault's push leaves at least 2 more steps to train the groups it gave back
-TRIES = 4  # pushes the test lets go by when replica 1 held no request at its pause
+TRIES = 6  # pushes the test lets go by when replica 1 held no request at its pause
 PUSH_S = 30.0  # the push at a fault waits for nothing: well within this on a loaded 2-core machine
 
 
