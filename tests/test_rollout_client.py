@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megarl.rollout.client import RolloutClient, RolloutReplyIncomplete, RolloutServerError
+from megarl.rollout.client import RolloutClient, RolloutServerError
 from megarl.rollout.fleet import FleetError, FleetSpec, launch
 from tests.dist_utils import free_port
 
@@ -67,22 +67,3 @@ def test_a_hung_replica_costs_the_label_query_seconds_not_the_request_timeout(mo
     assert labels == {0: clients[0].weight_version(), 1: None}
     assert labels[0] is not None
     assert elapsed < 10, elapsed
-
-
-@pytest.mark.parametrize("bad", [-9999.0, float("nan")])
-def test_a_sampled_token_without_a_log_prob_is_refused(bad):
-    """vLLM sends -9999.0 (or NaN) for a sampled token the engine reported no log-prob for: such a sample's behaviour
-    log-probs are unknown, so the client refuses the reply (the rollout worker generates the chunk again) instead of
-    letting the trainer weigh a token by exp(9999)."""
-    client = RolloutClient(f"http://127.0.0.1:{free_port()}")  # nothing listens: the reply is parsed, not fetched
-    spans = [{"version": "3", "start": 0, "end": 3}]
-
-    def choice(logprobs):
-        content = [{"token_id": t, "logprob": lp} for t, lp in zip([5, 6, 7], logprobs, strict=True)]
-        return {"index": 0, "token_ids": [5, 6, 7], "finish_reason": "length", "weight_versions": spans,
-                "logprobs": {"content": content}}
-
-    sample = client._sample([1, 2], choice([-0.5, -1.0, -2.0]), "rid")
-    assert sample.response_logprobs == [-0.5, -1.0, -2.0] and sample.policy_version == 3
-    with pytest.raises(RolloutReplyIncomplete, match=r"1 of the 3 sampled tokens of request rid came back without"):
-        client._sample([1, 2], choice([-0.5, bad, -2.0]), "rid")

@@ -36,15 +36,6 @@ class RolloutServerLost(RolloutServerError):
     waited. The rollout worker gives such a replica's work to the others (`RolloutWorker`)."""
 
 
-class RolloutReplyIncomplete(RolloutServerError):
-    """A reply whose sampled tokens lack their log-probs: vLLM sends -9999.0, its sentinel, for a sampled token the
-    engine reported no log-prob for (or NaN). Its behaviour log-probs are unknown, so the samples cannot be trained;
-    the rollout worker generates such a chunk again (`RolloutWorker`)."""
-
-
-MISSING_LOGPROB = -9999.0  # vLLM's sentinel (`entrypoints/scale_out/token_in_token_out/serving.py`)
-
-
 class RolloutServerHung(RolloutServerLost):
     """A call was not answered within its timeout although the server's `/health` kept answering: its engine or a
     worker hangs (a stopped or wedged vLLM worker leaves the API server's `/health` at 200). The launcher cannot
@@ -235,11 +226,6 @@ class RolloutClient:
         content = (choice.get("logprobs") or {}).get("content") or []
         if len(content) != len(ids) or any(c["token_id"] != t for c, t in zip(content, ids, strict=False)):
             raise RolloutServerError(f"{self.url}: log-probs do not match the sampled tokens in {choice}")
-        missing = sum(not float(c["logprob"]) > MISSING_LOGPROB for c in content)  # (NaN compares False)
-        if missing:
-            raise RolloutReplyIncomplete(
-                f"{self.url}: {missing} of the {len(ids)} sampled tokens of request {request_id} came back without "
-                f"a log-prob (vLLM's {MISSING_LOGPROB} sentinel): their behaviour log-probs are unknown")
         spans = choice.get("weight_versions") or []
         if spans:
             try:

@@ -73,16 +73,13 @@ from megarl.data.problem import Problem
 from megarl.metrics.timeline import Timeline
 from megarl.rewards.scoring import BatchScorer
 from megarl.rollout.chunk_queue import Chunk, ChunkQueue
-from megarl.rollout.client import RolloutClient, RolloutReplyIncomplete, RolloutServerLost, Sample
+from megarl.rollout.client import RolloutClient, RolloutServerLost, Sample
 from megarl.rollout.evaluation import Evaluator
 from megarl.rollout.inflight import group_request_id, version_salt
 from megarl.rollout.partial import CarriedGroups, GroupPool, ScoredGroup, admission_limit, batch_of_groups
 from megarl.sync.schedule import SyncSchedule
 
 logger = logging.getLogger(__name__)
-
-
-MAX_INCOMPLETE = 8  # replies without log-probs a run tolerates (each chunk generated again) before it stops
 
 
 class RolloutWorkerError(RuntimeError):
@@ -159,7 +156,6 @@ class RolloutWorker:
         self._version: int | None = 0 if start == 0 else None
         self.dropped: list[tuple[int, int, int]] = []  # partial: (home, prompt, lag of its oldest token) per drop
         self.requeued = 0  # groups a lost replica was generating, given back to the queue and generated again
-        self._incomplete = 0  # replies without some log-probs (`RolloutReplyIncomplete`), each chunk generated again
         self._last_take: dict[str, Any] = {}
         first = carried.next_home if carried is not None else max([start - 1, *self._ready]) + 1  # next to generate
         self._queue = ChunkQueue(first, chunk_prompts, len(clients) if static_split else None)
@@ -480,9 +476,6 @@ class RolloutWorker:
                     except RolloutServerLost as err:
                         self._lose(replica, chunk, err, client)
                         continue
-                    except RolloutReplyIncomplete as err:  # the replica serves on: the chunk is generated again
-                        self._retry(replica, chunk, err)
-                        continue
                     except Exception as err:
                         raise RolloutWorkerError(
                             f"replica {replica} ({client.url}), batch {j}: {type(err).__name__}: {err}"
@@ -538,22 +531,6 @@ class RolloutWorker:
                 left,
                 self._replica_log(replica),
             )
-
-    def _retry(self, replica: int, chunk: Chunk, err: RolloutReplyIncomplete) -> None:
-        """A reply without some log-probs (`RolloutReplyIncomplete`): its chunk goes back to the front of the queue,
-        counted in `requeued`, and is generated again; after `MAX_INCOMPLETE` such replies the run stops."""
-        with self._cv:
-            self._generating.discard(chunk)
-            self._queue.give_back(chunk)
-            self.requeued += len(chunk.prompts)
-            if self._partial is not None:
-                self._admitted -= len(chunk.prompts)
-            self._incomplete += 1
-            self._cv.notify_all()
-            if self._incomplete > MAX_INCOMPLETE:
-                raise RolloutWorkerError(f"replica {replica}, batch {chunk.batch}: {err}; {self._incomplete} such "
-                                         "replies in this run: the engine keeps returning samples without log-probs")
-        logger.warning("rollout replica %d, batch %d: %s; the chunk is generated again", replica, chunk.batch, err)
 
     def _score(self, j: int, problems: list[Problem], samples: list[list[Sample]]) -> None:
         try:
