@@ -253,11 +253,11 @@ def test_inflight_pushes_and_partial_rollouts_keep_every_token_within_the_bound(
     assert len(set(trained)) == len(trained) == 4 * steps and not set(trained) & set(dropped)
     assert records[-1]["partial/dropped_total"] == len(dropped)
     # over both in-flight runs (whether a push lands mid-response depends on the machine's timing: about half of
-    # them did in the runs of 2026-11-28): pushes landed mid-response and those responses went on, and some steps
-    # trained lag-0 tokens of such responses, which the check above held to fp32 numerics
+    # them did in the runs of 2026-11-28): pushes landed mid-response and those responses went on (their lag-0
+    # tokens, when a step trains some, are held to fp32 numerics above; tests/test_inflight_push.py checks the
+    # recompute's exactness on both sides of a push deterministically)
     both = records + _records(runs["inflight_resumed"][0])
     assert sum(r["token_lag/spanning_share"] for r in both) > 0
-    assert any(r["mismatch/lag0/abs_diff_mean"] is not None and r["token_lag/spanning_share"] > 0 for r in both)
     # the weights did move: one update of staleness shows in the log-probs, far above the lag-0 numerics
     assert max(r["mismatch/lag1/abs_diff_mean"] or 0 for r in records) > 1e-3
 
