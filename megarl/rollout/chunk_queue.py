@@ -102,7 +102,8 @@ class ChunkQueue:
             else:
                 todo.append((None, range(i, i + 1)))
         batch = OpenBatch(problems, prompts, todo)
-        batch.groups = [None if i in set(unstarted) else [] for i in range(len(problems))]
+        to_start = set(unstarted)
+        batch.groups = [None if i in to_start else [] for i in range(len(problems))]
         batch.missing = len(unstarted)
         self.open[j] = batch
 

@@ -263,7 +263,7 @@ class RolloutWorker:
         if self._partial is not None:
             with self._cv:
                 self._hold = True
-                self._wait(lambda: not self._generating and self._scoring == 0)
+                self._wait(self._nothing_in_flight)
             return
         with self._cv:
             if before != min(self._limit, self.end):
@@ -285,7 +285,7 @@ class RolloutWorker:
         rollouts: the groups not taken yet, and the first home batch not started)."""
         with self._cv:
             if self._partial is not None:
-                self._wait(lambda: not self._generating and self._scoring == 0)
+                self._wait(self._nothing_in_flight)
                 unstarted = {j: sorted(i for _, prompts in batch.todo for i in prompts)
                              for j, batch in self._queue.open.items() if batch.todo}
                 self._hold = False  # the snapshot is taken: the fleet goes on (no push need follow a checkpoint)
@@ -403,6 +403,10 @@ class RolloutWorker:
             if missing := [i for i, group in enumerate(batch.groups) if group is None and i not in queued]:
                 out[j] = missing
         return out
+
+    def _nothing_in_flight(self) -> bool:
+        """(Condition held.) No chunk is being generated and none is being scored."""
+        return not self._generating and self._scoring == 0
 
     def _may_open(self, j: int) -> bool:
         """Whether batch `j` may be generated now: inside the fleet's window (and, sequentially, demanded)."""
