@@ -36,7 +36,7 @@ from collections.abc import Callable
 from typing import Any
 
 from megarl.rollout.client import RolloutClient, RolloutServerError, RolloutServerHung, RolloutServerLost
-from megarl.rollout.inflight import InflightKV, held_counts
+from megarl.rollout.inflight import InflightKV, group_of_request, held_counts
 from megarl.sync import failpoints
 from megarl.sync.needs import RolloutNeeds, recorded_by_fleet
 
@@ -196,6 +196,13 @@ class FleetLifecycle:
             threads[rep] = ResultThread(lambda c=self.clients[rep], info=info: c.init_weight_transfer(info))
             threads[rep].start()
         return threads
+
+    def held_groups(self) -> list[tuple[int, int]]:
+        """The groups `(home batch, prompt)` (`megarl.rollout.inflight.group_of_request`) of which some response
+        held at least one output token at the last `open`'s pause: each such response goes on under the new weights,
+        so its tokens come from two versions (requests of other ids are left out). Sorted; empty without inflight."""
+        return sorted({group for counts in self.held.values() for (rid, _), tokens in counts.items()
+                       if tokens > 0 and (group := group_of_request(rid)) is not None})
 
     def served(self) -> dict[int, str | None]:
         """The version label each replica reports now (None: it did not answer within `LABEL_TIMEOUT_S`: a metric
