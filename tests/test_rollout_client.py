@@ -4,6 +4,9 @@ reported with the URL / the log's tail."""
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 
@@ -30,6 +33,29 @@ def test_generate_returns_engine_logprobs_and_version(moe_fleet):
     # the same seed reproduces the same samples
     again = client.generate(PROMPTS, n=3, max_tokens=4, temperature=1.0, top_p=1.0, seed=0)
     assert [[s.response_ids for s in g] for g in again] == [[s.response_ids for s in g] for g in groups]
+
+
+def test_seeded_prompts_beyond_one_steps_token_budget_are_served(moe_fleet):
+    """48 seeded prompts of 120 tokens reach the engine together -- sent while it is paused (`/pause?mode=keep`, as
+    a push with in-flight updates pauses it), then resumed: 5,760 prompt tokens for one engine step, more than a
+    step's budget on this TP-2 CPU replica (vLLM's default 4,096). Were a prefill split across steps, vLLM 0.32 would
+    rewind that request's CPU generator, which raises and kills the engine (`megarl.rollout.fleet._cpu_args`). Each
+    prompt's samples are those of the same prompt and seed sent alone."""
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(5, 25, (120,), generator=g).tolist() for _ in range(48)]
+    client = RolloutClient(moe_fleet.base_url, max_parallel=len(prompts))
+    client.pause(mode="keep", clear_cache=False)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            together = pool.submit(client.generate, prompts, n=1, max_tokens=4, seed=100)
+            time.sleep(3.0)  # every request is in the engine's queue (48 local HTTP calls, sent at once)
+            client.resume()
+            together = together.result(timeout=300)
+    finally:
+        client.resume()
+    assert client.healthy()
+    alone = [client.generate([p], n=1, max_tokens=4, seed=100 + i)[0] for i, p in enumerate(prompts)]
+    assert [grp[0].response_ids for grp in together] == [grp[0].response_ids for grp in alone]
 
 
 def test_dead_server_is_named():

@@ -38,6 +38,9 @@ def test_the_30b_recipe_serves_its_sequence_budget_with_graphs():
     assert _flag(gpu, "--max-model-len") == "10240" and "--enforce-eager" not in gpu
     cpu = server_command(fleet_spec(cfg, gpu=False), 8000)
     assert _flag(cpu, "--max-model-len") == "10240" and "--enforce-eager" in cpu
+    # CPU only: whole prefills, a step holding the longest sequence (megarl.rollout.fleet._cpu_args)
+    assert "--no-enable-chunked-prefill" in cpu and _flag(cpu, "--max-num-batched-tokens") == "10240"
+    assert "--no-enable-chunked-prefill" not in gpu and "--max-num-batched-tokens" not in gpu
     forced = server_command(fleet_spec(load_config(RECIPE, [HF_DIR, "rollout.enforce_eager=true"]), gpu=True), 8000)
     assert "--enforce-eager" in forced
     assert sequence_length_problem(cfg, read_hf_config(cfg.model.hf_dir)) is None  # 10,240 of 40,960 positions

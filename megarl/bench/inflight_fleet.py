@@ -76,6 +76,7 @@ class FleetBenchSpec:
     long_tokens: int = 120
     short_tokens: int = 8
     kv: str = "recompute"
+    positions: int = 128  # the tiny model's context: the prompt (4 tokens) and the long responses must fit
 
     @property
     def staleness_bound(self) -> int:
@@ -449,7 +450,10 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--train-s", type=float, default=d.train_s, help="seconds a trainer step takes (a sleep)")
     p.add_argument("--long-share", type=float, default=d.long_share, help="share of prompts with long responses")
     p.add_argument("--max-tokens", type=int, default=d.long_tokens,
-                   help="the long responses' length (prompt 4 tokens + this <= the tiny model's 128 positions)")
+                   help="the long responses' length (prompt 4 tokens + this <= --positions)")
+    p.add_argument("--positions", type=int, default=d.positions,
+                   help="the tiny model's context (max_position_embeddings; rotary, so the pushed bytes are the same "
+                        "at any context): raise it for long responses")
     p.add_argument("--short-tokens", type=int, default=d.short_tokens, help="the other responses' length")
     p.add_argument("--kv", choices=("recompute", "keep"), default=d.kv, help="sync.inflight_kv of the in-flight mode")
     p.add_argument("--out", type=Path, default=Path("docs/figures/bench_inflight_fleet.json"), help="JSON output")
@@ -460,18 +464,22 @@ def run(args: argparse.Namespace) -> int:
     spec = FleetBenchSpec(prompts=args.prompts, samples=args.samples, interval=args.interval, offset=args.offset,
                           bound=args.bound, steps=args.steps, skip=args.skip, train_s=args.train_s,
                           long_share=args.long_share, long_tokens=args.max_tokens, short_tokens=args.short_tokens,
-                          kv=args.kv)
+                          kv=args.kv, positions=args.positions)
     if (args.replicas < 1 or spec.prompts < 1 or spec.interval < 1 or spec.offset < 0 or not 0 <= spec.skip
-            < spec.steps or args.rounds < 1 or not 0 <= spec.long_share <= 1 or spec.long_tokens + 4 > 128):
+            < spec.steps or args.rounds < 1 or not 0 <= spec.long_share <= 1 or spec.long_tokens + 4 > spec.positions):
         print("megarl bench inflight-fleet: need --replicas, --prompts, --interval, --rounds >= 1, --offset >= 0, "
-              "0 <= --skip < --steps, --long-share in [0, 1], --max-tokens <= 124", file=sys.stderr)
+              "0 <= --skip < --steps, --long-share in [0, 1], "
+              f"--max-tokens <= --positions - 4 (= {spec.positions - 4})",
+              file=sys.stderr)
         return 2
     work_dir = Path(tempfile.mkdtemp(prefix="megarl_bench_inflight_fleet_"))
     t0 = time.perf_counter()
     try:
         runs = _on_fleet(spec, args.replicas, args.rounds, work_dir)
-    finally:
-        shutil.rmtree(work_dir, ignore_errors=True)
+    except BaseException:
+        print(f"megarl bench inflight-fleet failed: the replicas' logs are kept in {work_dir}", file=sys.stderr)
+        raise
+    shutil.rmtree(work_dir, ignore_errors=True)
     summary = summarize_modes(runs)
     print(f"\nmeasured ({time.perf_counter() - t0:.0f} s): {args.replicas} replicas, {spec.prompts} prompts x "
           f"{spec.samples}, {spec.long_share:.0%} of prompts to {spec.long_tokens} tokens, the rest "
@@ -491,13 +499,13 @@ def _on_fleet(spec: FleetBenchSpec, replicas: int, rounds: int, work_dir: Path) 
     from megarl.rollout.fleet import FleetSpec, launch
     from megarl.rollout.fleet_auth import SECRET_ENV
 
-    model = make_tiny_checkpoint(work_dir / "tiny_moe", kind="moe")
+    model = make_tiny_checkpoint(work_dir / "tiny_moe", kind="moe", positions=spec.positions)
     print(f"starting {replicas} vLLM CPU replicas of the tiny MoE ...", flush=True)
     with launch(FleetSpec(model_dir=model, tp=1, replicas=replicas, log_dir=work_dir)) as fleet:
         os.environ[SECRET_ENV] = str(fleet.secret_file)  # the clients send the fleet's secret
         try:
             return measure(spec, fleet.urls, model, rounds)
-        except BaseException:  # the replicas' logs live in the temporary directory: show their ends before it goes
+        except BaseException:  # the replicas' logs (kept in the work directory): their ends
             for log in sorted(work_dir.glob("vllm_replica*.log")):
                 tail = log.read_text(errors="replace").splitlines()[-80:]
                 print(f"---- the last lines of {log.name} ----", *tail, sep="\n", file=sys.stderr)

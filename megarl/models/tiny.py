@@ -39,8 +39,10 @@ _MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm
             decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.0)
 
 
-def make_tiny_checkpoint(out_dir: str | Path, kind: TinyKind = "moe", seed: int = 0) -> Path:
-    """Create (or overwrite) a tiny random checkpoint with its tokenizer in `out_dir`; return the path."""
+def make_tiny_checkpoint(out_dir: str | Path, kind: TinyKind = "moe", seed: int = 0, positions: int = 128) -> Path:
+    """Create (or overwrite) a tiny random checkpoint with its tokenizer in `out_dir`; return the path.
+    `positions` is its context (`max_position_embeddings`): rotary positions hold no weights, so the weights are the
+    same bytes at any context (benches of long responses take a longer one; the tests' models keep 128)."""
     import torch
     from transformers import (
         Qwen2Config,
@@ -54,18 +56,19 @@ def make_tiny_checkpoint(out_dir: str | Path, kind: TinyKind = "moe", seed: int 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     assert len(vocabulary()) <= _COMMON["vocab_size"]
+    common = {**_COMMON, "max_position_embeddings": positions}
     ids = dict(pad_token_id=token_id(PAD), bos_token_id=token_id(BOS), eos_token_id=token_id(EOS))
     if kind == "moe":
-        config = Qwen3MoeConfig(**_COMMON, **_MOE, **ids)
+        config = Qwen3MoeConfig(**common, **_MOE, **ids)
         model_cls = Qwen3MoeForCausalLM
     elif kind == "dense":
-        config = Qwen3Config(**_COMMON, **ids)
+        config = Qwen3Config(**common, **ids)
         model_cls = Qwen3ForCausalLM
     elif kind == "dense-tied":
-        config = Qwen3Config(**{**_COMMON, "tie_word_embeddings": True}, **ids)
+        config = Qwen3Config(**{**common, "tie_word_embeddings": True}, **ids)
         model_cls = Qwen3ForCausalLM
     elif kind == "qwen2":  # hidden = heads x head_dim: vLLM's Qwen2 ignores head_dim and takes hidden / heads
-        config = Qwen2Config(**{**_COMMON, "hidden_size": _COMMON["num_attention_heads"] * _COMMON["head_dim"]},
+        config = Qwen2Config(**{**common, "hidden_size": common["num_attention_heads"] * common["head_dim"]},
                              **ids)
         model_cls = Qwen2ForCausalLM
     else:
@@ -78,7 +81,7 @@ def make_tiny_checkpoint(out_dir: str | Path, kind: TinyKind = "moe", seed: int 
                 if name.endswith("_proj.bias"):
                     param.normal_(0.0, 0.5)
     model.save_pretrained(out, safe_serialization=True)
-    save_tokenizer(out, model_max_length=_COMMON["max_position_embeddings"])
+    save_tokenizer(out, model_max_length=positions)
     gen = {"bos_token_id": ids["bos_token_id"], "eos_token_id": ids["eos_token_id"],
            "pad_token_id": ids["pad_token_id"]}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")

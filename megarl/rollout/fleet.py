@@ -194,6 +194,28 @@ def _gpu_args(spec: FleetSpec) -> list[str]:
     return ["--gpu-memory-utilization", f"{spec.gpu_memory_utilization:g}"] if on_gpu(spec) else []
 
 
+CPU_STEP_TOKENS = 2048  # vLLM's own default token budget of one engine step for a CPU API server, per TP rank
+
+
+def _cpu_args(spec: FleetSpec) -> list[str]:
+    """vLLM's flags for CPU fleets only: no chunked prefill, and a step's token budget that holds the longest
+    sequence whole (`--max-num-batched-tokens`, at least vLLM's CPU default, 2,048 per TP rank). vLLM 0.32's model
+    runner rewinds a seeded request's generator after a step that prefilled only part of it (`_bookkeeping_sync`:
+    `gen.set_offset(...)`), which a CPU `torch.Generator` refuses ("CPU Generator does not use offset"): the worker
+    raises and the engine dies. megarl seeds every request, and a prefill is split whenever a step's new tokens
+    exceed the budget -- a batch of long prompts, or with `sync.inflight_kv=recompute` the re-prefill of every held
+    request after a push. Whole prefills never take that path. Never on GPUs: CUDA generators keep offsets, and
+    chunked prefill is what keeps decode going beside long prefills there."""
+    if on_gpu(spec):
+        return []
+    context = spec.max_model_len
+    if context is None:  # vLLM takes the model's own length (a directory without config.json: vLLM will say so)
+        config = Path(spec.model_dir) / "config.json"
+        context = json.loads(config.read_text()).get("max_position_embeddings") if config.is_file() else None
+    budget = max(CPU_STEP_TOKENS * spec.tp, context or 0)
+    return ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(budget)]
+
+
 def node_replicas(spec: FleetSpec) -> int:
     """How many replicas share this machine's cores: `spec.node_replicas`, else every replica up to this fleet's."""
     return spec.node_replicas or spec.first_replica + spec.replicas
@@ -236,7 +258,7 @@ def server_command(spec: FleetSpec, port: int) -> list[str]:
     (`megarl.rollout.fleet_auth`), the middleware that makes the server exit when its engine dies
     (`megarl.rollout.engine_death`) and the one that fails `/health` while its engine core hangs
     (`megarl.rollout.engine_probe`); eager or with CUDA graphs (`eager`), its context the run's longest sequence
-    (`FleetSpec.max_model_len`)."""
+    (`FleetSpec.max_model_len`); the device's own flags (`_gpu_args`, `_cpu_args`)."""
     length = ["--max-model-len", str(spec.max_model_len)] if spec.max_model_len else []
     slots = ["--max-num-seqs", str(spec.max_num_seqs)] if spec.max_num_seqs else []
     graphs = ["--enforce-eager"] if eager(spec) else []
@@ -246,7 +268,7 @@ def server_command(spec: FleetSpec, port: int) -> list[str]:
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(spec.model_dir), "--port", str(port), "--host", spec.host,
         "--tensor-parallel-size", str(spec.tp), "--dtype", spec.dtype, *graphs,
-        "--enable-scale-out", "--seed", "0", *length, *slots, *routes, *experts, *_gpu_args(spec),
+        "--enable-scale-out", "--seed", "0", *length, *slots, *routes, *experts, *_gpu_args(spec), *_cpu_args(spec),
         "--weight-transfer-config", json.dumps({"backend": BACKEND_NAME}),
         "--worker-extension-cls", "megarl.sync.vllm_receiver.MegarlWorkerExtension",
         "--middleware", f"{EngineProbeMiddleware.__module__}.{EngineProbeMiddleware.__name__}",
