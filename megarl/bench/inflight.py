@@ -2,10 +2,12 @@
 
 `megarl.bench.inflight_sim` simulates a push that does not wait for the tail: every replica pauses for the push
 (requests stay in the engine), generates on with the new version, unfinished groups join a later batch; a batch
-is formed from complete groups, and a group whose oldest token would be trained past the staleness bound
-(default m + n - 1) is dropped or aborted and counted (`--doomed finish`: never aborted, as the implementation:
-generated to its end, then dropped). Same engine model and constants as `megarl bench
-pipeline`'s and `megarl bench longtail`'s projections (`megarl.bench.pipeline_sim`, `megarl.bench.dispatch_sim`).
+is formed from complete groups -- by default megarl's rule (`megarl.rollout.partial`): the finished groups of the
+lowest (home batch, prompt); `--order completion`: the first to finish (AReaL's, megarl's first) -- and a group whose
+oldest token would be trained past the staleness bound (default m + n - 1) is dropped and counted (by default, as
+megarl, generated to its end and then dropped; `--doomed abort`: aborted as soon as it is doomed). Same engine model
+and constants as `megarl bench pipeline`'s and `megarl bench longtail`'s projections (`megarl.bench.pipeline_sim`,
+`megarl.bench.dispatch_sim`).
 
 Prints, per length model (per-sample, per-prompt):
   the 30B projection (Qwen3-30B-A3B, 8 replicas x TP 4 + 32 trainer GPUs, 72 x 16 responses up to 8,192 tokens):
@@ -36,10 +38,13 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--lengths", nargs="+", choices=("per-sample", "per-prompt"), default=["per-sample", "per-prompt"],
                    help="response-length models (dispatch_sim.guru_lengths)")
     p.add_argument("--bench-windows", type=int, default=16, help="windows of the longtail bench's setting")
-    p.add_argument("--doomed", choices=("abort", "finish"), default="abort",
-                   help="a group still generating that can only be trained past the bound: aborted at once (abort, "
-                        "the default) or generated to its end and dropped at the next take (finish: what "
-                        "megarl.rollout.partial implements)")
+    p.add_argument("--order", choices=("home", "completion"), default="home",
+                   help="which finished groups form a batch: those of the lowest (home batch, prompt) (home, the "
+                        "default: what megarl.rollout.partial implements) or the first to finish (completion)")
+    p.add_argument("--doomed", choices=("finish", "abort"), default="finish",
+                   help="a group still generating that can only be trained past the bound: generated to its end and "
+                        "dropped at the next take (finish, the default: what megarl.rollout.partial implements) or "
+                        "aborted at once (abort: not implemented in megarl)")
     p.add_argument("--out", type=Path, default=Path("docs/figures/bench_inflight.json"), help="JSON output")
     return p
 
@@ -51,11 +56,12 @@ def run(args: argparse.Namespace) -> int:
         print("megarl bench inflight: --steps must be >= 8 and --bench-windows >= 1", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
-    projection = inflight_projection(args.steps, tuple(args.lengths), args.doomed)
-    print(f"30B projection ({args.steps} steps a run, steady steps {projection['steady_steps']}, "
+    projection = inflight_projection(args.steps, tuple(args.lengths), args.doomed, args.order)
+    print(f"30B projection (batch order {args.order}, doomed groups: {args.doomed}; {args.steps} steps a run, steady "
+          f"steps {projection['steady_steps']}, "
           f"{time.perf_counter() - t0:.0f} s):")
     print(projection_markdown(projection))
-    bench = bench_setting(windows=args.bench_windows, doomed=args.doomed)
+    bench = bench_setting(windows=args.bench_windows, doomed=args.doomed, order=args.order)
     print("\nmegarl bench longtail's setting (2 replicas, 16 prompts x 4, 10% to 256 tokens, else 16; one decode step "
           f"a second, no per-sequence cost; no trainer or push cost; windows 1..{args.bench_windows} of 4 batches):")
     print(bench_markdown(bench))
