@@ -11,6 +11,7 @@ import pytest
 from megarl.bench import inflight_sim
 from megarl.bench import pipeline_sim as cluster
 from megarl.bench.dispatch_sim import CLUSTER_COSTS, EngineCosts, guru_lengths, simulate_window
+from megarl.bench.inflight_sim import fleet_setting
 from megarl.sync.schedule import SyncSchedule
 
 STEP = EngineCosts(step_s=1.0, per_seq_s=0.0, prefill_per_seq_s=0.0)  # one second a decode step, nothing else
@@ -88,6 +89,8 @@ def test_inflight_by_hand_a_long_response_crosses_a_push():
     assert [g.replica for g in r.groups] == [0, 1, 1, 0] and r.pushes == [(6, 7), (13, 14)]
     # idle: r0 9-13 and 17-22; r1 2-6, 10-13 and 14-22 (pauses 6-7 and 13-14 are not idle)
     assert r.replica_idle == [[(9, 13), (17, 22)], [(2, 6), (10, 13), (14, 22)]]
+    # decoding (the fleet bench's measure: neither idle nor paused): r0 0-6, 7-9, 14-17; r1 0-2, 7-10: 11 + 5 s
+    assert fleet_setting.decoding_s(r, 0, 4) == pytest.approx(16.0)
     assert (r.dropped, r.aborted) == (0, 0)
     # today's queue on the same batches (the push waits for the tail, batch k = prompt batch k): batch 0 = g0 at 8,
     # trains 8-12; push 12-13, g2 13-16 on r0; batch 1 = g1 trains 13-17; push 17-18, g3 18-21; batch 2 = g2 trains
@@ -192,6 +195,7 @@ def test_inflight_by_hand_home_order_vs_completion_order_with_two_groups_a_batch
         assert [s.groups for s in r.steps] == expected[order], order
         assert [s.end for s in r.steps] == pytest.approx([11, 22, 32, 43])
         assert [s.tokens_by_lag for s in r.steps] == lags[order]
+        assert [s.pooled for s in r.steps] == [2, 3, 3, 2]  # scored groups within the bound at each take
         assert (r.dropped, r.aborted, r.wasted_tokens) == (1, 0, 30.0)
         assert r.groups[0].fate == "dropped" and r.groups[0].taken_at == 3 and len(r.groups) == 9
         assert r.pushes == [(11, 12)]

@@ -60,6 +60,8 @@ def summarize(r: InflightResult, first: int, last: int, stream_mean: float) -> d
         "mean_lag": sum(k * v for k, v in lags.items()),
         "max_lag": max(lags) if lags else 0,
         "responses_spanning_versions": sum(s.responses_spanning for s in steps) / sum(s.responses for s in steps),
+        "takes_with_choice": sum(s.pooled > r.prompts for s in steps) / len(steps),  # more than P scored groups
+        #                    within the bound at the take: only there does the batch order matter
         "dropped_groups": r.dropped,
         "aborted_groups": r.aborted,
         "groups_admitted": len(r.groups),

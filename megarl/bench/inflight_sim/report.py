@@ -19,8 +19,8 @@ def projection_markdown(result: dict) -> str:
             "| controller | sync (m, n) | bound | admission | KV | steady s/step | vs sequential | vs colocated | "
             "vs (8, 1) today | trainer idle | replica idle | engine occupancy | token lag 0 / 1 / 2 / 3+ | max lag | "
             "responses spanning versions | dropped + aborted groups (of admitted) | tokens wasted | "
-            "trained mean length (bias) |",
-            "|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---|---:|---|",
+            "trained mean length (bias) | takes with more than P pooled |",
+            "|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---|---:|---|---:|",
         ]
         for r in sc["rows"]:
             share = {int(k): v for k, v in r["lag_share"].items()}
@@ -33,7 +33,7 @@ def projection_markdown(result: dict) -> str:
                 f"{share.get(0, 0):.0%} / {share.get(1, 0):.0%} / {share.get(2, 0):.0%} / {three:.0%} | "
                 f"{r['max_lag']} | {r['responses_spanning_versions']:.0%} | {r['dropped_groups']} + "
                 f"{r['aborted_groups']} (of {r['groups_admitted']}) | {r['wasted_token_share']:.1%} | "
-                f"{r['trained_mean_length']:.0f} ({r['length_bias']:+.1%}) |")
+                f"{r['trained_mean_length']:.0f} ({r['length_bias']:+.1%}) | {r['takes_with_choice']:.0%} |")
     return "\n".join(lines)
 
 

@@ -82,6 +82,7 @@ class StepOut:
     tokens_by_lag: dict[int, float]  # response tokens trained at each lag (step - token version)
     responses: int
     responses_spanning: int  # responses whose tokens come from more than one version
+    pooled: int = 0  # scored groups within the bound when the batch was formed: above P, the batch order chose
 
 
 @dataclass
@@ -368,10 +369,12 @@ def simulate_inflight(
                 for v, n in per.items():
                     lags[k - v] = lags.get(k - v, 0.0) + n
         response_lengths = [n for g in batch for n in g.lengths]
+        pooled = len(batch) + sum(1 for at, gid in ready if at <= t + _EPS and groups[gid].fate == "generating"
+                                  and k - groups[gid].version <= bound)
         train_s = float(train(response_lengths)) if callable(train) else float(train)
         until = t + train_s
         out.steps.append(StepOut(step_start, until, t - step_start - step_push, step_push, train_s,
-                                 tuple(g.gid for g in batch), lags, len(response_lengths), spanning))
+                                 tuple(g.gid for g in batch), lags, len(response_lengths), spanning, pooled))
         sweep(k + 1)
         state = "train"
 
