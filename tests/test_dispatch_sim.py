@@ -201,6 +201,17 @@ def test_inflight_by_hand_home_order_vs_completion_order_with_two_groups_a_batch
         assert r.pushes == [(11, 12)]
 
 
+def test_fleet_check_takes_the_steady_steps_pushes():
+    # `megarl bench inflight-fleet`'s defaults: sync (1, 2), 12 steps, steady from step 2; its worker's end is
+    # 12 + 1 + 2 = 15, so it pushes at steps 1..11 (version 0 is pushed before the run and not listed): 11 pushes,
+    # listed in step order; the steady ones are steps 2..11, i.e. the 2nd to 11th: seconds 1..10, mean 5.5
+    measured = {"spec": {"interval": 1, "offset": 2, "steps": 12, "skip": 2}}
+    run = {"first_batch": 0, "pushes": [{"seconds": float(i)} for i in range(11)]}
+    assert fleet_setting.steady_push_s(measured, run) == pytest.approx(5.5)
+    with pytest.raises(ValueError, match="10 pushes recorded"):
+        fleet_setting.steady_push_s(measured, {"first_batch": 0, "pushes": run["pushes"][:10]})
+
+
 def test_sequence_slots_admit_a_group_when_enough_sequences_ended():
     # one replica, 2 groups of 2 samples in flight: g0 (1, 9), g1 (1, 9), g2 (2, 2). Group slots: g2 waits for a
     # group to end (t = 9), ends at 11. Sequence slots (4): two sequences end at t = 1, g2 starts then, ends at 3.

@@ -11,7 +11,8 @@ group slots) and trainer step (`train_s`), over the same steady steps. The assum
             the replica holds; `tail+latency`, a decode step of `TAIL_STEP_S` (the tail's pace, measured by
             `megarl bench longtail`) plus a fixed latency per request (the call, the scheduling, the prefill), as
             extra decode steps of that request alone (it delays the request, not the others).
-  push      each run's own measured mean push seconds (an input: the simulation does not model the push's cost).
+  push      each run's own measured mean push seconds over its steady steps (an input: the simulation does not model
+            the push's cost); as in the bench, the fleet generates and pushes up to batch `steps + m + n`.
   free      scoring and the KV re-prefill after a push (responses of 8-120 tokens on a tiny model).
 `sweep` shows how the drops depend on the decode step's cost (no latency), under both batch orders.
 """
@@ -63,13 +64,25 @@ def simulate_run(measured: dict[str, Any], run: dict[str, Any], engine: Engine, 
     from megarl.config.schema import chunks_in_flight
 
     spec, replicas = _spec(measured), int(measured["args"]["replicas"])
-    push_s = statistics.fmean(p["seconds"] for p in run["pushes"])
     first, extra = run["first_batch"], engine.latency_steps
+    end = spec.steps + spec.interval + spec.offset  # the bench's worker generates (and pushes) past its last step
     return simulate_inflight(
-        SyncSchedule(spec.interval, spec.offset), spec.steps, replicas,
-        lambda j: [[n + extra for n in g] for g in spec.set_lengths(first + j)], engine.costs, spec.train_s, push_s,
-        0.0, chunks_in_flight(spec.prompts, replicas, 1), "groups", spec.staleness_bound,
+        SyncSchedule(spec.interval, spec.offset), end, replicas,
+        lambda j: [[n + extra for n in g] for g in spec.set_lengths(first + j)], engine.costs, spec.train_s,
+        steady_push_s(measured, run), 0.0, chunks_in_flight(spec.prompts, replicas, 1), "groups", spec.staleness_bound,
         quiesce=run["mode"] == "queue", doomed=doomed, order=order)
+
+
+def steady_push_s(measured: dict[str, Any], run: dict[str, Any]) -> float:
+    """The mean of the run's measured pushes in its steady steps (the bench pushes at each step `push_at_step` names
+    a batch below its end, `steps + m + n`; the initial push of version 0 is not in the list)."""
+    spec = _spec(measured)
+    schedule, end = SyncSchedule(spec.interval, spec.offset), spec.steps + spec.interval + spec.offset
+    at = [k for k in range(spec.steps) if (b := schedule.push_at_step(k)) is not None and b < end]
+    if len(at) != len(run["pushes"]):
+        raise ValueError(f"run from batch {run['first_batch']}: {len(run['pushes'])} pushes recorded, the schedule "
+                         f"({spec.interval}, {spec.offset}) makes {len(at)} (a bench file of another version?)")
+    return statistics.fmean(p["seconds"] for k, p in zip(at, run["pushes"], strict=True) if k >= spec.skip)
 
 
 def trained(r: InflightResult, engine: Engine, first: int, last: int) -> list[int]:
@@ -122,7 +135,8 @@ def _figures(measured: dict[str, Any], engine: Engine, order: str, doomed: str) 
             "dropped": sum(g.fate in ("dropped", "aborted") and g.taken_at is not None and g.taken_at >= k0
                            for g in r.groups),
             "trained_long": sum(n >= spec.long_tokens for n in lengths), "trained_mean": statistics.fmean(lengths),
-            "wait_share": sum(s.wait_s for s in r.steps[k0:last]) / (hi - lo)}
+            "wait_share": max(0.0, sum(s.wait_s for s in r.steps[k0:last]) / (hi - lo)),
+            "pooled_mean": statistics.fmean(s.pooled for s in r.steps[k0:last])}  # scored groups at a take
     return out
 
 
@@ -133,8 +147,7 @@ def compare(measured: dict[str, Any], kind: str, order: str = "home", doomed: st
     sim = _figures(measured, engine, order, doomed)
     rows = []
     for run in measured["runs"]:
-        rows.append({"mode": run["mode"], "first_batch": run["first_batch"],
-                     "push_s": statistics.fmean(p["seconds"] for p in run["pushes"]),
+        rows.append({"mode": run["mode"], "first_batch": run["first_batch"], "push_s": steady_push_s(measured, run),
                      "measured": {"wall_per_batch_s": run["wall_per_batch_s"], "dropped": run["dropped_groups"],
                                   "trained_long": run["lengths"]["trained"]["long"],
                                   "trained_mean": run["lengths"]["trained"]["mean"], "wait_share": run["wait_share"]},

@@ -25,6 +25,7 @@ def projection_markdown(result: dict) -> str:
         for r in sc["rows"]:
             share = {int(k): v for k, v in r["lag_share"].items()}
             three = sum(v for k, v in share.items() if k >= 3)
+            choice = "-" if r["controller"] == "queue" else f"{r['takes_with_choice']:.0%}"  # queue: batch k = home k
             lines.append(
                 f"| {r['controller']} | ({r['interval']}, {r['offset']}) | {r['bound']} | {r['admit']} | {r['kv']} | "
                 f"{r['steady_step_s']:.1f} | {r['vs_sequential']:.2f}x | {r['vs_colocated']:.2f}x | "
@@ -33,7 +34,7 @@ def projection_markdown(result: dict) -> str:
                 f"{share.get(0, 0):.0%} / {share.get(1, 0):.0%} / {share.get(2, 0):.0%} / {three:.0%} | "
                 f"{r['max_lag']} | {r['responses_spanning_versions']:.0%} | {r['dropped_groups']} + "
                 f"{r['aborted_groups']} (of {r['groups_admitted']}) | {r['wasted_token_share']:.1%} | "
-                f"{r['trained_mean_length']:.0f} ({r['length_bias']:+.1%}) | {r['takes_with_choice']:.0%} |")
+                f"{r['trained_mean_length']:.0f} ({r['length_bias']:+.1%}) | {choice} |")
     return "\n".join(lines)
 
 

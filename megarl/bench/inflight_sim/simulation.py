@@ -369,8 +369,9 @@ def simulate_inflight(
                 for v, n in per.items():
                     lags[k - v] = lags.get(k - v, 0.0) + n
         response_lengths = [n for g in batch for n in g.lengths]
-        pooled = len(batch) + sum(1 for at, gid in ready if at <= t + _EPS and groups[gid].fate == "generating"
-                                  and k - groups[gid].version <= bound)
+        pooled = len(batch) if quiesce else len(batch) + sum(  # quiesce: batch k is prompt batch k, no choice
+            1 for at, gid in ready if at <= t + _EPS and groups[gid].fate == "generating" and k - groups[gid].version
+            <= bound)
         train_s = float(train(response_lengths)) if callable(train) else float(train)
         until = t + train_s
         out.steps.append(StepOut(step_start, until, t - step_start - step_push, step_push, train_s,
