@@ -52,9 +52,14 @@ class Engine:
 
 
 def _spec(measured: dict[str, Any]):  # -> FleetBenchSpec
+    """The bench's spec (fields it did not have yet take their defaults; fields this tree does not know are
+    ignored: none of them changes the lengths, the schedule or the trainer step)."""
+    from dataclasses import fields
+
     from megarl.bench.inflight_fleet import FleetBenchSpec
 
-    return FleetBenchSpec(**measured["spec"])
+    known = {f.name for f in fields(FleetBenchSpec)}
+    return FleetBenchSpec(**{k: v for k, v in measured["spec"].items() if k in known})
 
 
 def simulate_run(measured: dict[str, Any], run: dict[str, Any], engine: Engine, order: str = "home",
