@@ -37,11 +37,14 @@ The rules, for `S = SyncSchedule(m, n)`, K steps, R replicas, P prompts (groups 
            its place in the admission limit, and is dropped at the first take after it is scored. With
            `doomed='abort'` (a possible later improvement, not implemented) it is aborted (counted, its tokens
            wasted) when step k starts waiting (k - v > bound) and once batch k is formed (k + 1 - v > bound).
-           Then the trainer trains for `train(lengths of the batch's responses)` seconds.
+           Then the trainer trains for `train(lengths of the batch's responses)` seconds. The order only matters
+           when more than P scored groups within the bound are pooled at the take (`StepOut.pooled`): when the
+           trainer reaches the take before P are, the batch forms as the P-th is scored, the same under either.
   control  `quiesce=True`, today's controller on the same engine: a push first waits until every admitted group
            is generated, the fleet admits only prompt batches < `S.generation_limit`, and batch k is prompt batch k.
 Pure Python, deterministic. `megarl.bench.inflight_sim.projection` turns it into the 30B projection,
-`megarl.bench.inflight_sim.longtail_setting` simulates the CPU bench's setting.
+`megarl.bench.inflight_sim.longtail_setting` simulates the CPU bench's setting, and
+`megarl.bench.inflight_sim.fleet_setting` the in-flight fleet bench's, against its measured runs.
 """
 
 from __future__ import annotations
