@@ -11,6 +11,7 @@ import pytest
 from megarl.bench import inflight_sim
 from megarl.bench import pipeline_sim as cluster
 from megarl.bench.dispatch_sim import CLUSTER_COSTS, EngineCosts, guru_lengths, simulate_window
+from megarl.bench.inflight_sim import fleet_setting
 from megarl.sync.schedule import SyncSchedule
 
 STEP = EngineCosts(step_s=1.0, per_seq_s=0.0, prefill_per_seq_s=0.0)  # one second a decode step, nothing else
@@ -88,6 +89,8 @@ def test_inflight_by_hand_a_long_response_crosses_a_push():
     assert [g.replica for g in r.groups] == [0, 1, 1, 0] and r.pushes == [(6, 7), (13, 14)]
     # idle: r0 9-13 and 17-22; r1 2-6, 10-13 and 14-22 (pauses 6-7 and 13-14 are not idle)
     assert r.replica_idle == [[(9, 13), (17, 22)], [(2, 6), (10, 13), (14, 22)]]
+    # decoding (the fleet bench's measure: neither idle nor paused): r0 0-6, 7-9, 14-17; r1 0-2, 7-10: 11 + 5 s
+    assert fleet_setting.decoding_s(r, 0, 4) == pytest.approx(16.0)
     assert (r.dropped, r.aborted) == (0, 0)
     # today's queue on the same batches (the push waits for the tail, batch k = prompt batch k): batch 0 = g0 at 8,
     # trains 8-12; push 12-13, g2 13-16 on r0; batch 1 = g1 trains 13-17; push 17-18, g3 18-21; batch 2 = g2 trains
@@ -99,11 +102,12 @@ def test_inflight_by_hand_a_long_response_crosses_a_push():
 
 
 def test_inflight_by_hand_a_group_past_the_bound_is_aborted():
-    # as above with g0 10 tokens: at t = 10 g2 (v1) ends first and forms batch 1; g0 (9 tokens, version 0) could
-    # only be trained at step 2 or later, lag 2 > bound 1: aborted, 9 tokens wasted, and a new group admitted in
-    # its place (limit (1 + 2) x 1 + 1 lost): g3 (v1) at 10 on r0, ends at 13. Step 2: push 14-15, batch 2 = g3
-    # (lag 1) at 15, trains 15-19; g4 (v2) admitted at 15, ends at 18; step 3 trains it 19-23.
-    r = _run(SyncSchedule(1, 1), 4, [10, 2, 3, 3, 3, 3], 4.0, 1.0)
+    # (`doomed='abort'`, not megarl's rule: a possible later improvement) as above with g0 10 tokens: at t = 10 g2 (v1)
+    # ends first and forms batch 1; g0 (9 tokens, version 0) could only be trained at step 2 or later, lag 2 > bound 1:
+    # aborted, 9 tokens wasted, and a new group admitted in its place (limit (1 + 2) x 1 + 1 lost): g3 (v1) at 10 on r0,
+    # ends at 13. Step 2: push 14-15, batch 2 = g3 (lag 1) at 15, trains 15-19; g4 (v2) admitted at 15, ends at 18; step
+    # 3 trains it 19-23.
+    r = _run(SyncSchedule(1, 1), 4, [10, 2, 3, 3, 3, 3], 4.0, 1.0, doomed="abort")
     assert [s.groups for s in r.steps] == [(1,), (2,), (3,), (4,)]
     assert [s.end for s in r.steps] == pytest.approx([6, 14, 19, 23])
     assert (r.dropped, r.aborted, r.wasted_tokens) == (0, 1, pytest.approx(9.0))
@@ -111,36 +115,101 @@ def test_inflight_by_hand_a_group_past_the_bound_is_aborted():
 
 
 def test_inflight_by_hand_doomed_finish_generates_the_group_to_its_end_then_drops_it():
-    # the case above under the implemented rule (`doomed='finish'`, megarl.rollout.partial): g0 (10 tokens, v0) is
-    # not aborted when batch 1 = g2 forms at 10 (trains 10-14); it goes on to its end at 11 (6 tokens at v0 before
-    # the push 6-7, 4 after), holding r0 and its place in the limit ((1 + 2) x 1: nothing more is admitted at v1).
-    # Step 2: push 14-15; at 15 the take drops g0 (scored at 11, lag 2 > 1), so v2's limit (2 + 2) x 1 + 1 dropped
-    # admits g3 on r0 and g4 on r1, both 15-18; batch 2 = g3 (finished first: replica order) trains 18-22, step 3
-    # (no push) trains g4 22-26. The abort rule's run ends at 23, this one at 26.
-    r = _run(SyncSchedule(1, 1), 4, [10, 2, 3, 3, 3, 3], 4.0, 1.0, doomed="finish")
-    assert [s.groups for s in r.steps] == [(1,), (2,), (3,), (4,)]
-    assert [s.end for s in r.steps] == pytest.approx([6, 14, 22, 26])
+    # the case above under the implemented rule (`doomed='finish'`, the default, megarl.rollout.partial): g0 (10 tokens,
+    # v0) is not aborted when batch 1 = g2 forms at 10 (trains 10-14); it goes on to its end at 11 (6 tokens at v0
+    # before the push 6-7, 4 after), holding r0 and its place in the limit ((1 + 2) x 1: nothing more is admitted at
+    # v1). Step 2: push 14-15; at 15 the take drops g0 (scored at 11, lag 2 > 1), so v2's limit (2 + 2) x 1 + 1 dropped
+    # admits g3 on r0 and g4 on r1, both 15-18; batch 2 = g3 (finished first: replica order) trains 18-22, step 3 (no
+    # push) trains g4 22-26. The abort rule's run ends at 23, this one at 26. Both batch orders agree (at 18, g3 is
+    # both the lower (home batch, prompt) and the first in replica order).
+    for order in ("home", "completion"):
+        r = _run(SyncSchedule(1, 1), 4, [10, 2, 3, 3, 3, 3], 4.0, 1.0, order=order)
+        assert [s.groups for s in r.steps] == [(1,), (2,), (3,), (4,)]
+        assert [s.end for s in r.steps] == pytest.approx([6, 14, 22, 26])
     assert (r.dropped, r.aborted, r.wasted_tokens) == (1, 0, pytest.approx(10.0))
     assert r.groups[0].fate == "dropped" and r.groups[0].done_at == pytest.approx(11.0)
     assert [g.replica for g in r.groups[3:]] == [0, 1] and r.pushes == [(6, 7), (14, 15)]
     with pytest.raises(ValueError, match="doomed"):
         _run(SyncSchedule(1, 1), 4, [2, 2], 4.0, 1.0, doomed="keep")
+    with pytest.raises(ValueError, match="order"):
+        _run(SyncSchedule(1, 1), 4, [2, 2], 4.0, 1.0, order="first")
 
 
 def test_inflight_by_hand_a_complete_group_past_the_bound_is_dropped():
-    # sync (1, 2), bound 2, train 10 s, push 1 s. v0 may admit 3 groups: g0 (15 tokens) on r0, g1 (1) on r1, then g2
+    # the completion order (AReaL's rule, megarl's first): sync (1, 2), bound 2, train 10 s, push 1 s. v0 may admit 3
+    # groups: g0 (15 tokens) on r0, g1 (1) on r1, then g2
     # (1) on r1 at t = 1. Batch 0 = g1 at 1, trains 1-11. Step 1: push 11-12 (g0 has 11 tokens), g3 (v1) on r1
     # 12-13 (limit (1 + 3) x 1); batch 1 = g2 (v0, lag 1) at 12, trains 12-22; g0 ends at 16. Step 2 (no push: it
     # would precede batch 4 >= K) takes the first complete group, g3 (13) before g0 (16), trains 22-32. Step 3: g0 is
     # complete but its lag would be 3 > 2: dropped, 15 tokens wasted, a group admitted in its place: g4 (v1) on r0
-    # 32-33; batch 3 = g4 (lag 2), trains 33-43.
-    r = _run(SyncSchedule(1, 2), 4, [15, 1, 1, 1, 1, 1, 1], 10.0, 1.0)
-    assert [s.groups for s in r.steps] == [(1,), (2,), (3,), (4,)]
-    assert [s.end for s in r.steps] == pytest.approx([11, 22, 32, 43])
-    assert (r.dropped, r.aborted, r.wasted_tokens) == (1, 0, pytest.approx(15.0))
-    assert r.groups[0].fate == "dropped" and r.groups[0].done_at == pytest.approx(16.0)
-    assert [s.tokens_by_lag for s in r.steps] == [{0: 1}, {1: 1}, {1: 1}, {2: 1}]
-    assert r.groups[4].replica == 0 and r.pushes == [(11, 12)]
+    # 32-33; batch 3 = g4 (lag 2), trains 33-43. Both doomed rules alike (g0 is never doomed while generating).
+    for doomed in ("abort", "finish"):
+        r = _run(SyncSchedule(1, 2), 4, [15, 1, 1, 1, 1, 1, 1], 10.0, 1.0, order="completion", doomed=doomed)
+        assert [s.groups for s in r.steps] == [(1,), (2,), (3,), (4,)]
+        assert [s.end for s in r.steps] == pytest.approx([11, 22, 32, 43])
+        assert (r.dropped, r.aborted, r.wasted_tokens) == (1, 0, pytest.approx(15.0))
+        assert r.groups[0].fate == "dropped" and r.groups[0].done_at == pytest.approx(16.0)
+        assert r.groups[0].taken_at == 3
+        assert [s.tokens_by_lag for s in r.steps] == [{0: 1}, {1: 1}, {1: 1}, {2: 1}]
+        assert r.groups[4].replica == 0 and r.pushes == [(11, 12)]
+
+
+def test_inflight_by_hand_the_home_order_takes_the_oldest_finished_group_first():
+    # the case above under megarl's rule (`order='home'`, `GroupPool.form`: the lowest (home batch, prompt) first),
+    # the default. Up to step 2 nothing differs (one scored group at each take). At step 2 (t = 22) two groups are
+    # scored: g3 (home batch 3, finished at 13) and g0 (home batch 0, finished at 16, oldest token v0: lag 2 <= 2).
+    # The home order takes g0: 11 tokens decoded under v0 (0-11) at lag 2, 4 under v1 (12-16) at lag 1; trains 22-32.
+    # Nothing is dropped, so the limit stays (1 + 3) x 1 = 4 and nothing more is admitted; step 3 (t = 32) takes g3
+    # (v1, lag 2), trains 32-42. The long response is trained, not dropped, and the run ends 1 s sooner (no group
+    # admitted and generated in g0's place).
+    for doomed in ("finish", "abort"):
+        r = _run(SyncSchedule(1, 2), 4, [15, 1, 1, 1, 1, 1, 1], 10.0, 1.0, doomed=doomed)
+        assert [s.groups for s in r.steps] == [(1,), (2,), (0,), (3,)]
+        assert [s.end for s in r.steps] == pytest.approx([11, 22, 32, 42])
+        assert (r.dropped, r.aborted, r.wasted_tokens) == (0, 0, 0.0)
+        assert [s.tokens_by_lag for s in r.steps] == [{0: 1}, {1: 1}, {2: 11, 1: 4}, {2: 1}]
+        assert [s.responses_spanning for s in r.steps] == [0, 0, 1, 0]
+        assert len(r.groups) == 4 and r.trained_lengths(0, 4) == [1, 1, 15, 1]
+
+
+def test_inflight_by_hand_home_order_vs_completion_order_with_two_groups_a_batch():
+    # P = 2 groups a batch, one replica holding up to 6 groups (it decodes all it holds, a token a second each),
+    # sync (1, 2), bound 2, K = 4 (one push, at step 1), train 10 s, push 1 s, score 0. Home batches: 0 = g0 (30
+    # tokens), g1 (1); 1 = g2 (5), g3 (3); 2 = g4 (1), g5 (2); 3 = g6 (1), g7 (1); 4 = g8 (1), g9 (1).
+    # t = 0: v0 may start (0 + 2 + 1) x 2 = 6 groups: g0-g5. g1, g4 end at 1 -> batch 0 = g1, g4 (the only two
+    # scored, either order), trains 1-11. g5 ends at 2, g3 at 3, g2 at 5. Step 1: push 11-12 (g0 has 11 tokens).
+    # At 12 three groups are scored, g2 (at 5), g3 (3), g5 (2):
+    #   home order: the lowest (home, prompt), g2 and g3;  completion order: the first two to finish, g5 and g3.
+    # Batch 1 trains 12-22. After the push v1 may start (1 + 3) x 2 = 8: g6, g7 at 12, both end at 13; g0 (v0)
+    # ends at 31. Step 2 (t = 22, no push): home order pools g5, g6, g7 and takes g5, g6; completion order pools g2,
+    # g6, g7 and takes g2, g6 (g6 before g7: they end together, g6 is the replica's earlier entry). Trains 22-32.
+    # Step 3 (t = 32): g0 is scored (31) but its oldest token would be at lag 3 > 2: dropped first (both orders,
+    # `doomed='finish'`: it was generated to its end), 30 tokens wasted; the pool holds g7 alone, and the drop lets
+    # the fleet start one more ((1 + 3) x 2 + 1 = 9): g8 (v1) at 32, ends at 33 -> batch 3 = g7, g8, trains 33-43.
+    batches = [[[30], [1]], [[5], [3]], [[1], [2]], [[1], [1]], [[1], [1]]]
+    expected = {"home": [(1, 4), (2, 3), (5, 6), (7, 8)], "completion": [(1, 4), (5, 3), (2, 6), (7, 8)]}
+    lags = {"home": [{0: 2}, {1: 8}, {2: 2, 1: 1}, {2: 2}], "completion": [{0: 2}, {1: 5}, {2: 5, 1: 1}, {2: 2}]}
+    for order in ("home", "completion"):
+        r = inflight_sim.simulate_inflight(SyncSchedule(1, 2), 4, 1, lambda j: batches[j], STEP, 10.0, 1.0, 0.0, 6,
+                                           order=order)
+        assert [s.groups for s in r.steps] == expected[order], order
+        assert [s.end for s in r.steps] == pytest.approx([11, 22, 32, 43])
+        assert [s.tokens_by_lag for s in r.steps] == lags[order]
+        assert [s.pooled for s in r.steps] == [2, 3, 3, 2]  # scored groups within the bound at each take
+        assert (r.dropped, r.aborted, r.wasted_tokens) == (1, 0, 30.0)
+        assert r.groups[0].fate == "dropped" and r.groups[0].taken_at == 3 and len(r.groups) == 9
+        assert r.pushes == [(11, 12)]
+
+
+def test_fleet_check_takes_the_steady_steps_pushes():
+    # `megarl bench inflight-fleet`'s defaults: sync (1, 2), 12 steps, steady from step 2; its worker's end is
+    # 12 + 1 + 2 = 15, so it pushes at steps 1..11 (version 0 is pushed before the run and not listed): 11 pushes,
+    # listed in step order; the steady ones are steps 2..11, i.e. the 2nd to 11th: seconds 1..10, mean 5.5
+    measured = {"spec": {"interval": 1, "offset": 2, "steps": 12, "skip": 2}}
+    run = {"first_batch": 0, "pushes": [{"seconds": float(i)} for i in range(11)]}
+    assert fleet_setting.steady_push_s(measured, run) == pytest.approx(5.5)
+    with pytest.raises(ValueError, match="10 pushes recorded"):
+        fleet_setting.steady_push_s(measured, {"first_batch": 0, "pushes": run["pushes"][:10]})
 
 
 def test_sequence_slots_admit_a_group_when_enough_sequences_ended():

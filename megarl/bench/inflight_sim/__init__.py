@@ -7,6 +7,7 @@
     projection        the 30B projection: its assumptions, the rows (controller, schedule, admission, KV) and their
                       steady figures, the decode-split sensitivity
     longtail_setting  `megarl bench longtail`'s setting, in decode steps
+    fleet_setting     `megarl bench inflight-fleet`'s setting, simulated against its measured runs (`--fleet-check`)
     report            the markdown tables `megarl bench inflight` prints
 
 The names its callers use are imported here.

@@ -15,7 +15,7 @@ UNIT_STEP = EngineCosts(step_s=1.0, per_seq_s=0.0, prefill_per_seq_s=0.0)  # sec
 
 def bench_setting(windows: int = 4, window: int = 4, replicas: int = 2, prompts: int = 16, samples: int = 4,
                   long_share: float = 0.1, long_tokens: int = 256, short_tokens: int = 16,
-                  costs: EngineCosts = UNIT_STEP, doomed: str = "abort") -> dict:
+                  costs: EngineCosts = UNIT_STEP, doomed: str = "finish", order: str = "home") -> dict:
     """`megarl bench longtail`'s task (the same batches: `longtail.long_prompts`), windows 1..`windows` of `window`
     batches on `replicas` replicas: static and queue per window as the bench runs them (`dispatch_sim`), and the
     same batches as one run with no trainer cost, pushes of no cost at each window (`sync (window, 0)`): today's
@@ -43,7 +43,7 @@ def bench_setting(windows: int = 4, window: int = 4, replicas: int = 2, prompts:
         (f"in-flight, sync ({window}, 1), bound {window}", 1, None, False),
     ):
         r = simulate_inflight(SyncSchedule(window, offset), steps, replicas, batch, costs, 0.0, 0.0, 0.0, flight,
-                              "groups", bound, quiesce=quiesce, doomed=doomed)
+                              "groups", bound, quiesce=quiesce, doomed=doomed, order=order)
         lo, hi = r.window(window, steps)
         runs.append({"run": name, "per_batch": (hi - lo) / (steps - window), "dropped": r.dropped,
                      "aborted": r.aborted, "replica_idle": r.replica_idle_fraction(window, steps),

@@ -36,11 +36,11 @@ def _lengths(per_prompt: bool) -> Callable[[int], list[list[int]]]:
 
 def project_inflight(m: int, n: int, per_prompt: bool = False, admit: str = "sequences", kv: str = "keep",
                      steps: int = 64, bound: int | None = None, quiesce: bool = False,
-                     costs: EngineCosts = CLUSTER_COSTS, doomed: str = "abort") -> InflightResult:
+                     costs: EngineCosts = CLUSTER_COSTS, doomed: str = "finish", order: str = "home") -> InflightResult:
     return simulate_inflight(
         SyncSchedule(m, n), steps, cluster.REPLICAS, _lengths(per_prompt), costs, cluster.train_seconds,
         cluster.PUSH_S, SCORE_GROUP_S, IN_FLIGHT, admit, bound, kv, cluster.PROMPT_TOKENS, RECOMPUTE_PER_TOKEN_S,
-        quiesce=quiesce, doomed=doomed)
+        quiesce=quiesce, doomed=doomed, order=order)
 
 
 def summarize(r: InflightResult, first: int, last: int, stream_mean: float) -> dict:
@@ -60,6 +60,8 @@ def summarize(r: InflightResult, first: int, last: int, stream_mean: float) -> d
         "mean_lag": sum(k * v for k, v in lags.items()),
         "max_lag": max(lags) if lags else 0,
         "responses_spanning_versions": sum(s.responses_spanning for s in steps) / sum(s.responses for s in steps),
+        "takes_with_choice": sum(s.pooled > r.prompts for s in steps) / len(steps),  # more than P scored groups
+        #                    within the bound at the take: only there does the batch order matter
         "dropped_groups": r.dropped,
         "aborted_groups": r.aborted,
         "groups_admitted": len(r.groups),
@@ -79,13 +81,15 @@ ROWS = (  # (controller, sync (m, n), admission, KV)
 
 
 def inflight_projection(steps: int = 64, lengths: Sequence[str] = ("per-sample", "per-prompt"),
-                        doomed: str = "abort") -> dict:
-    """The 30B projection: the sequential controller, today's best pipelined schedule (static shares,
-    `pipeline_sim`), the colocated synchronous baseline on the same 64 GPUs, today's queue on the engine model
-    (the control: pushes wait for the tail) and in-flight + partial rollouts, per schedule and admission policy;
-    steady = steps [K/4, 3K/4). Every row on the same batches (`dispatch_sim.guru_lengths`)."""
+                        doomed: str = "finish", order: str = "home") -> dict:
+    """The 30B projection (batch rule `order` / `doomed`, by default megarl's: `simulate_inflight`): the sequential
+    controller, today's best pipelined schedule (static shares, `pipeline_sim`), the colocated synchronous baseline
+    on the same 64 GPUs, today's queue on the engine model (the control: pushes wait for the tail) and in-flight +
+    partial rollouts, per schedule and admission policy; steady = steps [K/4, 3K/4). Every row on the same batches
+    (`dispatch_sim.guru_lengths`)."""
     first, last = steps // 4, 3 * steps // 4
-    out: dict = {"steps": steps, "steady_steps": [first, last], "assumptions": assumptions(), "scenarios": []}
+    out: dict = {"steps": steps, "steady_steps": [first, last], "order": order, "doomed": doomed,
+                 "assumptions": assumptions(), "scenarios": []}
     for name in lengths:
         per_prompt = name == "per-prompt"
         stream = statistics.fmean(n for j in range(first, last) for g in guru_lengths(j, per_prompt) for n in g)
@@ -102,11 +106,12 @@ def inflight_projection(steps: int = 64, lengths: Sequence[str] = ("per-sample",
         base["colocated_free_switch_step_s"] = base["colocated_step_s"] - base["colocated_parts_s"]["switch_s"]
         rows = []
         for controller, (m, n), admit, kv in ROWS:
-            r = project_inflight(m, n, per_prompt, admit, kv, steps, quiesce=controller == "queue", doomed=doomed)
+            r = project_inflight(m, n, per_prompt, admit, kv, steps, quiesce=controller == "queue", doomed=doomed,
+                                 order=order)
             row = summarize(r, first, last, stream)
-            row.update({"controller": controller, "doomed": doomed, "interval": m, "offset": n, "bound": m + n - 1,
-                        "admit": admit,
-                        "kv": kv, "vs_sequential": base["sequential_step_s"] / row["steady_step_s"],
+            row.update({"controller": controller, "doomed": doomed, "order": order, "interval": m, "offset": n,
+                        "bound": m + n - 1, "admit": admit, "kv": kv,
+                        "vs_sequential": base["sequential_step_s"] / row["steady_step_s"],
                         "vs_colocated": base["colocated_step_s"] / row["steady_step_s"],
                         "vs_pipelined_8_1": base["pipelined_8_1_step_s"] / row["steady_step_s"]})
             rows.append(row)
@@ -128,7 +133,8 @@ def assumptions() -> dict:
     }
 
 
-def decode_split_sensitivity(steps: int = 48, fixed_s: Sequence[float] = (0.007, 0.0035)) -> str:
+def decode_split_sensitivity(steps: int = 48, fixed_s: Sequence[float] = (0.007, 0.0035), doomed: str = "finish",
+                             order: str = "home") -> str:
     """`sync (8, 1)`, per-sample lengths, with a decode step's fixed cost moved to its per-sequence cost while a step
     of 144 sequences keeps its 14.2 ms: the sequential controller, today's queue and in-flight, group and sequence
     slots (steady steps [K/4, 3K/4)). A markdown table."""
@@ -143,7 +149,8 @@ def decode_split_sensitivity(steps: int = 48, fixed_s: Sequence[float] = (0.007,
         cells = [f"{fixed * 1e3:.1f} ms + {(full - fixed) / 144 * 1e3:.4f} ms a sequence", f"{seq:.1f} s"]
         for admit in ("groups", "sequences"):
             for quiesce in (True, False):
-                r = project_inflight(8, 1, False, admit, "keep", steps, quiesce=quiesce, costs=costs)
+                r = project_inflight(8, 1, False, admit, "keep", steps, quiesce=quiesce, costs=costs, doomed=doomed,
+                                     order=order)
                 step = r.mean_step_s(first, last)
                 cells.append(f"{step:.1f} s ({seq / step:.2f}x, occupancy {r.occupancy(first, last):.0%})")
         lines.append("| " + " | ".join(cells) + " |")

@@ -19,12 +19,13 @@ def projection_markdown(result: dict) -> str:
             "| controller | sync (m, n) | bound | admission | KV | steady s/step | vs sequential | vs colocated | "
             "vs (8, 1) today | trainer idle | replica idle | engine occupancy | token lag 0 / 1 / 2 / 3+ | max lag | "
             "responses spanning versions | dropped + aborted groups (of admitted) | tokens wasted | "
-            "trained mean length (bias) |",
-            "|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---|---:|---|",
+            "trained mean length (bias) | takes with more than P pooled |",
+            "|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---|---:|---|---:|",
         ]
         for r in sc["rows"]:
             share = {int(k): v for k, v in r["lag_share"].items()}
             three = sum(v for k, v in share.items() if k >= 3)
+            choice = "-" if r["controller"] == "queue" else f"{r['takes_with_choice']:.0%}"  # queue: batch k = home k
             lines.append(
                 f"| {r['controller']} | ({r['interval']}, {r['offset']}) | {r['bound']} | {r['admit']} | {r['kv']} | "
                 f"{r['steady_step_s']:.1f} | {r['vs_sequential']:.2f}x | {r['vs_colocated']:.2f}x | "
@@ -33,7 +34,7 @@ def projection_markdown(result: dict) -> str:
                 f"{share.get(0, 0):.0%} / {share.get(1, 0):.0%} / {share.get(2, 0):.0%} / {three:.0%} | "
                 f"{r['max_lag']} | {r['responses_spanning_versions']:.0%} | {r['dropped_groups']} + "
                 f"{r['aborted_groups']} (of {r['groups_admitted']}) | {r['wasted_token_share']:.1%} | "
-                f"{r['trained_mean_length']:.0f} ({r['length_bias']:+.1%}) |")
+                f"{r['trained_mean_length']:.0f} ({r['length_bias']:+.1%}) | {choice} |")
     return "\n".join(lines)
 
 

@@ -21,19 +21,30 @@ The rules, for `S = SyncSchedule(m, n)`, K steps, R replicas, P prompts (groups 
            with version k; with `kv='recompute'` each replica first re-prefills every running sequence's prompt
            and generated tokens (`recompute_per_token_s` a token). A token's version is the version the fleet held
            when it was decoded.
-  batch    step k takes complete, scored groups (`score_s` after the group's last response) in completion order.
-           A group whose oldest token has version v is trained at lag k - v; if that exceeds `bound` it is dropped
-           and counted, never trained. A group still generating whose oldest token could only be trained past the
-           bound is, with `doomed='abort'` (the default), aborted (counted, its tokens wasted): when step k starts
-           waiting (k - v > bound) and once batch k is formed (k + 1 - v > bound). With `doomed='finish'` (what
-           `megarl.rollout.partial` implements) it is not: it generates to its end, holding its slot and its place
-           in the admission limit, and is dropped at the first take after it is scored (every scored group past
-           the bound is dropped then, as `GroupPool.drop_stale`). Then the trainer trains for `train(lengths of
-           the batch's responses)` seconds.
+  batch    step k takes complete, scored groups (`score_s` after the group's last response). A group whose oldest
+           token has version v is trained at lag k - v; if that exceeds `bound` it is dropped and counted, never
+           trained. Which groups, `order`:
+             'home' (the default, what `megarl.rollout.partial` implements: `GroupPool.drop_stale`, then
+                    `GroupPool.form`): at each take every scored group past the bound is dropped first; then, once
+                    at least P scored groups are left, the P of the lowest (home batch, prompt) form the batch
+                    (the stream's order: group g is prompt g mod P of home batch g // P; no ties). A group that
+                    finished early but belongs to a later home batch waits behind older ones.
+             'completion' (AReaL's rule, megarl's first one): the first P scored groups in completion order, a group
+                    met past the bound on the way dropped (with `doomed='finish'` every scored group past the bound
+                    is dropped first, as above).
+           A group still generating whose oldest token could only be trained past the bound: with `doomed='finish'`
+           (the default, what `megarl.rollout.partial` implements) it generates to its end, holding its slot and
+           its place in the admission limit, and is dropped at the first take after it is scored. With
+           `doomed='abort'` (a possible later improvement, not implemented) it is aborted (counted, its tokens
+           wasted) when step k starts waiting (k - v > bound) and once batch k is formed (k + 1 - v > bound).
+           Then the trainer trains for `train(lengths of the batch's responses)` seconds. The order only matters
+           when more than P scored groups within the bound are pooled at the take (`StepOut.pooled`): when the
+           trainer reaches the take before P are, the batch forms as the P-th is scored, the same under either.
   control  `quiesce=True`, today's controller on the same engine: a push first waits until every admitted group
            is generated, the fleet admits only prompt batches < `S.generation_limit`, and batch k is prompt batch k.
 Pure Python, deterministic. `megarl.bench.inflight_sim.projection` turns it into the 30B projection,
-`megarl.bench.inflight_sim.longtail_setting` simulates the CPU bench's setting.
+`megarl.bench.inflight_sim.longtail_setting` simulates the CPU bench's setting, and
+`megarl.bench.inflight_sim.fleet_setting` the in-flight fleet bench's, against its measured runs.
 """
 
 from __future__ import annotations
@@ -60,6 +71,7 @@ class _Group:
     left: int = 0  # sequences still generating
     done_at: float | None = None
     fate: str = "generating"  # generating | trained | dropped | aborted
+    taken_at: int | None = None  # the step that trained, dropped or aborted it
 
 
 @dataclass(frozen=True)
@@ -73,6 +85,7 @@ class StepOut:
     tokens_by_lag: dict[int, float]  # response tokens trained at each lag (step - token version)
     responses: int
     responses_spanning: int  # responses whose tokens come from more than one version
+    pooled: int = 0  # scored groups within the bound when the batch was formed: above P, the batch order chose
 
 
 @dataclass
@@ -144,18 +157,22 @@ def simulate_inflight(
     recompute_per_token_s: float = 0.0,
     slowdown: Sequence[float] | None = None,
     quiesce: bool = False,
-    doomed: str = "abort",
+    doomed: str = "finish",
+    order: str = "home",
 ) -> InflightResult:
     """K = `steps` trainer steps on `replicas` replicas with in-flight pushes and partial rollouts (module doc).
     `lengths(j)[i]`: the response lengths of prompt i of prompt batch j; `train`: seconds of a step given its
-    responses' lengths (or a constant); `bound`: the staleness bound (default m + n - 1).
+    responses' lengths (or a constant); `bound`: the staleness bound (default m + n - 1); `order` and `doomed`: which
+    scored groups form a batch and what becomes of a group that can only be trained past the bound (the defaults are
+    megarl's rules, `megarl.rollout.partial`; the alternatives: `order='completion'`, `doomed='abort'`).
     `quiesce=True` is today's controller on the same engine model (the control): a push first waits until every
     admitted group is generated, and batch k is prompt batch k (its P groups, once all are scored)."""
     if steps < 1 or replicas < 1 or in_flight < 1:
         raise ValueError(f"need steps, replicas, in_flight >= 1, got {steps}, {replicas}, {in_flight}")
-    if admit not in ("groups", "sequences") or kv not in ("keep", "recompute") or doomed not in ("abort", "finish"):
+    if (admit not in ("groups", "sequences") or kv not in ("keep", "recompute") or doomed not in ("abort", "finish")
+            or order not in ("home", "completion")):
         raise ValueError(f"admit {admit!r} (use 'groups' or 'sequences'), kv {kv!r} (use 'keep' or 'recompute'), "
-                         f"doomed {doomed!r} (use 'abort' or 'finish')")
+                         f"doomed {doomed!r} (use 'finish' or 'abort'), order {order!r} (use 'home' or 'completion')")
     bound = schedule.interval + schedule.offset - 1 if bound is None else bound
     if bound < 0:
         raise ValueError(f"the staleness bound must be >= 0, got {bound}")
@@ -268,7 +285,7 @@ def simulate_inflight(
         else:
             out.wasted_tokens += sum(g.lengths)
             out.dropped += 1
-        g.fate = fate
+        g.fate, g.taken_at = fate, k
 
     def trainer() -> None:
         nonlocal k, state, until, batch, step_start, step_push, paused_until, pending_version, ready, limit_batches
@@ -309,7 +326,7 @@ def simulate_inflight(
                 ready = deque(x for x in ready if x[1] not in want)
                 form()
             elif state == "wait":
-                if doomed == "finish":  # `GroupPool.drop_stale`: every scored group past the bound, at the take
+                if doomed == "finish" or order == "home":  # `GroupPool.drop_stale`: every scored group past the bound
                     kept: deque[tuple[float, int]] = deque()
                     for item in ready:
                         g = groups[item[1]]
@@ -318,6 +335,15 @@ def simulate_inflight(
                         else:
                             kept.append(item)
                     ready = kept
+                if order == "home":  # `GroupPool.form`: the P scored groups of the lowest (home batch, prompt)
+                    scored = sorted(gid for at, gid in ready if at <= t + _EPS and groups[gid].fate == "generating")
+                    if len(scored) < prompts:
+                        return
+                    chosen = set(scored[:prompts])
+                    batch = [groups[gid] for gid in scored[:prompts]]
+                    ready = deque(x for x in ready if x[1] not in chosen)
+                    form()
+                    continue
                 while ready and ready[0][0] <= t + _EPS and len(batch) < prompts:
                     g = groups[ready.popleft()[1]]
                     if g.fate != "generating":
@@ -340,16 +366,19 @@ def simulate_inflight(
         lags: dict[int, float] = {}
         spanning = 0
         for g in batch:
-            g.fate = "trained"
+            g.fate, g.taken_at = "trained", k
             for per in tokens_by_version(g):
                 spanning += len(per) > 1
                 for v, n in per.items():
                     lags[k - v] = lags.get(k - v, 0.0) + n
         response_lengths = [n for g in batch for n in g.lengths]
+        pooled = len(batch) if quiesce else len(batch) + sum(  # quiesce: batch k is prompt batch k, no choice
+            1 for at, gid in ready if at <= t + _EPS and groups[gid].fate == "generating" and k - groups[gid].version
+            <= bound)
         train_s = float(train(response_lengths)) if callable(train) else float(train)
         until = t + train_s
         out.steps.append(StepOut(step_start, until, t - step_start - step_push, step_push, train_s,
-                                 tuple(g.gid for g in batch), lags, len(response_lengths), spanning))
+                                 tuple(g.gid for g in batch), lags, len(response_lengths), spanning, pooled))
         sweep(k + 1)
         state = "train"
 
