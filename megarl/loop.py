@@ -212,7 +212,7 @@ def run_loop(cfg: Config, rank: int, policy, weight_sync,
                 record.update(train_on_batch(policy, step_batch, algorithm, cfg, pad_id, *dp, lag=lag))
             record.update(_sync_metrics(syncs))
             record["sync/versions"] = [s.version for s in syncs]
-            if cfg.sync.inflight:  # groups this step's pushes split: each has a response with tokens of two versions
+            if cfg.sync.inflight:  # groups with a response part-way at this step's pushes (FleetLifecycle.held_groups)
                 record["sync/held_groups"] = sorted({g for s in syncs for g in s.held_groups})
             if syncs:  # what each replica in the sync reports serving after this step's last push
                 record["sync/served_versions"] = {str(rep): label for rep, label in syncs[-1].served.items()}

@@ -199,8 +199,10 @@ class FleetLifecycle:
 
     def held_groups(self) -> list[tuple[int, int]]:
         """The groups `(home batch, prompt)` (`megarl.rollout.inflight.group_of_request`) of which some response
-        held at least one output token at the last `open`'s pause: each such response goes on under the new weights,
-        so its tokens come from two versions (requests of other ids are left out). Sorted; empty without inflight."""
+        held at least one output token at the last `open`'s pause (the model runner's counts): such a response goes on
+        under the new weights, its tokens of two versions, unless it had finished in the engine's last step before
+        the pause, whose finished requests the model runner still holds. Requests of other ids are left out. Sorted;
+        empty without inflight."""
         return sorted({group for counts in self.held.values() for (rid, _), tokens in counts.items()
                        if tokens > 0 and (group := group_of_request(rid)) is not None})
 
