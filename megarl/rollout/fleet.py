@@ -209,9 +209,11 @@ def _cpu_args(spec: FleetSpec) -> list[str]:
     if on_gpu(spec):
         return []
     context = spec.max_model_len
-    if context is None:  # vLLM takes the model's own length (a directory without config.json: vLLM will say so)
-        config = Path(spec.model_dir) / "config.json"
-        context = json.loads(config.read_text()).get("max_position_embeddings") if config.is_file() else None
+    if context is None:  # vLLM takes the model's own length
+        try:
+            context = int(json.loads((Path(spec.model_dir) / "config.json").read_text())["max_position_embeddings"])
+        except (OSError, ValueError, KeyError, TypeError):  # no readable config: vLLM refuses it, naming the problem
+            context = None
     budget = max(CPU_STEP_TOKENS * spec.tp, context or 0)
     return ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(budget)]
 
