@@ -306,9 +306,11 @@ class RolloutClient:
         self._post("/finish_weight_update", {"weight_version": None if version is None else str(version)},
                    timeout_s=timeout_s)
 
-    def collective_rpc(self, method: str, timeout_s: float | None = None) -> list[Any]:
-        """Call `method` of every worker (server dev mode) and return their results in rank order."""
-        reply = self._post("/collective_rpc", {"method": method}, timeout_s=timeout_s)
+    def collective_rpc(self, method: str, timeout_s: float | None = None, args: list[str] | None = None) -> list[Any]:
+        """Call `method` of every worker (server dev mode), with positional `args` (strings: vLLM's route passes
+        only those), and return their results in rank order."""
+        body: dict[str, Any] = {"method": method, **({"args": args} if args else {})}
+        reply = self._post("/collective_rpc", body, timeout_s=timeout_s)
         if not isinstance(reply, dict) or "results" not in reply:
             raise RolloutServerError(f"{self.url}/collective_rpc({method}): no results in {str(reply)[:500]}")
         return reply["results"]

@@ -160,6 +160,10 @@ class PartitionedWeightTransferEngine(WeightTransferEngine[PartitionedInitInfo, 
         # sync.delta: the slices this worker last loaded (wire dtype, host memory) and their version
         self.base: dict[str, tuple[HFSlice, torch.Tensor]] | None = None
         self.base_version: int | None = None
+        # what the worker's model runner holds now (engine request id -> output tokens): the loading failpoint's
+        # condition (`failpoints.FAIL_IF_HELD`); set by `MegarlWorkerExtension.megarl_held_requests`, which every
+        # in-flight push asks before its update (a push that did not pause in keep mode holds nothing)
+        self.held_requests: failpoints.Held = dict
 
     def init_transfer_engine(self, init_info: PartitionedInitInfo) -> None:
         """Join the sync group at rank `rank_offset + dp_index * world + tp_rank` (blocks until all joined)."""
@@ -402,7 +406,7 @@ class PartitionedWeightTransferEngine(WeightTransferEngine[PartitionedInitInfo, 
 
         def weights():
             for i, (name, block, data) in enumerate(blocks if point is None else
-                                                    failpoints.hold_before_first(point, blocks)):
+                                                    failpoints.hold_before_first(point, blocks, self.held_requests)):
                 if fail_after is not None and i == fail_after:
                     raise RuntimeError(f"injected loader failure after {fail_after} tensors (fail_loading_after)")
                 yield name, wrap(block, data, reads)
@@ -535,18 +539,25 @@ class MegarlWorkerExtension:
         return {d.name: ("fallback" if not d.direct else "replicate" if d.placements is None else "shard")
                 for d in destinations}
 
-    def megarl_held_requests(self) -> dict[str, int]:
+    def megarl_held_requests(self, replica: str = "") -> dict[str, int]:
         """The output tokens each request this worker's model runner holds has now: vLLM's internal request id ->
         `len(output_token_ids)` (the model runner appends each step's sampled tokens to them). Asked by the push's
         lifecycle while the replica is paused in keep mode (`megarl.rollout.inflight`): then no step is in flight, so
-        these are exactly the tokens each request had when the old weights stopped. Never raises (see the module
-        docstring): a model runner without that state answers {}."""
-        requests = getattr(getattr(self, "model_runner", None), "requests", None) or {}
-        held = {}
-        for req_id, state in requests.items():
-            tokens = getattr(state, "output_token_ids", None)
-            if tokens is not None:
-                held[str(req_id)] = len(tokens)
+        these are exactly the tokens each request had when the old weights stopped. `replica` (this replica's index,
+        a string: vLLM's RPC route passes strings) names its failpoint `push.held.replica<i>`
+        (`megarl.sync.failpoints`); "": none. Also hands the weight-transfer engine this model runner's state, for
+        the loading failpoint's condition. Never raises (see the module docstring): a model runner without that
+        state answers {}, an injected failure is logged."""
+        runner = getattr(self, "model_runner", None)
+        held = _held_by(runner)
+        engine = getattr(self, "weight_transfer_engine", None)
+        if engine is not None and runner is not None:
+            engine.held_requests = lambda: _held_by(runner)
+        if replica:
+            try:
+                failpoints.hold(f"push.held.replica{replica}", lambda: held)
+            except failpoints.FailpointError as err:  # a raising worker would desynchronise vLLM's replies
+                logger.error("%s", err)
         return held
 
     def megarl_routing_probe_start(self) -> dict[str, Any]:
@@ -579,6 +590,18 @@ class MegarlWorkerExtension:
         requests = getattr(getattr(self, "model_runner", None), "requests", None) or {}
         return {str(req_id): [int(t) for t in getattr(state, "output_token_ids", None) or []]
                 for req_id, state in requests.items()}
+
+
+def _held_by(runner: Any) -> dict[str, int]:
+    """The output tokens of each request model runner `runner` holds (vLLM's internal request id -> count); {} for
+    a runner without that state."""
+    requests = getattr(runner, "requests", None) or {}
+    held = {}
+    for req_id, state in requests.items():
+        tokens = getattr(state, "output_token_ids", None)
+        if tokens is not None:
+            held[str(req_id)] = len(tokens)
+    return held
 
 
 def _routing_probe(worker: MegarlWorkerExtension) -> Any:
