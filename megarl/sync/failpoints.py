@@ -36,7 +36,8 @@ The points:
                              loaded: in a staged receive every byte has arrived and the TP workers agreed; in a
                              streamed one the first tensor is complete (receiving and loading overlap). The worker's
                              heartbeat thread beats on meanwhile, and its replica's /update_weights is in flight;
-                             passes `held` (nothing is held unless the push paused in keep mode)
+                             passes `held`: what the model runner held at this push's pause (`push.held`'s counts;
+                             nothing unless the push paused in keep mode)
     push.report.replica<i>   trainer rank 0 (`megarl.sync.lifecycle`): replica i's workers have loaded the update;
                              its report is not read yet
 """

@@ -161,9 +161,11 @@ class PartitionedWeightTransferEngine(WeightTransferEngine[PartitionedInitInfo, 
         self.base: dict[str, tuple[HFSlice, torch.Tensor]] | None = None
         self.base_version: int | None = None
         self.scrub_kv = False  # set at each join: the next update that loads clears the KV cache's non-finite values
-        # what the worker's model runner holds now (engine request id -> output tokens): the loading failpoint's
-        # condition (`failpoints.FAIL_IF_HELD`); set by `MegarlWorkerExtension.megarl_held_requests`, which every
-        # in-flight push asks before its update (a push that did not pause in keep mode holds nothing)
+        # what the model runner held at this push's pause (engine request id -> output tokens): the loading
+        # failpoint's condition (`failpoints.FAIL_IF_HELD`); set by `MegarlWorkerExtension.megarl_held_requests`,
+        # which every in-flight push asks at its pause, and reset after each update (a push that did not pause in
+        # keep mode holds nothing). Not the runner's state at the load: a recompute push preempts the held requests
+        # (they stay in the engine), and an engine step before the load may flush them from the runner
         self.held_requests: failpoints.Held = dict
 
     def init_transfer_engine(self, init_info: PartitionedInitInfo) -> None:
@@ -235,6 +237,7 @@ class PartitionedWeightTransferEngine(WeightTransferEngine[PartitionedInitInfo, 
                     self._receive_staged(update_info)
         finally:
             self.report.update(memory.finish())
+            self.held_requests = dict  # one push's
 
     def _receive_staged(self, update_info: PartitionedUpdateInfo) -> None:
         """Receive every planned block (to host memory on a GPU fleet), check they are exactly this rank's
@@ -583,14 +586,13 @@ class MegarlWorkerExtension:
         lifecycle while the replica is paused in keep mode (`megarl.rollout.inflight`): then no step is in flight, so
         these are exactly the tokens each request had when the old weights stopped. `replica` (this replica's index,
         a string: vLLM's RPC route passes strings) names its failpoint `push.held.replica<i>`
-        (`megarl.sync.failpoints`); "": none. Also hands the weight-transfer engine this model runner's state, for
-        the loading failpoint's condition. Never raises (see the module docstring): a model runner without that
+        (`megarl.sync.failpoints`); "": none. Also hands the counts to the weight-transfer engine, for the loading
+        failpoint's condition in this push. Never raises (see the module docstring): a model runner without that
         state answers {}, an injected failure is logged."""
-        runner = getattr(self, "model_runner", None)
-        held = _held_by(runner)
+        held = _held_by(getattr(self, "model_runner", None))
         engine = getattr(self, "weight_transfer_engine", None)
-        if engine is not None and runner is not None:
-            engine.held_requests = lambda: _held_by(runner)
+        if engine is not None:
+            engine.held_requests = lambda: held
         if replica:
             try:
                 failpoints.hold(f"push.held.replica{replica}", lambda: held)
