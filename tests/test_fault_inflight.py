@@ -58,7 +58,7 @@ from tests.dist_utils import process_group_members
 from tests.shared_ranks import train_jobs_in_one_set_of_ranks
 from tests.test_end_to_end import _overrides
 
-M, N, STEPS = 1, 1, 10  # sync (1, 1): a push at the start of every step 1 .. STEPS - 2
+M, N, STEPS = 1, 1, 12  # sync (1, 1): a push at the start of every step 1 .. STEPS - 2
 PROMPTS, K = 4, 2
 HEALTH_S = 8
 # long responses, few of them: up to 112 tokens (EOS is rare for the tiny model; prompts are 4 tokens, its context
