@@ -1,12 +1,19 @@
 """`megarl.sync.failpoints`: a disarmed point costs nothing and never waits; an armed one holds its caller, says so
 (`<name>.reached`), and lets it go once the test removes the file; one armed with `fail` raises there, once;
-`hold_before_first` holds a consumer as it asks for its first item, and only then. The fault matrix
-(tests/test_fault_matrix.py, cells P, R and L) kills replicas at the three points the push has; its in-flight cells
-(tests/test_fault_inflight.py) make a replica's load fail at one."""
+`hold_before_first` holds a consumer as it asks for its first item, and only then; one armed with `fail-if-held` or
+`kill-if-held` lets every pass that holds no request with an output token by and fails, or kills its own process
+group (only one that leads its session, as a fleet's server does), at the first that does, recording what was held.
+The fault matrix (tests/test_fault_matrix.py, cells P, R and L) kills replicas at the points the push has; its
+in-flight cells (tests/test_fault_inflight.py) make a replica's load fail, or the replica kill itself, at the first
+push that finds requests held."""
 
 from __future__ import annotations
 
+import json
 import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -97,3 +104,90 @@ def test_a_point_armed_to_fail_raises_once_in_the_first_caller(tmp_path: Path, m
     assert consumed == [] and int((tmp_path / f"{point}.reached").read_text()) == os.getpid()
     assert not (tmp_path / point).exists()  # disarmed by the failure: the next pass goes on
     assert list(failpoints.hold_before_first(point, iter("ab"))) == ["a", "b"]
+
+
+def test_a_point_armed_to_fail_if_held_waits_for_a_pass_that_holds_an_output_token(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(failpoints.ENV, str(tmp_path))
+    point = "push.loading.replica1"
+    (tmp_path / point).write_text(failpoints.FAIL_IF_HELD + "\n")
+    # passes that hold nothing, or only requests without an output token yet, go by untouched; the point stays armed
+    assert list(failpoints.hold_before_first(point, iter("ab"), lambda: {})) == ["a", "b"]
+    failpoints.hold(point, lambda: {"megarl-b1-p0-00000000-0-aa": 0})
+    assert (tmp_path / point).exists() and not (tmp_path / f"{point}.reached").exists()
+    passed = [json.loads(line) for line in (tmp_path / f"{point}.passed").read_text().splitlines()]
+    assert [p["held"] for p in passed] == [{}, {"megarl-b1-p0-00000000-0-aa": 0}]
+    # the first pass holding a request with a token fails, records what it saw, and disarms the point
+    held = {"megarl-b2-p3-0000abcd-0-bb": 5, "megarl-b2-p1-0000abcd-1-cc": 0}
+    consumed: list[str] = []
+    with pytest.raises(failpoints.FailpointError, match=f"{point} with requests held"):
+        for item in failpoints.hold_before_first(point, iter("ab"), lambda: held):
+            consumed.append(item)
+    record = json.loads((tmp_path / f"{point}.reached").read_text())
+    assert consumed == [] and record["held"] == held and record["pid"] == os.getpid()
+    assert record["pgid"] == os.getpgrp() and abs(record["time"] - time.time()) < 60
+    assert not (tmp_path / point).exists()
+    assert list(failpoints.hold_before_first(point, iter("ab"), lambda: held)) == ["a", "b"]  # once
+    # a point that knows nothing of held requests refuses such a mode, naming it
+    (tmp_path / "push.paused.replica1").write_text(failpoints.FAIL_IF_HELD)
+    with pytest.raises(failpoints.FailpointError, match="knows no held requests"):
+        failpoints.hold("push.paused.replica1")
+
+
+_KILLED_CHILD = """
+import os, subprocess, sys, time
+from megarl.sync import failpoints
+grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # in this process's group
+print(grandchild.pid, flush=True)
+failpoints.hold("push.held.replica1", lambda: {})  # holds nothing: goes on
+try:
+    failpoints.hold("push.held.replica1", lambda: {"megarl-b4-p2-00000000-0-aa": 3})
+except failpoints.FailpointError as err:
+    print("raised:", err, flush=True)
+    grandchild.kill()
+    sys.exit(3)
+time.sleep(30)
+sys.exit(0)
+"""
+
+
+def _run_child(tmp_path: Path, **popen: object) -> tuple[subprocess.Popen, int]:
+    env = {**os.environ, failpoints.ENV: str(tmp_path), "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    child = subprocess.Popen([sys.executable, "-c", _KILLED_CHILD], env=env, stdout=subprocess.PIPE, text=True,
+                             **popen)
+    grandchild = int(child.stdout.readline())
+    child.wait(60)
+    return child, grandchild
+
+
+def test_a_point_armed_to_kill_if_held_kills_its_own_process_group(tmp_path: Path) -> None:
+    point = "push.held.replica1"
+    (tmp_path / point).write_text(failpoints.KILL_IF_HELD)
+    child, grandchild = _run_child(tmp_path, start_new_session=True)  # as the fleet starts a server
+    assert child.returncode == -signal.SIGKILL, (child.returncode, child.stdout.read())
+    deadline = time.monotonic() + 10
+    while _alive(grandchild):  # the whole group went, not only the process at the point
+        assert time.monotonic() < deadline, f"process {grandchild} of the killed group survived"
+        time.sleep(0.05)
+    record = json.loads((tmp_path / f"{point}.reached").read_text())
+    assert record["pid"] == record["pgid"] == child.pid and record["held"] == {"megarl-b4-p2-00000000-0-aa": 3}
+    assert [json.loads(line)["held"] for line in (tmp_path / f"{point}.passed").read_text().splitlines()] == [{}]
+    assert not (tmp_path / point).exists()
+
+
+def test_kill_if_held_refuses_a_group_that_does_not_lead_its_session(tmp_path: Path) -> None:
+    """A process group of its own inside the caller's session (not how the fleet starts a server): it raises."""
+    point = "push.held.replica1"
+    (tmp_path / point).write_text(failpoints.KILL_IF_HELD)
+    child, grandchild = _run_child(tmp_path, process_group=0)
+    out = child.stdout.read()
+    assert child.returncode == 3 and "does not lead its own session" in out, (child.returncode, out)
+    assert not (tmp_path / point).exists()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

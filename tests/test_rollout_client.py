@@ -93,3 +93,20 @@ def test_a_hung_replica_costs_the_label_query_seconds_not_the_request_timeout(mo
     assert labels == {0: clients[0].weight_version(), 1: None}
     assert labels[0] is not None
     assert elapsed < 10, elapsed
+
+
+def test_tokens_at_vllms_logprob_floor_are_named_by_cause():
+    """vLLM's token-in/token-out route (0.32, `_create_tokens_logprobs`) sends -9999.0 both for a NaN or -inf
+    log-prob (the entry keeps its `top_logprobs`: with `logprobs=0`, the sampled token's own) and for a sampled
+    token missing from the engine's log-probs (no `top_logprobs`); `missing_logprobs` tells them apart."""
+    from megarl.rollout.client import MISSING_LOGPROB, missing_logprobs
+
+    ok = {"token_id": 5, "logprob": -1.25, "rank": 2, "top_logprobs": [{"token_id": 5, "logprob": -1.25, "rank": 2}]}
+    nan = {"token_id": 7, "logprob": MISSING_LOGPROB, "rank": None,
+           "top_logprobs": [{"token_id": 7, "logprob": MISSING_LOGPROB, "rank": None}]}
+    absent = {"token_id": 9, "logprob": MISSING_LOGPROB}
+    assert missing_logprobs([ok, ok]) == "" and missing_logprobs([]) == ""
+    said = missing_logprobs([ok, nan, ok, absent, absent])
+    assert said.startswith("3 of 5 sampled tokens") and "1 with a NaN or -inf log-prob (positions [1])" in said
+    assert "2 the engine reported no log-prob for (positions [3, 4])" in said
+    assert "NaN" not in missing_logprobs([ok, absent])

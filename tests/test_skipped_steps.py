@@ -1,7 +1,8 @@
 """A step whose gradient norm is not finite is skipped on every rank (megatron-core's convention): weights and
 optimizer state unchanged bit for bit, the step still counted; a later finite step updates as usual. Real
 megatron-core ranks (tiny MoE, expert parallel 2: dense gradients summed over 2 data-parallel ranks); the
-non-finite gradient is injected through the loss, as a diverging run produces it."""
+non-finite gradient is injected through the loss, as a diverging run produces it. A diverged run's pushes leave NaN
+in the fleet's KV cache, which a new trainer's first push clears (`megarl.sync.vllm_receiver.scrub_kv_cache`)."""
 
 from __future__ import annotations
 
@@ -118,3 +119,71 @@ def test_a_diverged_run_stops_after_max_skipped_steps_without_checkpointing_them
     assert all(r["grad_norm"] is None and "grad_norm" in r["nonfinite"] for r in records[first_bad:])
     saved = sorted(int(p.name.removeprefix("step_")) for p in (run_dir / "checkpoints").glob("step_*"))
     assert saved and max(saved) < first_bad, saved
+
+
+def _spoil_then_repair(rank, world, tiny_dir, spoiled_dir, url, ports):
+    """Two trainers in turn (each its own sync group, so each joins the replica at `url`): the first pushes
+    `spoiled_dir` (non-finite weights, as a diverged run pushes them) and requests are generated; the second pushes
+    the checkpoint `tiny_dir`. Returns the log-probs of sampled tokens after each push, the engine's log-probs of
+    SEQS after the second, and its workers' reports."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from megarl.rollout.client import RolloutClient, RolloutServerError
+    from megarl.sync.slices import HFSlice
+    from megarl.sync.weight_sync import PartitionedWeightSync
+    from tests.test_weight_sync import SEQS
+
+    client = RolloutClient(url)
+    out = {}
+    for name, hf_dir, port, version in (("spoiled", spoiled_dir, ports[0], 101), ("repaired", tiny_dir, ports[1], 102)):
+        hf = json.loads((Path(hf_dir) / "config.json").read_text())
+        tensors = load_file(Path(hf_dir) / "model.safetensors")
+        local = [(HFSlice.whole(n, tuple(t.shape)), t) for n, t in tensors.items()]
+        sync = PartitionedWeightSync(rank, world, hf, [client], rollout_tp=1, rollout_replicas=1,
+                                     store_host="127.0.0.1", store_port=port, bucket_bytes=256 << 10, timeout_s=90,
+                                     needs="table")
+        out[f"{name}_reports"] = sync.push(local, version=version).reports
+        sync.close()
+        groups = client.generate([s[:4] for s in SEQS], n=2, max_tokens=24, seed=0)
+        out[name] = [x for group in groups for sample in group for x in sample.response_logprobs]
+    try:  # (a NaN log-prob cannot be sent as JSON: vLLM answers 400)
+        out["engine"] = [client.prompt_logprobs(s) for s in SEQS]
+    except RolloutServerError as err:
+        out["engine"] = f"{type(err).__name__}: {err}"
+    return out
+
+
+@pytest.mark.spoils_session_fleet("moe_fleet_2x1")  # should the repair fail, the replica stays spoiled
+def test_a_new_trainers_first_push_clears_what_a_diverged_model_left_in_the_kv_cache(tiny_moe_dir, moe_fleet_2x1,
+                                                                                      tmp_path) -> None:
+    """A replica that served non-finite weights (a diverged run's) holds NaN in its KV cache, and vLLM lets stale
+    cache slots reach later requests (`megarl.sync.vllm_receiver.scrub_kv_cache`): without the scrub, every token
+    sampled after a clean push still came back NaN (vLLM's -9999.0 floor). A new trainer's first push clears it:
+    the replica then serves the checkpoint's own log-probs (transformers, fp32) and finite samples."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from megarl.rollout.client import MISSING_LOGPROB
+    from tests.test_weight_sync import _transformers_logprobs
+
+    spoiled = tmp_path / "spoiled"
+    shutil.copytree(tiny_moe_dir, spoiled)
+    tensors = load_file(spoiled / "model.safetensors")
+    tensors["model.embed_tokens.weight"] = torch.full_like(tensors["model.embed_tokens.weight"], math.inf)
+    save_file(tensors, spoiled / "model.safetensors", metadata={"format": "pt"})
+
+    out = run_distributed(_spoil_then_repair, 1, tiny_moe_dir, spoiled, moe_fleet_2x1.urls[0],
+                          (free_port(), free_port()))[0]
+    assert out["spoiled"] and all(x <= MISSING_LOGPROB for x in out["spoiled"]), out["spoiled"][:8]  # NaN in its KV
+    assert all(x > MISSING_LOGPROB for x in out["repaired"]), [x for x in out["repaired"] if x <= MISSING_LOGPROB]
+    assert isinstance(out["engine"], list), out["engine"]
+    for engine, ref in zip(out["engine"], _transformers_logprobs(tiny_moe_dir), strict=True):
+        torch.testing.assert_close(torch.tensor(engine), ref, atol=1e-4, rtol=0)
+    (report,) = out["repaired_reports"]
+    assert report["model_state"] == "updated" and report["kv_scrub_seconds"] >= 0, report
+    print(f"\nthe scrub took {report['kv_scrub_seconds']:.3f} s (after the spoiled push: "
+          f"{out['spoiled_reports'][0]['kv_scrub_seconds']:.3f} s)")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import logging
 import os
 import threading
 import uuid
@@ -24,6 +25,8 @@ from megarl.token_versions import TokenVersions
 
 if TYPE_CHECKING:
     import numpy as np
+
+logger = logging.getLogger(__name__)
 
 
 class RolloutServerError(RuntimeError):
@@ -226,6 +229,9 @@ class RolloutClient:
         content = (choice.get("logprobs") or {}).get("content") or []
         if len(content) != len(ids) or any(c["token_id"] != t for c, t in zip(content, ids, strict=False)):
             raise RolloutServerError(f"{self.url}: log-probs do not match the sampled tokens in {choice}")
+        missing = missing_logprobs(content)
+        if missing:
+            logger.warning("%s: request %s: %s (kept as sent: the trainer meets them)", self.url, request_id, missing)
         spans = choice.get("weight_versions") or []
         if spans:
             try:
@@ -306,12 +312,35 @@ class RolloutClient:
         self._post("/finish_weight_update", {"weight_version": None if version is None else str(version)},
                    timeout_s=timeout_s)
 
-    def collective_rpc(self, method: str, timeout_s: float | None = None) -> list[Any]:
-        """Call `method` of every worker (server dev mode) and return their results in rank order."""
-        reply = self._post("/collective_rpc", {"method": method}, timeout_s=timeout_s)
+    def collective_rpc(self, method: str, timeout_s: float | None = None, args: list[str] | None = None) -> list[Any]:
+        """Call `method` of every worker (server dev mode), with positional `args` (strings: vLLM's route passes
+        only those), and return their results in rank order."""
+        body: dict[str, Any] = {"method": method, **({"args": args} if args else {})}
+        reply = self._post("/collective_rpc", body, timeout_s=timeout_s)
         if not isinstance(reply, dict) or "results" not in reply:
             raise RolloutServerError(f"{self.url}/collective_rpc({method}): no results in {str(reply)[:500]}")
         return reply["results"]
+
+
+MISSING_LOGPROB = -9999.0  # vLLM's floor for a logprob (`entrypoints/scale_out/token_in_token_out/serving.py`)
+
+
+def missing_logprobs(content: list[dict[str, Any]]) -> str:
+    """What a generate reply's `logprobs.content` says about sampled tokens sent with vLLM's floor, -9999.0 (''
+    if none): vLLM sends it for a NaN or -inf log-prob (the entry keeps its `top_logprobs`, a diverged model's) and
+    for a sampled token the engine reported no log-prob for (no `top_logprobs`: the engine's log-probs and tokens
+    disagree). Either makes the token's train-inference ratio overflow (`mismatch/k3_kl` inf); a diagnostic, the
+    values are kept."""
+    floored = [(i, bool(c.get("top_logprobs"))) for i, c in enumerate(content)
+               if float(c.get("logprob", 0.0)) <= MISSING_LOGPROB]
+    if not floored:
+        return ""
+    clamped = [i for i, top in floored if top]
+    absent = [i for i, top in floored if not top]
+    parts = [f"{len(clamped)} with a NaN or -inf log-prob (positions {clamped[:8]})" if clamped else "",
+             f"{len(absent)} the engine reported no log-prob for (positions {absent[:8]})" if absent else ""]
+    return (f"{len(floored)} of {len(content)} sampled tokens came back with vLLM's {MISSING_LOGPROB} floor: "
+            + ", ".join(p for p in parts if p))
 
 
 def _error_message(response: requests.Response) -> str:

@@ -1,6 +1,7 @@
 """Failpoints: named moments of a push at which a test can hold a process of the run (trainer rank 0, or a vLLM
 worker), act (kill a replica), and let it go on, so that a fault lands in a phase too short to hit from outside (a
-replica paused but not yet opened, a replica loading what it received, a replica about to report), every time.
+replica paused but not yet opened, a replica loading what it received, a replica about to report), every time; or
+at which a vLLM worker fails or kills its own replica by itself, at full speed, when it holds requests.
 
 Off unless the environment variable `MEGARL_FAILPOINTS` names a directory; then `hold(name)` looks for the file
 `<dir>/<name>` (the test arms the point by creating it). If it is there, `hold` writes `<dir>/<name>.reached` (the
@@ -8,27 +9,46 @@ holding process's pid) and waits until the file is removed (the test removes it 
 `HOLD_MAX_S`. A point is armed once: the test removes the file, so later passes go straight on. A point armed with
 the text `fail` (the file's content) raises `FailpointError` there instead, in the first process to reach it, once
 (that process removes the file after writing `<name>.reached`): a failure of the code at that moment, e.g. a vLLM
-loader that raises part-way through a push (tests/test_fault_inflight.py). Disarmed, a point costs one environment
-lookup. The fleet's servers inherit the trainer's environment (`megarl.rollout.fleet.server_env`, restarts
-included), so one directory reaches the vLLM workers too.
+loader that raises part-way through a push. Disarmed, a point costs one environment lookup. The fleet's servers
+inherit the trainer's environment (`megarl.rollout.fleet.server_env`, restarts included), so one directory reaches
+the vLLM workers too.
+
+Conditional modes, for points inside a vLLM worker that pass `held` (the requests its model runner holds now: engine
+request id -> output tokens), so that a fault lands exactly when the replica is paused for an in-flight push with
+requests held, and nobody waits for anything (holding a process of the run lengthens the phase, which a user's run
+would not get): armed with `fail-if-held` (`FAIL_IF_HELD`) or `kill-if-held` (`KILL_IF_HELD`), a pass at which no
+request holds an output token goes on untouched (it appends what it saw, one JSON line, to `<name>.passed`) and the
+point stays armed; the first pass at which one does writes `<name>.reached` (one JSON object: `pid`, `pgid`,
+`held`, `time`, written whole before it appears), disarms the point, and then raises `FailpointError`
+(`fail-if-held`) or SIGKILLs its own process group (`kill-if-held`: the fleet starts each server as the leader of a
+process group and session of its own, `megarl.rollout.fleet`, so that is exactly its replica; a process whose group
+does not lead its session refuses, raising instead). Inside an RPC that must not raise (`push.held`) the failure
+is logged instead. tests/test_fault_inflight.py arms them.
 
 The points:
+    push.held.replica<i>     each vLLM worker of replica i (`megarl.sync.vllm_receiver`, `megarl_held_requests`): a
+                             push's lifecycle asks what the model runner holds while the replica is paused in keep
+                             mode (in-flight updates; its update is not open yet); passes `held`
     push.paused.replica<i>   trainer rank 0 (`megarl.sync.lifecycle`): replica i answered /pause; its update is not
                              open yet (/start_weight_update)
     push.loading.replica<i>  each vLLM worker of replica i (`megarl.sync.vllm_receiver`): inside the model's
                              `load_weights`, after vLLM's layerwise reload began, before the first received tensor is
                              loaded: in a staged receive every byte has arrived and the TP workers agreed; in a
                              streamed one the first tensor is complete (receiving and loading overlap). The worker's
-                             heartbeat thread beats on meanwhile, and its replica's /update_weights is in flight
+                             heartbeat thread beats on meanwhile, and its replica's /update_weights is in flight;
+                             passes `held`: what the model runner held at this push's pause (`push.held`'s counts;
+                             nothing unless the push paused in keep mode)
     push.report.replica<i>   trainer rank 0 (`megarl.sync.lifecycle`): replica i's workers have loaded the update;
                              its report is not read yet
 """
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TypeVar
 
@@ -38,23 +58,31 @@ POLL_S = 0.02
 
 T = TypeVar("T")
 FAIL = "fail"  # the content of an armed point that raises instead of holding
+FAIL_IF_HELD = "fail-if-held"  # raises, once, at the first pass that finds a request with an output token held
+KILL_IF_HELD = "kill-if-held"  # SIGKILLs its own process group, once, at the first such pass
+Held = Callable[[], Mapping[str, int]]  # what a worker's model runner holds now: engine request id -> output tokens
 
 
 class FailpointError(RuntimeError):
     """Raised at a failpoint armed with `FAIL` (an injected failure)."""
 
 
-def hold(name: str) -> None:
-    """Wait at failpoint `name` while a test holds it, or raise `FailpointError` there if it is armed with `FAIL`
-    (see the module docstring); return at once otherwise."""
+def hold(name: str, held: Held | None = None) -> None:
+    """Wait at failpoint `name` while a test holds it, or raise `FailpointError` there if it is armed with `FAIL`;
+    armed with `FAIL_IF_HELD` or `KILL_IF_HELD`, fail or kill if `held()` has a request with an output token (see
+    the module docstring); return at once otherwise."""
     root = os.environ.get(ENV)
     if not root:
         return
     armed = Path(root) / name
     try:
-        fail = armed.read_text().strip() == FAIL
+        mode = armed.read_text().strip()
     except FileNotFoundError:
         return
+    if mode in (FAIL_IF_HELD, KILL_IF_HELD):
+        _if_held(armed, mode, held)
+        return
+    fail = mode == FAIL
     (Path(root) / f"{name}.reached").write_text(f"{os.getpid()}\n")
     if fail:
         armed.unlink(missing_ok=True)
@@ -64,11 +92,36 @@ def hold(name: str) -> None:
         time.sleep(POLL_S)
 
 
-def hold_before_first(name: str, items: Iterable[T]) -> Iterator[T]:
-    """`items` unchanged, `hold(name)` once when the consumer asks for the first one (after the first item exists):
-    the point falls inside the consumer's loop, after whatever it did before it began (vLLM's `load_weights`, after
-    the layerwise reload was set up). Nothing is held for an empty `items`."""
+def _if_held(armed: Path, mode: str, held: Held | None) -> None:
+    """Point `armed` (armed with `FAIL_IF_HELD` or `KILL_IF_HELD`): go on if no request holds an output token, else
+    record what was held, disarm, and fail or kill (see the module docstring)."""
+    name = armed.name
+    if held is None:
+        raise FailpointError(f"failpoint {name} is armed {mode!r}, but it knows no held requests: only points inside "
+                             "a vLLM worker do (push.held.replica<i>, push.loading.replica<i>)")
+    seen = {str(rid): int(tokens) for rid, tokens in held().items()}
+    record = json.dumps({"pid": os.getpid(), "pgid": os.getpgrp(), "held": seen, "time": time.time()})
+    if not any(tokens >= 1 for tokens in seen.values()):
+        with (armed.parent / f"{name}.passed").open("a") as f:
+            f.write(record + "\n")
+        return
+    reached = armed.parent / f"{name}.reached"
+    partial = armed.parent / f".{name}.reached.{os.getpid()}"
+    partial.write_text(record + "\n")
+    os.replace(partial, reached)  # whole when it appears
+    armed.unlink(missing_ok=True)
+    if mode == KILL_IF_HELD and os.getsid(0) == os.getpgrp():
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+    why = "" if mode == FAIL_IF_HELD else (" (asked to kill its process group, which does not lead its own session: "
+                                           "not a replica's server group, so it raised instead)")
+    raise FailpointError(f"failure injected at failpoint {name} with requests held ({ENV}={armed.parent}){why}")
+
+
+def hold_before_first(name: str, items: Iterable[T], held: Held | None = None) -> Iterator[T]:
+    """`items` unchanged, `hold(name, held)` once when the consumer asks for the first one (after the first item
+    exists): the point falls inside the consumer's loop, after whatever it did before it began (vLLM's
+    `load_weights`, after the layerwise reload was set up). Nothing is held for an empty `items`."""
     for i, item in enumerate(items):
         if i == 0:
-            hold(name)
+            hold(name, held)
         yield item

@@ -269,7 +269,8 @@ class FleetLifecycle:
         """Replica `rep` is paused in keep mode: record what each request in flight holds (the engine's own counts,
         TP rank 0's model runner) and, with `inflight_kv=recompute`, preempt them all and empty the prefix cache,
         so that they are prefilled again under the weights they resume with."""
-        self.held[rep] = held_counts(client.collective_rpc("megarl_held_requests", timeout_s=self.call_timeout_s)[0])
+        counts = client.collective_rpc("megarl_held_requests", timeout_s=self.call_timeout_s, args=[str(rep)])
+        self.held[rep] = held_counts(counts[0])
         if self.inflight_kv == "recompute" and not client.reset_prefix_cache(True, timeout_s=self.call_timeout_s):
             raise RuntimeError(f"replica {rep} ({client.url}) did not empty its prefix cache after preempting its "
                                "running requests (vLLM refuses while a request waits for a remote KV transfer): "

@@ -160,6 +160,13 @@ class PartitionedWeightTransferEngine(WeightTransferEngine[PartitionedInitInfo, 
         # sync.delta: the slices this worker last loaded (wire dtype, host memory) and their version
         self.base: dict[str, tuple[HFSlice, torch.Tensor]] | None = None
         self.base_version: int | None = None
+        self.scrub_kv = False  # set at each join: the next update that loads clears the KV cache's non-finite values
+        # what the model runner held at this push's pause (engine request id -> output tokens): the loading
+        # failpoint's condition (`failpoints.FAIL_IF_HELD`); set by `MegarlWorkerExtension.megarl_held_requests`,
+        # which every in-flight push asks at its pause, and reset after each update (a push that did not pause in
+        # keep mode holds nothing). Not the runner's state at the load: a recompute push preempts the held requests
+        # (they stay in the engine), and an engine step before the load may flush them from the runner
+        self.held_requests: failpoints.Held = dict
 
     def init_transfer_engine(self, init_info: PartitionedInitInfo) -> None:
         """Join the sync group at rank `rank_offset + dp_index * world + tp_rank` (blocks until all joined)."""
@@ -180,6 +187,7 @@ class PartitionedWeightTransferEngine(WeightTransferEngine[PartitionedInitInfo, 
                                                  trainers=init_info.group_rank_offset)
         self.needs, self.needs_error = None, None  # a new sync group brings its own record: nothing is kept
         self._drop_base()  # a new trainer starts with full pushes
+        self.scrub_kv = True  # and its first loaded push clears what an earlier model left in the KV cache
         try:  # after joining: a refusal is reported with each update, the group's rendezvous never waits on it
             self.needs = self._own_needs(init_info.needs)
         except Exception as err:  # noqa: BLE001 - reported by every update
@@ -229,6 +237,7 @@ class PartitionedWeightTransferEngine(WeightTransferEngine[PartitionedInitInfo, 
                     self._receive_staged(update_info)
         finally:
             self.report.update(memory.finish())
+            self.held_requests = dict  # one push's
 
     def _receive_staged(self, update_info: PartitionedUpdateInfo) -> None:
         """Receive every planned block (to host memory on a GPU fleet), check they are exactly this rank's
@@ -272,11 +281,21 @@ class PartitionedWeightTransferEngine(WeightTransferEngine[PartitionedInitInfo, 
                          f"model was touched: it may hold a mix of old and new weights: {type(err).__name__}: {err}")
             return
         self.report["model_state"] = "updated"
+        self._scrub_after_join()
         if update_info.keep_base:  # what a full push of this version delivers, bit for bit: the next delta's base
             self.base, self.base_version = blocks, update_info.version
         digests = {n: sha256_of(t) for n, (_, t) in blocks.items()} if update_info.digests else None
         self.report.update(self._make_report({n: b for n, (b, _) in blocks.items()}, received, reads, digests))
         self.report.update(receive_seconds=t1 - t0, load_seconds=time.perf_counter() - t1)
+
+    def _scrub_after_join(self) -> None:
+        """The first update a trainer loads after it joined: replace the non-finite values in this worker's KV cache
+        with zeros (`scrub_kv_cache`), once; the seconds go to the report (`kv_scrub_seconds`)."""
+        if self.scrub_kv:
+            t0 = time.perf_counter()
+            scrub_kv_cache(self.model)
+            self.scrub_kv = False
+            self.report["kv_scrub_seconds"] = time.perf_counter() - t0
 
     def _drop_base(self) -> None:
         self.base, self.base_version = None, None
@@ -338,6 +357,7 @@ class PartitionedWeightTransferEngine(WeightTransferEngine[PartitionedInitInfo, 
                          + " | ".join(failed))
             return
         self.report["model_state"] = "updated"
+        self._scrub_after_join()
         self.report.update(self._make_report(stream.delivered, stream.received, reads, digests))
         self.report.update(receive_seconds=time.perf_counter() - t0, load_seconds=time.perf_counter() - t1)
 
@@ -402,7 +422,7 @@ class PartitionedWeightTransferEngine(WeightTransferEngine[PartitionedInitInfo, 
 
         def weights():
             for i, (name, block, data) in enumerate(blocks if point is None else
-                                                    failpoints.hold_before_first(point, blocks)):
+                                                    failpoints.hold_before_first(point, blocks, self.held_requests)):
                 if fail_after is not None and i == fail_after:
                     raise RuntimeError(f"injected loader failure after {fail_after} tensors (fail_loading_after)")
                 yield name, wrap(block, data, reads)
@@ -423,6 +443,31 @@ class PartitionedWeightTransferEngine(WeightTransferEngine[PartitionedInitInfo, 
         if self.transport is not None:
             self.transport.close()
             self.transport = None
+
+
+def scrub_kv_cache(model: torch.nn.Module) -> None:
+    """Replace NaN and +-inf in every KV cache the model's attention layers are bound to with 0, in place.
+
+    vLLM's attention (seen on its CPU backend, 0.32) lets values in cache slots a request does not own reach its
+    result: stale slots of a block it shares with nothing, presumably (a block is 128 tokens there). So non-finite
+    values an earlier model left in the cache (a diverged run's blown-up weights) make every later request's
+    log-probs NaN, even after a push replaced those weights with finite ones, and they spread to the new KV:
+    measured on the tiny MoE after tests/test_skipped_steps.py's diverged run, 192 of 192 sampled tokens of a fresh
+    request came back NaN after a clean push, 0 after this scrub. A new trainer's first loaded push runs it (the
+    replica paused; see `init_transfer_engine`): one pass over the cache per run and replica. Finite values, those
+    of requests held through an in-flight push included, are left as they are. KV caches of other dtypes (fp8) are
+    left alone."""
+    seen: set[int] = set()
+    for module in model.modules():
+        caches = getattr(module, "kv_cache", None)
+        for cache in caches if isinstance(caches, list | tuple) else [caches]:
+            if not isinstance(cache, torch.Tensor) or cache.dtype not in _SCRUBBED or cache.data_ptr() in seen:
+                continue
+            seen.add(cache.data_ptr())
+            cache.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+_SCRUBBED = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def _loading_point(update_info: PartitionedUpdateInfo) -> str | None:
@@ -535,18 +580,24 @@ class MegarlWorkerExtension:
         return {d.name: ("fallback" if not d.direct else "replicate" if d.placements is None else "shard")
                 for d in destinations}
 
-    def megarl_held_requests(self) -> dict[str, int]:
+    def megarl_held_requests(self, replica: str = "") -> dict[str, int]:
         """The output tokens each request this worker's model runner holds has now: vLLM's internal request id ->
         `len(output_token_ids)` (the model runner appends each step's sampled tokens to them). Asked by the push's
         lifecycle while the replica is paused in keep mode (`megarl.rollout.inflight`): then no step is in flight, so
-        these are exactly the tokens each request had when the old weights stopped. Never raises (see the module
-        docstring): a model runner without that state answers {}."""
-        requests = getattr(getattr(self, "model_runner", None), "requests", None) or {}
-        held = {}
-        for req_id, state in requests.items():
-            tokens = getattr(state, "output_token_ids", None)
-            if tokens is not None:
-                held[str(req_id)] = len(tokens)
+        these are exactly the tokens each request had when the old weights stopped. `replica` (this replica's index,
+        a string: vLLM's RPC route passes strings) names its failpoint `push.held.replica<i>`
+        (`megarl.sync.failpoints`); "": none. Also hands the counts to the weight-transfer engine, for the loading
+        failpoint's condition in this push. Never raises (see the module docstring): a model runner without that
+        state answers {}, an injected failure is logged."""
+        held = _held_by(getattr(self, "model_runner", None))
+        engine = getattr(self, "weight_transfer_engine", None)
+        if engine is not None:
+            engine.held_requests = lambda: held
+        if replica:
+            try:
+                failpoints.hold(f"push.held.replica{replica}", lambda: held)
+            except failpoints.FailpointError as err:  # a raising worker would desynchronise vLLM's replies
+                logger.error("%s", err)
         return held
 
     def megarl_routing_probe_start(self) -> dict[str, Any]:
@@ -579,6 +630,18 @@ class MegarlWorkerExtension:
         requests = getattr(getattr(self, "model_runner", None), "requests", None) or {}
         return {str(req_id): [int(t) for t in getattr(state, "output_token_ids", None) or []]
                 for req_id, state in requests.items()}
+
+
+def _held_by(runner: Any) -> dict[str, int]:
+    """The output tokens of each request model runner `runner` holds (vLLM's internal request id -> count); {} for
+    a runner without that state."""
+    requests = getattr(runner, "requests", None) or {}
+    held = {}
+    for req_id, state in requests.items():
+        tokens = getattr(state, "output_token_ids", None)
+        if tokens is not None:
+            held[str(req_id)] = len(tokens)
+    return held
 
 
 def _routing_probe(worker: MegarlWorkerExtension) -> Any:
