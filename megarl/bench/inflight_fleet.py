@@ -84,6 +84,11 @@ class FleetBenchSpec:
 
         return token_lag_bound(self.bound, self.interval, self.offset)
 
+    @property
+    def generated_batches(self) -> int:
+        """The batches a run's worker generates (and pushes for): past the measured steps, as in a longer run."""
+        return self.steps + self.interval + self.offset
+
     def set_lengths(self, batch: int) -> list[list[int]]:
         """The response lengths the bench sets for each prompt of `batch` (K each)."""
         return [[self.long_tokens if long else self.short_tokens] * self.samples
@@ -330,7 +335,7 @@ def run_mode(spec: FleetBenchSpec, mode: str, first: int, urls: list[str], pushe
     spec = spec if steps is None else FleetBenchSpec(**{**asdict(spec), "steps": steps, "skip": 0})
     inflight = mode == "inflight"
     schedule = SyncSchedule(spec.interval, spec.offset)
-    end = spec.steps + spec.interval + spec.offset  # generation goes on past the measured steps, as in a longer run
+    end = spec.generated_batches
     bound = spec.staleness_bound
 
     def problems(j: int) -> list[Problem]:

@@ -70,7 +70,7 @@ def simulate_run(measured: dict[str, Any], run: dict[str, Any], engine: Engine, 
 
     spec, replicas = _spec(measured), int(measured["args"]["replicas"])
     first, extra = run["first_batch"], engine.latency_steps
-    end = spec.steps + spec.interval + spec.offset  # the bench's worker generates (and pushes) past its last step
+    end = spec.generated_batches  # the bench's worker generates (and pushes) past its last step
     return simulate_inflight(
         SyncSchedule(spec.interval, spec.offset), end, replicas,
         lambda j: [[n + extra for n in g] for g in spec.set_lengths(first + j)], engine.costs, spec.train_s,
@@ -82,7 +82,7 @@ def steady_push_s(measured: dict[str, Any], run: dict[str, Any]) -> float:
     """The mean of the run's measured pushes in its steady steps (the bench pushes at each step `push_at_step` names
     a batch below its end, `steps + m + n`; the initial push of version 0 is not in the list)."""
     spec = _spec(measured)
-    schedule, end = SyncSchedule(spec.interval, spec.offset), spec.steps + spec.interval + spec.offset
+    schedule, end = SyncSchedule(spec.interval, spec.offset), spec.generated_batches
     at = [k for k in range(spec.steps) if (b := schedule.push_at_step(k)) is not None and b < end]
     if len(at) != len(run["pushes"]):
         raise ValueError(f"run from batch {run['first_batch']}: {len(run['pushes'])} pushes recorded, the schedule "
