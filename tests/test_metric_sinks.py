@@ -55,7 +55,8 @@ def test_tensorboard_holds_the_jsonl_scalars_and_a_resume_replaces_the_steps_aft
 
 def _wandb_history(run_file: str) -> list[dict[str, object]]:
     """The history rows of an offline W&B run, from its record log: a header of 7 bytes, then 32 KiB blocks of
-    chunks (crc u32, length u16, type u8: 1 full, 2 first, 3 middle, 4 last) holding protobuf `Record`s."""
+    chunks (crc u32, length u16, type u8: 1 full, 2 first, 3 middle, 4 last) holding protobuf `Record`s. Read while
+    wandb's service may still be writing it: the rows of the records complete in the file so far."""
     from wandb.proto import wandb_internal_pb2 as pb2
 
     data, pos, block, chunk, rows = Path(run_file).read_bytes(), 7, 32768, b"", []
@@ -64,7 +65,7 @@ def _wandb_history(run_file: str) -> list[dict[str, object]]:
             pos += block - pos % block
             continue
         _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        if kind == 0 and length == 0:
+        if (kind == 0 and length == 0) or pos + 7 + length > len(data):  # the end, or a chunk not all written yet
             break
         chunk += data[pos + 7:pos + 7 + length]
         pos += 7 + length
