@@ -187,8 +187,8 @@ def run_loop(cfg: Config, rank: int, policy, weight_sync,
                     with _span(timeline, "trainer", "wait", f"push point {before}"):
                         rollout.before_push(before)  # no replica generating with older weights, unless in flight
                 push()
-                if rollout is not None:
-                    rollout.pushed(before)
+                if rollout is not None:  # (the requests the push held part-way bound their oldest tokens' versions)
+                    rollout.pushed(before, syncs[-1].held_requests)
             record: dict[str, Any] = {"step": step, "policy_version": policy.version}
             if rollout is not None and cfg.eval.interval and step % cfg.eval.interval == 0:
                 with _span(timeline, "trainer", "eval", f"step {step}"):  # the fleet's weights of its last push

@@ -80,16 +80,29 @@ def test_one_runs_steady_window_walls_drops_and_lengths_by_hand():
 
 
 def test_modes_pair_their_rounds():
-    def run(mode, first, wall):
+    def run(mode, first, wall, dropped=(), aborted=()):
         stats = {"responses": 2, "mean": 5.0, "long": 0}
         return {"mode": mode, "first_batch": first, "wall_per_batch_s": wall, "step_walls_s": [wall, wall],
-                "idle_share": 0.5, "wait_share": 0.1, "push_share": 0.1, "dropped_groups": 0,
+                "idle_share": 0.5, "wait_share": 0.1, "push_share": 0.1, "dropped_groups": len(dropped),
                 "lengths": {"trained": stats, "sampled": stats}, "held_per_push": [], "pushes": [], "max_token_lag": 1,
-                "responses_spanning": 0}
+                "responses_spanning": 0, "steady_steps": [2, 12], "dropped": [list(d) for d in dropped],
+                "aborted": [list(a) for a in aborted]}
 
-    out = summarize_modes([run("queue", 0, 2.0), run("inflight", 0, 1.0), run("inflight", 1000, 3.0),
-                           run("queue", 1000, 4.0)])
+    # (step, home, prompt, lag) per drop; (home, prompt, lag, lengths) per abort: of round 0's three drops, (3, 1)
+    # is outside the steady steps and (5, 0) finished before it was dropped, so one steady drop was aborted
+    dropped = [(1, 3, 1, 3), (4, 4, 2, 3), (6, 5, 0, 3)]
+    aborted = [(3, 1, 3, [7]), (4, 2, 3, [9])]
+    out = summarize_modes([run("queue", 0, 2.0), run("inflight", 0, 1.0, dropped, aborted),
+                           run("inflight_finish", 0, 1.5, dropped[:1]), run("inflight_finish", 1000, 3.5),
+                           run("inflight", 1000, 3.0), run("queue", 1000, 4.0)])
     assert out["ratio_per_round"] == pytest.approx([0.5, 0.75])
     assert out["inflight"]["step_wall_s"]["median"] == pytest.approx(2.0)
     assert out["ratio_of_medians"] == pytest.approx(2.0 / 3.0)
-    assert "per round 0.50, 0.75 (median 0.62)" in format_tables(FleetBenchSpec(), out)
+    assert out["inflight_finish_ratio_per_round"] == pytest.approx([0.75, 0.875])
+    assert (out["inflight"]["dropped_groups"], out["inflight"]["aborted_groups"]) == (3, 1)
+    assert (out["inflight_finish"]["dropped_groups"], out["inflight_finish"]["aborted_groups"]) == (1, 0)
+    tables = format_tables(FleetBenchSpec(doomed="both"), out)
+    assert "inflight / queue, wall per batch: per round 0.50, 0.75 (median 0.62)" in tables
+    assert "inflight_finish / queue, wall per batch: per round 0.75, 0.88 (median 0.81)" in tables
+    assert FleetBenchSpec(doomed="both").modes == ("queue", "inflight", "inflight_finish")
+    assert FleetBenchSpec().modes == ("queue", "inflight")

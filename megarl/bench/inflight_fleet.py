@@ -20,7 +20,9 @@ Two modes, the only difference the switch `sync.inflight` makes in `megarl train
   inflight  `sync.inflight`: the worker's partial mode (`PartialRollouts(P, bound)`, bound `--bound`, by default the
             schedule's m + n - 1) and the push pauses each replica in vLLM's keep mode with its requests held, KV
             `--kv` (`sync.inflight_kv`); batch l is the P finished groups of the lowest (home batch, prompt)
-            within the bound, stale ones dropped.
+            within the bound, stale ones dropped; a group known to be past the bound while it still generates is
+            aborted (`--doomed abort`, `sync.inflight_abort_doomed`) or left to finish (`--doomed finish`).
+  inflight_finish  (with `--doomed both`, a third mode in every round) in flight, doomed groups left to finish.
 
 The weights pushed are the checkpoint's own, relabelled with each version (a full push every time: every byte
 moves and is loaded; what the weights are does not change the lengths, which are set). Each run starts with a push
@@ -56,7 +58,8 @@ from typing import Any
 from megarl.bench.longtail import LONG, SHORT, LongTailClient, long_prompts
 from megarl.metrics.timeline import Span
 
-MODES = ("queue", "inflight")
+MODES = ("queue", "inflight", "inflight_finish")  # inflight_finish: in flight with doomed groups left to finish
+#                                                  (`--doomed both`: side by side with `inflight`, which aborts them)
 ROUND_BATCHES = 1000  # round r's batches start at r x ROUND_BATCHES (both modes of a round share them)
 
 
@@ -77,6 +80,14 @@ class FleetBenchSpec:
     short_tokens: int = 8
     kv: str = "recompute"
     positions: int = 128  # the tiny model's context: the prompt (4 tokens) and the long responses must fit
+    doomed: str = "abort"  # in flight, a group known to be past the bound while generating: 'abort' it
+    #                        (`sync.inflight_abort_doomed`, the default) or let it 'finish' and drop it then
+    #                        (bench files written before 2026-11-29 did the latter); 'both': the `inflight` runs
+    #                        abort, and `inflight_finish` runs on the same batches let them finish
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        return MODES if self.doomed == "both" else MODES[:2]
 
     @property
     def staleness_bound(self) -> int:
@@ -210,6 +221,7 @@ def summarize_modes(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "wait_share": statistics.fmean(r["wait_share"] for r in rs),
             "push_share": statistics.fmean(r["push_share"] for r in rs),
             "dropped_groups": sum(r["dropped_groups"] for r in rs),
+            "aborted_groups": sum(_steady_aborted(r) for r in rs),  # of the dropped ones
             "trained_responses": sum(t["responses"] for t in trained),
             "trained_long": sum(t["long"] for t in trained),
             "trained_mean_length": _weighted_mean(trained),
@@ -222,13 +234,22 @@ def summarize_modes(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "max_token_lag": max(r["max_token_lag"] for r in rs),
             "responses_spanning_versions": sum(r["responses_spanning"] for r in rs),
         }
-    pairs = [(q, i) for q in runs if q["mode"] == "queue" for i in runs
-             if i["mode"] == "inflight" and i["first_batch"] == q["first_batch"]]
-    if pairs:
-        out["ratio_per_round"] = [i["wall_per_batch_s"] / q["wall_per_batch_s"] for q, i in pairs]
-        out["ratio_median"] = statistics.median(out["ratio_per_round"])
-        out["ratio_of_medians"] = (out["inflight"]["step_wall_s"]["median"] / out["queue"]["step_wall_s"]["median"])
+    for mode in MODES[1:]:  # `ratio_*` (inflight / queue), `inflight_finish_ratio_*`
+        pairs = [(q, i) for q in runs if q["mode"] == "queue" for i in runs
+                 if i["mode"] == mode and i["first_batch"] == q["first_batch"]]
+        if pairs:
+            key = "ratio" if mode == "inflight" else f"{mode}_ratio"
+            out[f"{key}_per_round"] = [i["wall_per_batch_s"] / q["wall_per_batch_s"] for q, i in pairs]
+            out[f"{key}_median"] = statistics.median(out[f"{key}_per_round"])
+            out[f"{key}_of_medians"] = out[mode]["step_wall_s"]["median"] / out["queue"]["step_wall_s"]["median"]
     return out
+
+
+def _steady_aborted(run: dict[str, Any]) -> int:
+    """The run's groups dropped in its steady steps that were aborted while generating (files before 2026-11-29:
+    none)."""
+    aborted = {(home, prompt) for home, prompt, *_ in run.get("aborted", [])}
+    return sum(step >= run["steady_steps"][0] and (home, prompt) in aborted for step, home, prompt, _ in run["dropped"])
 
 
 def _weighted_mean(stats: list[dict[str, Any]]) -> float | None:
@@ -239,8 +260,8 @@ def _weighted_mean(stats: list[dict[str, Any]]) -> float | None:
 def format_tables(spec: FleetBenchSpec, summary: dict[str, Any]) -> str:
     lines = [
         "| mode | step wall median (p10-p90) s | wall per batch, runs' means (s) | replica idle | trainer wait | "
-        "push (share; median s) | requests held per push | dropped groups | trained responses: long / all (mean "
-        "length) | sampled: long / all (mean length) | max token lag |",
+        "push (share; median s) | requests held per push | dropped groups (aborted) | trained responses: long / all "
+        "(mean length) | sampled: long / all (mean length) | max token lag |",
         "|---|---|---|---:|---:|---:|---:|---:|---|---|---:|",
     ]
     for mode in MODES:
@@ -252,14 +273,16 @@ def format_tables(spec: FleetBenchSpec, summary: dict[str, Any]) -> str:
             f"| {mode} | {w['median']:.2f} ({w['p10']:.2f}-{w['p90']:.2f}) | "
             f"{', '.join(f'{x:.2f}' for x in m['wall_per_batch_s'])} | {m['idle_share']:.0%} | {m['wait_share']:.0%} | "
             f"{m['push_share']:.0%}; {m['push_s']['median'] if m['push_s'] else 0:.2f} | "
-            f"{m['held_requests_per_push']:.1f} | {m['dropped_groups']} | "
+            f"{m['held_requests_per_push']:.1f} | {m['dropped_groups']} ({m['aborted_groups']}) | "
             f"{m['trained_long']} / {m['trained_responses']} ({m['trained_mean_length']:.1f}) | "
             f"{m['sampled_long']} / {m['sampled_responses']} ({m['sampled_mean_length']:.1f}) | "
             f"{m['max_token_lag']} |")
-    if "ratio_per_round" in summary:
-        per_round = ", ".join(f"{x:.2f}" for x in summary["ratio_per_round"])
-        lines.append(f"\ninflight / queue, wall per batch: per round {per_round} (median "
-                     f"{summary['ratio_median']:.2f}); step walls' medians {summary['ratio_of_medians']:.2f}")
+    for mode in MODES[1:]:
+        key = "ratio" if mode == "inflight" else f"{mode}_ratio"
+        if f"{key}_per_round" in summary:
+            per_round = ", ".join(f"{x:.2f}" for x in summary[f"{key}_per_round"])
+            lines.append(f"\n{mode} / queue, wall per batch: per round {per_round} (median "
+                         f"{summary[f'{key}_median']:.2f}); step walls' medians {summary[f'{key}_of_medians']:.2f}")
     return "\n".join(lines)
 
 
@@ -312,6 +335,7 @@ class _Pusher:
         fleet.inflight = inflight
         stats = self.sync.push(self.slices, version)
         return {"held": sum(1 for counts in fleet.held.values() for n in counts.values() if n > 0),
+                "held_requests": stats.held_requests,
                 "seconds": stats.seconds, **{k: v for k, v in stats.phases.items() if k.endswith("_s")}}
 
     def close(self) -> None:
@@ -333,7 +357,8 @@ def run_mode(spec: FleetBenchSpec, mode: str, first: int, urls: list[str], pushe
     from megarl.sync.schedule import SyncSchedule
 
     spec = spec if steps is None else FleetBenchSpec(**{**asdict(spec), "steps": steps, "skip": 0})
-    inflight = mode == "inflight"
+    inflight = mode != "queue"
+    abort_doomed = mode == "inflight" and spec.doomed != "finish"
     schedule = SyncSchedule(spec.interval, spec.offset)
     end = spec.generated_batches
     bound = spec.staleness_bound
@@ -356,7 +381,7 @@ def run_mode(spec: FleetBenchSpec, mode: str, first: int, urls: list[str], pushe
         problems=problems, encode=encode, sampling={"n": spec.samples, "max_tokens": spec.long_tokens},
         seed=lambda j: 1000 * (first + j), score=scorer, timeline=timeline, end=end, chunk_prompts=1,
         chunks_in_flight=chunks_in_flight(spec.prompts, len(urls), 1),
-        partial=PartialRollouts(spec.prompts, bound) if inflight else None)
+        partial=PartialRollouts(spec.prompts, bound, abort_doomed) if inflight else None)
     ends: list[float] = []
     trained: list[list[int]] = []
     dropped: list[tuple[int, int, int, int]] = []
@@ -371,7 +396,7 @@ def run_mode(spec: FleetBenchSpec, mode: str, first: int, urls: list[str], pushe
                     worker.before_push(before)
                 with timeline.span("push", "push", f"v{step}"):
                     pushes.append(pusher.push(step, inflight))
-                worker.pushed(before)
+                worker.pushed(before, pushes[-1].pop("held_requests"))  # as `megarl train` passes them
                 last_before = before
             batch = worker.take(step)
             metrics = worker.step_metrics()
@@ -413,6 +438,8 @@ def run_mode(spec: FleetBenchSpec, mode: str, first: int, urls: list[str], pushe
         raise RuntimeError(f"{mode}: a trained token lagged {max_lag} versions, past the bound {bound}")
     return summarize_run(spec, mode, first, t0, ends, timeline.spans(), len(urls), trained, dropped,
                          {"held_per_push": [p["held"] for p in pushes], "pushes": pushes, "max_token_lag": max_lag,
+                          # of `dropped_total`: aborted while generating, and each response's length then
+                          "aborted_groups": len(worker.aborted), "aborted": [list(a) for a in worker.aborted],
                           "responses_spanning": spanning, "bound": bound, "groups": accounted})
 
 
@@ -421,10 +448,10 @@ def measure(spec: FleetBenchSpec, urls: list[str], hf_dir: Path, rounds: int) ->
     pusher = _Pusher(urls, hf_dir, spec.kv)
     runs = []
     try:
-        for mode in MODES:
+        for mode in spec.modes:
             run_mode(spec, mode, (rounds + 1) * ROUND_BATCHES, urls, pusher, steps=2)
         for r in range(rounds):
-            for mode in (MODES if r % 2 == 0 else MODES[::-1]):
+            for mode in (spec.modes if r % 2 == 0 else spec.modes[::-1]):
                 runs.append(run_mode(spec, mode, r * ROUND_BATCHES, urls, pusher))
                 w = spread(runs[-1]["step_walls_s"])
                 print(f"round {r} {mode}: {runs[-1]['wall_per_batch_s']:.2f} s per batch (step walls median "
@@ -461,6 +488,10 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         "at any context): raise it for long responses")
     p.add_argument("--short-tokens", type=int, default=d.short_tokens, help="the other responses' length")
     p.add_argument("--kv", choices=("recompute", "keep"), default=d.kv, help="sync.inflight_kv of the in-flight mode")
+    p.add_argument("--doomed", choices=("abort", "finish", "both"), default=d.doomed,
+                   help="in flight, a group known to be past the bound while it generates: abort it "
+                        "(sync.inflight_abort_doomed=true) or let it finish and drop it then; both: a third mode, "
+                        "inflight_finish, runs in each round on the same batches")
     p.add_argument("--out", type=Path, default=Path("docs/figures/bench_inflight_fleet.json"), help="JSON output")
     return p
 
@@ -469,7 +500,7 @@ def run(args: argparse.Namespace) -> int:
     spec = FleetBenchSpec(prompts=args.prompts, samples=args.samples, interval=args.interval, offset=args.offset,
                           bound=args.bound, steps=args.steps, skip=args.skip, train_s=args.train_s,
                           long_share=args.long_share, long_tokens=args.max_tokens, short_tokens=args.short_tokens,
-                          kv=args.kv, positions=args.positions)
+                          kv=args.kv, positions=args.positions, doomed=args.doomed)
     if (args.replicas < 1 or spec.prompts < 1 or spec.interval < 1 or spec.offset < 0 or not 0 <= spec.skip
             < spec.steps or args.rounds < 1 or not 0 <= spec.long_share <= 1 or spec.long_tokens + 4 > spec.positions):
         print("megarl bench inflight-fleet: need --replicas, --prompts, --interval, --rounds >= 1, --offset >= 0, "
@@ -489,7 +520,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"\nmeasured ({time.perf_counter() - t0:.0f} s): {args.replicas} replicas, {spec.prompts} prompts x "
           f"{spec.samples}, {spec.long_share:.0%} of prompts to {spec.long_tokens} tokens, the rest "
           f"{spec.short_tokens}; sync ({spec.interval}, {spec.offset}), bound {spec.staleness_bound}, trainer step "
-          f"{spec.train_s} s, KV {spec.kv}; steps {spec.skip}..{spec.steps - 1} of each run, {args.rounds} rounds")
+          f"{spec.train_s} s, KV {spec.kv}, doomed groups: {spec.doomed}; steps {spec.skip}..{spec.steps - 1} of "
+          f"each run, {args.rounds} rounds")
     print(format_tables(spec, summary))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()

@@ -457,6 +457,14 @@ class SyncConfig(_Strict):
         "way the client salts each request's prefix cache with its version (vLLM's cache_salt), so a later "
         "request never reuses blocks computed under older weights.",
     )
+    inflight_abort_doomed: bool = Field(
+        True, description="With sync.inflight: abort a group still generating once it is known to be past the "
+        "staleness bound for the next batch the trainer takes (a push found it holding tokens, so its oldest token is "
+        "at least that old: megarl.rollout.partial, 'Doomed groups'), instead of generating it to its end and "
+        "dropping it then. Either way it is dropped and counted (partial/dropped_groups; aborted ones also in "
+        "partial/aborted_groups); aborting frees its engine slots and its place in the fleet's window at once. "
+        "false: doomed groups finish first (what megarl did before).",
+    )
     push_initial: bool = Field(
         False, description="Push the trainer's weights once before the first batch, for a fleet that did not "
         "start from the trainer's checkpoint (a reused fleet, a resumed run). Counted in step 0's sync metrics.",

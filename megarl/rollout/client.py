@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import requests
 
 from megarl.rollout.fleet_auth import SECRET_ENV, bearer_header, read_secret
-from megarl.rollout.inflight import token_versions_from_spans, version_of_label
+from megarl.rollout.inflight import engine_external_id, token_versions_from_spans, version_of_label
 from megarl.rollout.liveness import Liveness
 from megarl.token_versions import TokenVersions
 
@@ -211,6 +211,16 @@ class RolloutClient:
             return [self._sample(prompt, c, rid) for c in sorted(choices, key=lambda c: c["index"])]
 
         return list(self._pool.map(lambda a: one(*a), enumerate(prompt_token_ids)))
+
+    def abort_requests(self, request_ids: list[str], timeout_s: float | None = None) -> None:
+        """End the generate requests sent with these `request_id`s now (vLLM's `/abort_requests`, by external id,
+        `megarl.rollout.inflight.engine_external_id`): each one's generate call answers with the tokens it had, its
+        choices' `finish_reason` "abort"; an id the engine no longer runs is ignored. The route aborts EVERY request
+        when given none, so an empty list is refused here."""
+        if not request_ids:
+            raise ValueError("abort_requests([]) would abort every request in the engine; name the requests")
+        self._post("/abort_requests", {"request_ids": [engine_external_id(r) for r in request_ids]},
+                   timeout_s=timeout_s)
 
     def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
         """The engine's log-prob of each token of `token_ids` given the ones before it (len - 1 values)."""

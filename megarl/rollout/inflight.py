@@ -99,6 +99,12 @@ _ENGINE_ID = re.compile(r"^(?:(?P<index>\d+)_)?generate-tokens-(?P<rid>.+)-[^-]{
 _GROUP_ID = re.compile(r"^megarl-b(?P<batch>\d+)-p(?P<prompt>\d+)-[0-9a-f]{8}$")
 
 
+def engine_external_id(request_id: str) -> str:
+    """vLLM's external id of a request sent to `/inference/v1/generate` with `request_id` (see `_ENGINE_ID`): what
+    `/abort_requests` takes to end it."""
+    return f"generate-tokens-{request_id}"
+
+
 def group_request_id(batch: int, prompt: int) -> str:
     """The `request_id` the rollout worker sends prompt `prompt` of (home) batch `batch` with: the group it is, and
     8 random hex digits (a group generated again, e.g. after its replica was lost, is another request). An engine's

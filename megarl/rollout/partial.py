@@ -25,6 +25,20 @@ group only while the groups it has started stay within the ones batches 0 .. v +
 group dropped -- so a group started at version v can be trained within the bound. With the default bound this is
 the schedule's own window (`SyncSchedule.generation_limit`) once the first push has landed.
 
+Doomed groups (`sync.inflight_abort_doomed`, on by default). A group still generating whose oldest token already
+lags the next batch the trainer takes by more than the bound can only be dropped when it finishes. The worker knows
+this without a clock: a push's pause reads which requests hold output tokens (`FleetLifecycle.held_requests`, the
+engine's own counts), and a request found holding tokens at a push generated its first token before it, under the
+weights the fleet held then, version v. So v bounds its oldest token's version from above (the true one may be older,
+if earlier pauses missed it: never newer), and once the next batch to take exceeds v + bound the group is doomed for
+certain (`RolloutWorker._doomed_requests`, checked after every push and every take). It is then aborted in its engine
+(vLLM's `/abort_requests`): the call answers with the tokens it had, and the group is dropped and counted with the
+lag of its true oldest token, read from the engine's version spans of those tokens (`partial/aborted_groups`, also in
+`partial/dropped_groups`). Its slots in the engine and its place in the window are freed at once, instead of after
+the rest of a response that cannot be trained. A group that finishes before its abort lands is pooled and dropped at
+the next take as before; a group never found holding tokens at a push is not aborted (it is dropped when it
+finishes, if it must be). With `inflight_abort_doomed=false` no group is aborted.
+
 The bias this introduces: short responses finish first, so they are trained sooner, and a response too long to
 finish within the bound is dropped, so the trained responses are shorter than the sampled ones. `megarl bench
 longtail` measures it (the length distribution of the trained responses with and without partial rollouts on the

@@ -68,8 +68,9 @@ def start_rollout_worker(cfg: Config, clients: list[RolloutClient], timeline: Ti
             evaluator=evaluator, position=task.position, chunk_prompts=r.chunk_prompts,
             chunks_in_flight=cfg.rollout_chunks_in_flight(),
             replica_log=lambda i: replica_log(cfg.run.dir, i), min_replicas=r.min_replicas,
-            partial=PartialRollouts(prompts_per_batch, token_lag_bound(cfg.algorithm.max_token_lag, cfg.sync.interval,
-                                                                       cfg.sync.offset)) if cfg.sync.inflight else None,
+            partial=PartialRollouts(prompts_per_batch,
+                                    token_lag_bound(cfg.algorithm.max_token_lag, cfg.sync.interval, cfg.sync.offset),
+                                    cfg.sync.inflight_abort_doomed) if cfg.sync.inflight else None,
         )
     except BaseException:
         rewards.close()

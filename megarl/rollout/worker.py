@@ -14,7 +14,8 @@ the batch becomes ready. The controller (trainer rank 0) only
     before_push(j)  at the push point before batch `j`: `quiesce(j)`, unless partial rollouts are on,
     quiesce(j)      blocks until every chunk of every batch before `j` is generated (before a push or
                     a checkpoint: no replica is then generating with the old weights),
-    pushed(j)       after the push before batch `j`: generation may go on up to the next push,
+    pushed(j, held) after the push before batch `j`: generation may go on up to the next push (`held`: the
+                    requests the push found holding tokens, with partial rollouts),
     pending()       the batches generated but not yet consumed (a checkpoint saves them),
     step_metrics()  what the last `take` met: groups requeued, and with partial rollouts carried and dropped,
     evaluate()      the held-out evaluation on the fleet's current weights (`megarl.rollout.evaluation`),
@@ -48,9 +49,11 @@ keep generating while it lands (each replica pauses in vLLM's keep mode with its
 as soon as it is in, its groups join a pool, and `take(l)` forms batch l from the P pooled groups of the lowest
 (home batch, prompt), after dropping and counting the ones past the staleness bound. The window counts groups
 (`megarl.rollout.partial.admission_limit`). Each request is salted with the version the fleet held when it was sent
-(vLLM's `cache_salt`, `megarl.rollout.inflight.version_salt`). A chunk with an aborted choice (a replica given up
-at a push that failed part-way on it, `megarl.rollout.inflight`) is not generated: it is given back and counted like
-a lost replica's, never pooled. A checkpoint (`quiesce`, then `pending`) lets every started group finish, starts
+(vLLM's `cache_salt`, `megarl.rollout.inflight.version_salt`). A group known to be past the bound while it still
+generates is aborted in its engine and dropped when its call answers (`PartialRollouts.abort_doomed`;
+`megarl.rollout.partial`, "Doomed groups"). Any other chunk with an aborted choice (a replica given up at a push that
+failed part-way on it, `megarl.rollout.inflight`) is not generated: it is given back and counted like a lost
+replica's, never pooled. A checkpoint (`quiesce`, then `pending`) lets every started group finish, starts
 none meanwhile, and saves the pooled groups and the prompts not started (`CarriedGroups`); then the fleet goes on. A
 resumed run trains them like any other.
 
@@ -63,7 +66,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -90,10 +93,13 @@ class RolloutWorkerError(RuntimeError):
 @dataclass(frozen=True)
 class PartialRollouts:
     """Partial rollouts (`megarl.rollout.partial`): `batch_groups` groups form a batch; a group whose oldest token
-    lags the trainer by more than `bound` versions is dropped and counted."""
+    lags the trainer by more than `bound` versions is dropped and counted. `abort_doomed`: a group still generating
+    that is known to be past the bound already is aborted in its engine (`megarl.rollout.partial`, "Doomed groups")
+    instead of being generated to its end and dropped then."""
 
     batch_groups: int
     bound: int
+    abort_doomed: bool = True
 
 
 class RolloutWorker:
@@ -155,6 +161,16 @@ class RolloutWorker:
         # the policy version the fleet holds (`pushed`; None: not known before the resumed run's first push)
         self._version: int | None = 0 if start == 0 else None
         self.dropped: list[tuple[int, int, int]] = []  # partial: (home, prompt, lag of its oldest token) per drop
+        # partial: of those, the groups aborted while generating (doomed): (home, prompt, lag, each response's length)
+        self.aborted: list[tuple[int, int, int, list[int]]] = []
+        self._aborted_since_take: list[tuple[int, int, int]] = []  # partial: aborted since the last `take`
+        self._next_take = start  # partial: the first batch the trainer has not taken
+        # partial, per group generating: (replica, request id); per request id: the latest version its oldest token
+        # can have (the version before the first push that found it holding tokens: `pushed`); the groups aborted
+        self._requests: dict[tuple[int, int], tuple[int, str]] = {}
+        self._oldest_at_most: dict[str, int] = {}
+        self._doomed: dict[tuple[int, int], str] = {}
+        self._abort_pool = ThreadPoolExecutor(1, thread_name_prefix="megarl-abort")
         self.requeued = 0  # groups a lost replica was generating, given back to the queue and generated again
         self._last_take: dict[str, Any] = {}
         first = carried.next_home if carried is not None else max([start - 1, *self._ready]) + 1  # next to generate
@@ -225,16 +241,23 @@ class RolloutWorker:
             self._wait(ready)
             assert groups is not None
             self._consumed += len(groups)
+            self._next_take = step + 1
             in_flight = self._carried + self._admitted - self._consumed - len(self.dropped) - len(self._pool)
-            self._last_take = {"partial/dropped_groups": len(dropped), "partial/dropped_total": len(self.dropped),
+            aborted, self._aborted_since_take = self._aborted_since_take, []
+            self._last_take = {"partial/dropped_groups": len(dropped) + len(aborted),
+                               "partial/aborted_groups": len(aborted), "partial/aborted_total": len(self.aborted),
+                               "partial/dropped_total": len(self.dropped),
                                "partial/carried_groups": sum(g.home < step for g in groups),
                                "partial/in_flight_groups": in_flight,
                                "partial/started_groups": self._carried + self._admitted,
                                "partial/pooled_groups": len(self._pool),  # finished, not taken yet
                                # which groups: (home batch, prompt) trained, and (home, prompt, lag) dropped
                                "partial/groups": [list(g.key) for g in groups],
-                               "partial/dropped": [[g.home, g.prompt, step - g.oldest] for g in dropped]}
+                               "partial/dropped": [[g.home, g.prompt, step - g.oldest] for g in dropped]
+                               + [list(a) for a in aborted]}
+            doomed = self._doomed_requests()
             self._cv.notify_all()
+        self._abort(doomed)
         if dropped:
             logger.info("batch %d: %d group(s) dropped, their oldest token past the staleness bound of %d versions "
                         "(%d so far)", step, len(dropped), bound, len(self.dropped))
@@ -243,9 +266,12 @@ class RolloutWorker:
     def step_metrics(self) -> dict[str, Any]:
         """What the last `take` met: `fleet/requeued_groups` (so far: groups a lost replica was generating, generated
         again by the others) and, with partial rollouts, `partial/*`: the groups dropped past the staleness bound
-        (this batch, and so far), the batch's groups carried from an earlier home batch, the groups still
-        generating, finished and waiting, and started so far, and which groups the batch holds and which it
-        dropped (`partial/groups`: [home batch, prompt]; `partial/dropped`: [home batch, prompt, lag])."""
+        (this batch, and so far; this batch's count includes the groups aborted as doomed since the previous take,
+        also counted on their own as `partial/aborted_groups`, and so far `partial/aborted_total`), the batch's
+        groups carried from an earlier home batch, the groups still generating, finished and waiting, and started
+        so far, and which groups the batch holds and which it dropped (`partial/groups`: [home batch, prompt];
+        `partial/dropped`: [home batch, prompt, lag], an aborted group's lag counted against the batch it could
+        have joined at best)."""
         with self._cv:
             return {"fleet/requeued_groups": self.requeued, **self._last_take}
 
@@ -272,13 +298,23 @@ class RolloutWorker:
                 self._raise_demand(before)
             self._wait(lambda: self._queue.complete_below() >= before)
 
-    def pushed(self, before: int) -> None:
-        """The push that precedes batch `before` is done: generate up to the next push."""
+    def pushed(self, before: int, held: Iterable[str] = ()) -> None:
+        """The push that precedes batch `before` is done: generate up to the next push. `held`: with partial
+        rollouts, the ids of the requests that held output tokens at the push's pause (`SyncStats.held_requests`):
+        their first token was generated under the weights the fleet held before the push, which bounds their
+        oldest token's version (doomed groups are aborted by it)."""
         with self._cv:
+            if self._partial is not None and self._version is not None:
+                generating = {rid for _, rid in self._requests.values()}
+                for rid in held:
+                    if rid in generating:  # the first push that finds it holding tokens gives the tightest bound
+                        self._oldest_at_most.setdefault(rid, self._version)
             self._limit = self.schedule.generation_limit(before)
             self._version = self.schedule.generation_version(before)
             self._hold = False
+            doomed = self._doomed_requests()
             self._cv.notify_all()
+        self._abort(doomed)
 
     def pending(self) -> dict[int, RolloutBatch] | CarriedGroups:
         """After `quiesce`: wait for the scoring of every generated batch; the batches not consumed yet (partial
@@ -370,6 +406,7 @@ class RolloutWorker:
         for t in self._threads:
             t.join(timeout=5)
         self._score_pool.shutdown(wait=False, cancel_futures=True)
+        self._abort_pool.shutdown(wait=False, cancel_futures=True)
         self._scorer.close()
 
     # ---- inside ----------------------------------------------------------------------------------------------
@@ -446,6 +483,40 @@ class RolloutWorker:
             self._admitted += len(chunk.prompts)
         return chunk
 
+    def _doomed_requests(self) -> dict[int, list[str]]:
+        """(Condition held.) Partial rollouts with `abort_doomed`: the groups generating whose oldest token is
+        already too old for the next batch the trainer takes (`_oldest_at_most`, an upper bound on that token's
+        version, lags `_next_take` by more than the bound, so the true one does too), not marked yet: marked
+        (`_doomed`), and returned as replica -> request ids to abort."""
+        if self._partial is None or not self._partial.abort_doomed:
+            return {}
+        out: dict[int, list[str]] = {}
+        for key, (replica, rid) in self._requests.items():
+            at_most = self._oldest_at_most.get(rid)
+            if at_most is not None and self._next_take - at_most > self._partial.bound and key not in self._doomed:
+                self._doomed[key] = rid
+                out.setdefault(replica, []).append(rid)
+        return out
+
+    def _abort(self, doomed: dict[int, list[str]]) -> None:
+        """Abort the doomed requests in their engines, in the background (the trainer does not wait for it); each
+        generate call then answers with its tokens so far, `finish_reason` "abort", and its group is dropped and
+        counted when it comes back (`_replica_loop`). An abort that fails leaves the group to finish: it is then
+        dropped at a take, as without `abort_doomed`."""
+        for replica, rids in doomed.items():
+            client = self.clients[replica]
+
+            def send(client: RolloutClient = client, rids: list[str] = rids, replica: int = replica) -> None:
+                try:
+                    client.abort_requests(rids, timeout_s=30.0)
+                except Exception as err:  # noqa: BLE001 - a failed abort only costs the group's generation
+                    logger.warning("replica %d: aborting doomed request(s) %s failed (%s: %s); they finish and are "
+                                   "dropped at a take", replica, rids, type(err).__name__, err)
+
+            logger.info("replica %d: aborting %d doomed group(s), their oldest token already past the staleness "
+                        "bound: %s", replica, len(rids), rids)
+            self._abort_pool.submit(send)
+
     def _start_loop(self, replica: int, slot: int) -> None:
         thread = threading.Thread(target=self._replica_loop, args=(replica, self._incarnation[replica]), daemon=True,
                                   name=f"megarl-replica{replica}-{slot}")
@@ -471,12 +542,15 @@ class RolloutWorker:
                     problems = [self._queue.open[chunk.batch].problems[i] for i in chunk.prompts]
                     base = self._seed(chunk.batch)
                     salt = {"cache_salt": version_salt(self._version)} if self._partial is not None else {}
+                    rids = [group_request_id(chunk.batch, i) for i in chunk.prompts]  # [faults]
+                    if self._partial is not None:
+                        for i, rid in zip(chunk.prompts, rids, strict=True):
+                            self._requests[chunk.batch, i] = (replica, rid)
                 j = chunk.batch
                 with self.timeline.span(f"replica {replica}", "generate", f"batch {j}"):
                     try:  # prompt i of batch j is sampled with seed(j) + i, whichever replica serves it
                         out = client.generate(prompts, **self._sampling, seed=[base + i for i in chunk.prompts],
-                                              request_ids=[group_request_id(j, i) for i in chunk.prompts],  # [faults]
-                                              **salt)
+                                              request_ids=rids, **salt)
                     except RolloutServerLost as err:
                         self._lose(replica, chunk, err, client)
                         continue
@@ -484,21 +558,32 @@ class RolloutWorker:
                         raise RolloutWorkerError(
                             f"replica {replica} ({client.url}), batch {j}: {type(err).__name__}: {err}"
                         ) from err
-                    # [inflight-faults hook] a chunk with an aborted choice was not generated: megarl aborts only the
-                    # requests of a replica it gave up (`FleetLifecycle._give_up_mixed`), so it is lost like one that
-                    # stopped answering: the chunk goes back to the queue (counted in `requeued`), never to the pool
-                    if aborted := sum(s.finish_reason == "abort" for group in out for s in group):
+                    # [inflight-faults hook] a chunk with an aborted choice was not generated, unless megarl aborted
+                    # that group as doomed (`_abort`): the only other requests megarl aborts are those of a replica
+                    # it gave up (`FleetLifecycle._give_up_mixed`), so the chunk is lost like one whose replica
+                    # stopped answering: it goes back to the queue (counted in `requeued`), never to the pool
+                    groups = dict(zip(chunk.prompts, out, strict=True))
+                    aborted = {i for i, group in groups.items() if any(s.finish_reason == "abort" for s in group)}
+                    with self._cv:
+                        given_up = [i for i in aborted if (j, i) not in self._doomed]
+                    if given_up:
                         self._lose(replica, chunk, RolloutServerLost(
-                            f"{aborted} of the chunk's samples came back aborted (finish_reason 'abort'): the replica "
-                            "dropped its requests (a push that failed part-way on it)"), client)
+                            f"{len(given_up)} of the chunk's groups came back aborted (finish_reason 'abort'): the "
+                            "replica dropped its requests (a push that failed part-way on it)"), client)
                         continue
                 with self._cv:
                     self.chunks_taken[replica] += 1
                     self._generating.discard(chunk)
+                    self._forget_requests(chunk)
                     batch = self._queue.done(chunk, out)
                     if self._partial is not None:  # every chunk's groups are scored and pooled as they come in
-                        self._scoring += 1
-                        self._score_pool.submit(self._score_groups, chunk, problems, out)
+                        for i in sorted(aborted):  # (aborted as doomed: the others went to `_lose` above)
+                            self._drop_aborted(j, i, groups[i])
+                        kept = [k for k, i in enumerate(chunk.prompts) if i not in aborted]
+                        if kept:
+                            self._scoring += 1
+                            self._score_pool.submit(self._score_groups, j, [chunk.prompts[k] for k in kept],
+                                                    [problems[k] for k in kept], [out[k] for k in kept])
                     elif batch is not None:
                         self._scoring += 1
                         self._score_pool.submit(self._score, j, batch.problems, batch.groups)
@@ -513,6 +598,7 @@ class RolloutWorker:
         url, cause = client.url, f"{type(err).__name__}: {err}"
         with self._cv:
             self._generating.discard(chunk)
+            self._forget_requests(chunk)
             if chunk.batch in self._queue.open:  # (another loop cannot have completed it: nobody else held it)
                 self._queue.give_back(chunk)
                 self.requeued += len(chunk.prompts)
@@ -536,6 +622,23 @@ class RolloutWorker:
                 self._replica_log(replica),
             )
 
+    def _forget_requests(self, chunk: Chunk) -> None:
+        """(Condition held.) Partial rollouts: the chunk's requests are over (in, or given back): forget them."""
+        for i in chunk.prompts:
+            if (entry := self._requests.pop((chunk.batch, i), None)) is not None:
+                self._oldest_at_most.pop(entry[1], None)
+            self._doomed.pop((chunk.batch, i), None)
+
+    def _drop_aborted(self, home: int, prompt: int, samples: list[Sample]) -> None:
+        """(Condition held.) A group aborted as doomed came back: dropped and counted, with the lag of its oldest
+        token (from its samples' own versions: the tokens it had) against the first batch it could have joined."""
+        versions = [s.token_versions.oldest for s in samples if s.token_versions is not None and s.token_versions.runs]
+        oldest = min(versions) if versions else min(s.policy_version for s in samples)
+        drop = (home, prompt, self._next_take - oldest)
+        self.dropped.append(drop)
+        self._aborted_since_take.append(drop)
+        self.aborted.append((*drop, [len(s.response_ids) for s in samples]))
+
     def _score(self, j: int, problems: list[Problem], samples: list[list[Sample]]) -> None:
         try:
             with self.timeline.span("reward", "score", f"batch {j}"):
@@ -550,17 +653,17 @@ class RolloutWorker:
         except BaseException as err:  # noqa: BLE001 - handed to the controller
             self._fail(err)
 
-    def _score_groups(self, chunk: Chunk, problems: list[Problem], samples: list[list[Sample]]) -> None:
-        """Partial rollouts: score a chunk's groups and pool them."""
+    def _score_groups(self, j: int, prompts: list[int], problems: list[Problem], samples: list[list[Sample]]) -> None:
+        """Partial rollouts: score groups of home batch `j` (its prompts `prompts`) and pool them."""
         try:
-            with self.timeline.span("reward", "score", f"batch {chunk.batch}"):
+            with self.timeline.span("reward", "score", f"batch {j}"):
                 try:
                     scores = self._scorer.group_scores(problems, samples)
                 except Exception as err:
-                    raise RolloutWorkerError(f"scoring batch {chunk.batch}: {type(err).__name__}: {err}") from err
+                    raise RolloutWorkerError(f"scoring batch {j}: {type(err).__name__}: {err}") from err
             with self._cv:
-                for i, group, score in zip(chunk.prompts, samples, scores, strict=True):
-                    self._pool.add(ScoredGroup(chunk.batch, i, group, score.rewards[0], score.timeouts, score.flags))
+                for i, group, score in zip(prompts, samples, scores, strict=True):
+                    self._pool.add(ScoredGroup(j, i, group, score.rewards[0], score.timeouts, score.flags))
                 self._scoring -= 1
                 self._cv.notify_all()
         except BaseException as err:  # noqa: BLE001 - handed to the controller

@@ -206,6 +206,13 @@ class FleetLifecycle:
         return sorted({group for counts in self.held.values() for (rid, _), tokens in counts.items()
                        if tokens > 0 and (group := group_of_request(rid)) is not None})
 
+    def held_requests(self) -> list[str]:
+        """The ids of the generate requests of which some response held at least one output token at the last
+        `open`'s pause (the model runner's counts, with `held_groups`' caveat: a request that finished in the
+        engine's last step is listed too). Whichever it is, a listed request's first token was generated before the
+        pause, under the weights the replica held then. Sorted; empty without inflight."""
+        return sorted({rid for counts in self.held.values() for (rid, _), tokens in counts.items() if tokens > 0})
+
     def served(self) -> dict[int, str | None]:
         """The version label each replica reports now (None: it did not answer within `LABEL_TIMEOUT_S`: a metric
         must not hold the push, which has already finished, for the client's whole request timeout)."""

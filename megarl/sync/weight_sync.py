@@ -84,6 +84,9 @@ class SyncStats:
     # sync.inflight (rank 0): the groups (home batch, prompt) with a response that held output tokens at this push's
     # pause, so that its tokens come from two versions (`FleetLifecycle.held_groups`)
     held_groups: list[tuple[int, int]] = field(default_factory=list)
+    # sync.inflight (rank 0): the request ids of those responses (`FleetLifecycle.held_requests`): the rollout worker
+    # bounds each one's oldest token version by them (`RolloutWorker.pushed`)
+    held_requests: list[str] = field(default_factory=list)
     # where the push's seconds went (rank 0's clock unless said): needs_s (first push only: obtaining the vLLM
     # ranks' needs, i.e. the fleet's loader-read recording, done once per run in the constructor), plan_s (first
     # push only), open_s (pause and open
@@ -406,6 +409,7 @@ class PartitionedWeightSync:
             version=version, seconds=time.perf_counter() - clock[0], replicas=list(self.live),
             lost=dict(self.lost), served=self.fleet.served() if self.fleet is not None else {},
             held_groups=self.fleet.held_groups() if self.fleet is not None else [],
+            held_requests=self.fleet.held_requests() if self.fleet is not None else [],
             bytes_sent={r: g[0] for r, g in enumerate(gathered)},
             staging_peak_bytes={r: g[1] for r, g in enumerate(gathered)},
             bytes_received={r["rank"]: r["bytes_received"] for r in reports},
