@@ -33,10 +33,12 @@ The rules, for `S = SyncSchedule(m, n)`, K steps, R replicas, P prompts (groups 
                     met past the bound on the way dropped (with `doomed='finish'` every scored group past the bound
                     is dropped first, as above).
            A group still generating whose oldest token could only be trained past the bound: with `doomed='finish'`
-           (the default, what `megarl.rollout.partial` implements) it generates to its end, holding its slot and
+           (the default here; `sync.inflight_abort_doomed=false`) it generates to its end, holding its slot and
            its place in the admission limit, and is dropped at the first take after it is scored. With
-           `doomed='abort'` (a possible later improvement, not implemented) it is aborted (counted, its tokens
-           wasted) when step k starts waiting (k - v > bound) and once batch k is formed (k + 1 - v > bound).
+           `doomed='abort'` (megarl's default since 2026-11-29, `megarl.rollout.partial`, "Doomed groups") it is
+           aborted (counted, its tokens wasted) when step k starts waiting (k - v > bound) and once batch k is
+           formed (k + 1 - v > bound). (megarl learns a bound on v at the first push that finds the group holding
+           tokens, so it aborts later than the sim a group doomed before any push has held it.)
            Then the trainer trains for `train(lengths of the batch's responses)` seconds. The order only matters
            when more than P scored groups within the bound are pooled at the take (`StepOut.pooled`): when the
            trainer reaches the take before P are, the batch forms as the P-th is scored, the same under either.
