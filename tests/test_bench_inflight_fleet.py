@@ -1,10 +1,12 @@
 """`megarl bench inflight-fleet`'s bookkeeping (`megarl.bench.inflight_fleet`) against hand-computed cases: the
 replicas' idle share with pushes overlapping requests in flight, the trainer's shares, the length accounting of
-trained vs sampled vs dropped responses, one run's steady window and drops, and the paired ratio. Pure: no fleet
-(the bench itself runs on the real one)."""
+trained vs sampled vs dropped responses, one run's steady window and drops, and the paired ratio; and `megarl bench
+engine-step`'s (`megarl.bench.engine_step`): its least-squares line and its reading of vLLM's metrics. Pure: no fleet
+(the benches themselves run on the real one)."""
 
 import pytest
 
+from megarl.bench.engine_step import DECODE_S, TOKENS_COUNT, TOKENS_SUM, fit_step_cost, metric_sums, step_from_metrics
 from megarl.bench.inflight_fleet import (
     FleetBenchSpec,
     covered_s,
@@ -93,3 +95,31 @@ def test_modes_pair_their_rounds():
     assert out["inflight"]["step_wall_s"]["median"] == pytest.approx(2.0)
     assert out["ratio_of_medians"] == pytest.approx(2.0 / 3.0)
     assert "per round 0.50, 0.75 (median 0.62)" in format_tables(FleetBenchSpec(), out)
+
+
+def test_engine_step_fit_by_hand():
+    # points (1, 1), (2, 3), (3, 2): means (2, 2); sum (x - 2)(y - 2) = 1, sum (x - 2)^2 = 2: slope 0.5, intercept 1
+    assert fit_step_cost([1, 2, 3], [1.0, 3.0, 2.0]) == pytest.approx((1.0, 0.5))
+    # exact on a line: 4 ms + 0.25 ms per sequence
+    assert fit_step_cost([1, 4, 16, 64], [0.004 + 0.00025 * n for n in (1, 4, 16, 64)]) == pytest.approx(
+        (0.004, 0.00025))
+    with pytest.raises(ValueError, match="two distinct sizes"):
+        fit_step_cost([8, 8], [0.01, 0.02])
+
+
+def test_engine_step_reads_vllms_metrics_by_hand():
+    # two readings of vLLM's Prometheus text (two engines' label sets summed): between them 4 sequences finished with
+    # 4 x 32 tokens, i.e. 4 x 31 decode steps after the first token, in 2.48 s of decode: 20 ms a step
+    before = metric_sums(
+        "# HELP vllm:request_decode_time_seconds ...\n"
+        'vllm:request_decode_time_seconds_sum{engine="0",model_name="m"} 1.5\n'
+        'vllm:request_decode_time_seconds_sum{engine="1",model_name="m"} 0.5\n'
+        'vllm:request_generation_tokens_sum{engine="0",model_name="m"} 100.0\n'
+        'vllm:request_generation_tokens_count{engine="0",model_name="m"} 3.0\n'
+        'vllm:request_decode_time_seconds_count{engine="0",model_name="m"} 3.0\n', (DECODE_S, TOKENS_SUM, TOKENS_COUNT))
+    assert before == {DECODE_S: 2.0, TOKENS_SUM: 100.0, TOKENS_COUNT: 3.0}
+    after = {DECODE_S: 2.0 + 2.48, TOKENS_SUM: 100.0 + 4 * 32, TOKENS_COUNT: 7.0}
+    step_s, sequences = step_from_metrics(before, after)
+    assert (step_s, sequences) == (pytest.approx(0.02), 4)
+    with pytest.raises(RuntimeError, match="disable-log-stats"):
+        step_from_metrics(before, before)

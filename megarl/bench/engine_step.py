@@ -1,0 +1,202 @@
+"""`megarl bench engine-step`: what one decode step of a vLLM CPU replica costs against the sequences it runs.
+
+One tiny-MoE vLLM CPU replica, started as `megarl bench inflight-fleet` starts each of its replicas (the same tiny
+checkpoint, `--positions` its context; `--node-replicas` replicas' share of the cores: by default 2, so the replica
+gets the one core it gets in the fleet bench's 2-replica fleet). For each N in `--sizes`: one request of a 4-token
+prompt with `n = N` samples (vLLM runs them as N sequences admitted together), `ignore_eos`, exactly `--tokens` T
+tokens each; `--repeats` times each N (the sizes interleaved, round by round, so drift in the machine's load hits
+every N alike), after one discarded warm-up round.
+
+The seconds a decode step takes, per N, from vLLM's own per-request figures (its Prometheus `/metrics`, read before
+and after the request): `vllm:request_decode_time_seconds` (a request's first token to its last) summed over the N
+sequences, over `vllm:request_generation_tokens` less one per sequence (the decode steps after the first token,
+which the prefill step makes): with the N decoding in lockstep, that is the engine's step. Beside it the wall
+clock: the request's wall / T (an upper bound: it includes the HTTP call and the prefill). The medians over the
+repeats are fitted by least squares to `step_s + per_seq_s x N` (`fit_step_cost`): the engine model of
+`megarl.bench.dispatch_sim.EngineCosts` (which `megarl bench inflight --fleet-check --engine-step FILE` takes the
+ratio per_seq_s / step_s from). Prints the table, writes `--out` (JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+SIZES = (1, 2, 4, 8, 16, 32, 64)
+PROMPT = [5, 7, 8, 9]  # 4 tokens of the tiny tokenizer (the fleet bench's prompts are 4 tokens too)
+DECODE_S = "vllm:request_decode_time_seconds_sum"
+TOKENS_SUM = "vllm:request_generation_tokens_sum"
+TOKENS_COUNT = "vllm:request_generation_tokens_count"
+
+
+def fit_step_cost(sizes: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
+    """Least squares of `seconds[i] ~ step_s + per_seq_s x sizes[i]`: (step_s, per_seq_s)."""
+    n = len(sizes)
+    if n != len(seconds) or n < 2 or len(set(sizes)) < 2:
+        raise ValueError(f"a line needs at least two distinct sizes, got sizes {list(sizes)} for {len(seconds)} "
+                         "figures")
+    mx, my = sum(sizes) / n, sum(seconds) / n
+    sxx = sum((x - mx) ** 2 for x in sizes)
+    per_seq = sum((x - mx) * (y - my) for x, y in zip(sizes, seconds, strict=True)) / sxx
+    return my - per_seq * mx, per_seq
+
+
+def metric_sums(text: str, names: Sequence[str]) -> dict[str, float]:
+    """Each metric of `names` in a Prometheus text exposition, summed over its label sets (0 when absent)."""
+    out = dict.fromkeys(names, 0.0)
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        m = re.match(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{[^}]*\})?\s+(\S+)", line)
+        if m and m.group(1) in out:
+            out[m.group(1)] += float(m.group(3))
+    return out
+
+
+def step_from_metrics(before: dict[str, float], after: dict[str, float]) -> tuple[float, int]:
+    """(seconds a decode step, sequences finished) between two readings of `metric_sums`: the sequences' decode
+    seconds over their decode steps (tokens after the first)."""
+    sequences = round(after[TOKENS_COUNT] - before[TOKENS_COUNT])
+    steps = after[TOKENS_SUM] - before[TOKENS_SUM] - sequences
+    if sequences < 1 or steps <= 0:
+        raise RuntimeError(f"vLLM's /metrics saw {sequences} requests finish with {steps:g} decode steps: is the "
+                           "server logging stats (no --disable-log-stats)?")
+    return (after[DECODE_S] - before[DECODE_S]) / steps, sequences
+
+
+def measure_size(url: str, headers: dict[str, str], size: int, tokens: int, seed: int) -> dict[str, Any]:
+    """One request of `size` samples x `tokens` tokens: s/step from vLLM's metrics and from the wall clock."""
+    import requests
+
+    def read() -> dict[str, float]:
+        r = requests.get(f"{url}/metrics", headers=headers, timeout=60)
+        r.raise_for_status()
+        return metric_sums(r.text, (DECODE_S, TOKENS_SUM, TOKENS_COUNT))
+
+    before = read()
+    body = {"token_ids": PROMPT, "request_id": f"engine-step-{size}-{seed}-{time.time_ns()}",
+            "sampling_params": {"n": size, "max_tokens": tokens, "ignore_eos": True, "temperature": 1.0,
+                                "seed": seed}}
+    t0 = time.perf_counter()
+    r = requests.post(f"{url}/inference/v1/generate", json=body, headers=headers, timeout=1200)
+    wall = time.perf_counter() - t0
+    r.raise_for_status()
+    lengths = [len(c["token_ids"]) for c in r.json()["choices"]]
+    if lengths != [tokens] * size:
+        raise RuntimeError(f"N={size}: asked for {size} x {tokens} tokens (ignore_eos), got {lengths}")
+    time.sleep(0.3)  # the engine's stats reach the API server's metrics at its next output batch
+    step_s, sequences = step_from_metrics(before, read())
+    if sequences != size:
+        raise RuntimeError(f"N={size}: vLLM's /metrics counted {sequences} finished requests (another client on this "
+                           "replica?)")
+    return {"size": size, "step_s": step_s, "wall_s": wall, "wall_per_token_s": wall / tokens}
+
+
+def measure(url: str, headers: dict[str, str], sizes: Sequence[int], tokens: int, repeats: int) -> list[dict]:
+    """A discarded warm-up round, then `repeats` rounds over every size (even rounds ascending, odd descending)."""
+    for size in sizes:
+        measure_size(url, headers, size, min(tokens, 16), seed=size)
+    out = []
+    for r in range(repeats):
+        for size in (sizes if r % 2 == 0 else sizes[::-1]):
+            out.append({"round": r, **measure_size(url, headers, size, tokens, seed=1000 * r + size)})
+            print(f"round {r} N={size}: {out[-1]['step_s'] * 1e3:.2f} ms a step (wall / T "
+                  f"{out[-1]['wall_per_token_s'] * 1e3:.2f} ms)", flush=True)
+    return out
+
+
+def summarize(samples: list[dict], sizes: Sequence[int]) -> dict[str, Any]:
+    """Per size the medians over the repeats, the fit on the medians, and each size's fitted figure."""
+    rows = []
+    for size in sizes:
+        mine = [s for s in samples if s["size"] == size]
+        rows.append({"size": size, "step_s": statistics.median(s["step_s"] for s in mine),
+                     "step_s_all": [s["step_s"] for s in mine],
+                     "wall_per_token_s": statistics.median(s["wall_per_token_s"] for s in mine)})
+    a, b = fit_step_cost([r["size"] for r in rows], [r["step_s"] for r in rows])
+    for r in rows:
+        r["fitted_s"] = a + b * r["size"]
+    return {"step_s": a, "per_seq_s": b, "per_seq_over_step": b / a, "rows": rows}
+
+
+def table(summary: dict[str, Any]) -> str:
+    lines = ["| N running | s/step, vLLM metrics (median; all) | fitted | wall / T |", "|---:|---|---:|---:|"]
+    for r in summary["rows"]:
+        every = ", ".join(f"{x * 1e3:.2f}" for x in r["step_s_all"])
+        lines.append(f"| {r['size']} | {r['step_s'] * 1e3:.2f} ms ({every}) | {r['fitted_s'] * 1e3:.2f} ms | "
+                     f"{r['wall_per_token_s'] * 1e3:.2f} ms |")
+    lines.append(f"\nfit: {summary['step_s'] * 1e3:.3f} ms + {summary['per_seq_s'] * 1e3:.4f} ms x N "
+                 f"(per_seq_s / step_s = {summary['per_seq_over_step']:.4f})")
+    return "\n".join(lines)
+
+
+def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "engine-step",
+        help="a vLLM CPU replica's decode step against the sequences it runs: step_s + per_seq_s x N, measured",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--sizes", type=int, nargs="+", default=list(SIZES), help="running sequences N to measure")
+    p.add_argument("--tokens", type=int, default=128, help="tokens each sequence generates (T, ignore_eos)")
+    p.add_argument("--repeats", type=int, default=3, help="rounds over the sizes (the medians are fitted)")
+    p.add_argument("--positions", type=int, default=1024,
+                   help="the tiny model's context, as `megarl bench inflight-fleet --positions` (its long-response "
+                        "runs: 1024)")
+    p.add_argument("--node-replicas", type=int, default=2,
+                   help="replicas whose share of the cores the replica gets (the fleet bench's --replicas: 2)")
+    p.add_argument("--out", type=Path, default=Path("docs/figures/engine_step_cpu.json"), help="JSON output")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    sizes = sorted(set(args.sizes))
+    if len(sizes) < 2 or sizes[0] < 1 or args.tokens < 2 or args.repeats < 1 or args.node_replicas < 1 \
+            or args.tokens + len(PROMPT) > args.positions:
+        print("megarl bench engine-step: need two or more distinct --sizes >= 1, --tokens >= 2, --repeats >= 1, "
+              f"--node-replicas >= 1, --tokens <= --positions - {len(PROMPT)}", file=sys.stderr)
+        return 2
+    work_dir = Path(tempfile.mkdtemp(prefix="megarl_bench_engine_step_"))
+    t0 = time.perf_counter()
+    try:
+        samples = _on_replica(args, sizes, work_dir)
+    except BaseException:
+        print(f"megarl bench engine-step failed: the replica's log is kept in {work_dir}", file=sys.stderr)
+        raise
+    shutil.rmtree(work_dir, ignore_errors=True)
+    summary = summarize(samples, sizes)
+    load = os.getloadavg()
+    print(f"\nmeasured ({time.perf_counter() - t0:.0f} s; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}): "
+          f"one tiny-MoE vLLM CPU replica (context {args.positions}, a 1/{args.node_replicas} share of "
+          f"{len(os.sched_getaffinity(0))} cores), one request of n = N samples x {args.tokens} tokens, "
+          f"{args.repeats} repeats")
+    print(table(summary))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
+                                             if k != "func"}, "load_average": load, **summary,
+                                    "samples": samples}, indent=1) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _on_replica(args: argparse.Namespace, sizes: list[int], work_dir: Path) -> list[dict]:
+    from megarl.models.tiny import make_tiny_checkpoint
+    from megarl.rollout.fleet import FleetSpec, launch
+    from megarl.rollout.fleet_auth import bearer_header, read_secret
+
+    model = make_tiny_checkpoint(work_dir / "tiny_moe", kind="moe", positions=args.positions)
+    print("starting one vLLM CPU replica of the tiny MoE ...", flush=True)
+    with launch(FleetSpec(model_dir=model, tp=1, replicas=1, node_replicas=args.node_replicas,
+                          log_dir=work_dir)) as fleet:
+        return measure(fleet.base_url, bearer_header(read_secret(fleet.secret_file)), sizes, args.tokens,
+                       args.repeats)
