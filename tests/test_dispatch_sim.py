@@ -279,3 +279,13 @@ def test_fleet_check_per_seq_engine_needs_the_measured_ratio(tmp_path):
     path.write_text('{"step_s": 0.004}')
     with pytest.raises(ValueError, match="not a `megarl bench engine-step"):
         fleet_setting.read_engine_step(path)
+
+
+def test_fleet_check_trainer_step_set_or_measured():
+    # the bench's --train-s, or the run's measured mean train span a steady step: 70 % of a 4.0 s wall per batch
+    measured = {"spec": {"train_s": 2.0}}
+    run = {"train_share": 0.7, "wall_per_batch_s": 4.0}
+    assert fleet_setting.train_s(measured, run) == 2.0
+    assert fleet_setting.train_s(measured, run, "measured") == pytest.approx(2.8)
+    with pytest.raises(ValueError, match="'set' or 'measured'"):
+        fleet_setting.train_s(measured, run, "sleep")

@@ -14,7 +14,14 @@ which the prefill step makes): with the N decoding in lockstep, that is the engi
 clock: the request's wall / T (an upper bound: it includes the HTTP call and the prefill). The medians over the
 repeats are fitted by least squares to `step_s + per_seq_s x N` (`fit_step_cost`): the engine model of
 `megarl.bench.dispatch_sim.EngineCosts` (which `megarl bench inflight --fleet-check --engine-step FILE` takes the
-ratio per_seq_s / step_s from). Prints the table, writes `--out` (JSON).
+ratio per_seq_s / step_s from).
+
+Then the condition of the fleet bench's in-flight mode, where a long response runs beside short ones that come and
+go: one long request (`--samples` x `--churn-tokens`) beside each number of `--churn-loops` loops of short requests
+(`--samples` x `--short-tokens`, each loop sending its next request as soon as its last one is answered, as the
+bench's group loops do; 7 is the bench's 8 loops a replica less the long group's), `max(1, --repeats - 1)` times
+each: the long request's wall per token, against the fit at every sequence running (an upper bound of what the
+per-sequence cost alone explains). Prints the tables, writes `--out` (JSON).
 """
 
 from __future__ import annotations
@@ -102,6 +109,76 @@ def measure_size(url: str, headers: dict[str, str], size: int, tokens: int, seed
     return {"size": size, "step_s": step_s, "wall_s": wall, "wall_per_token_s": wall / tokens}
 
 
+def measure_churn(url: str, headers: dict[str, str], loops: int, tokens: int, short_tokens: int, samples: int,
+                  seed: int) -> dict[str, Any]:
+    """One long request (`samples` x `tokens`) beside `loops` loops of short ones (`samples` x `short_tokens`, each loop
+    sending its next request when its last one is answered, as the fleet bench's group loops do), started 0.5 s
+    before it: the long request's wall / `tokens`, and the short requests answered while it ran."""
+    import threading
+
+    import requests
+
+    stop, lock, done = threading.Event(), threading.Lock(), []
+
+    def body(n: int, max_tokens: int, key: str) -> dict[str, Any]:
+        return {"token_ids": PROMPT, "request_id": f"engine-step-{key}-{time.time_ns()}",
+                "sampling_params": {"n": n, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 1.0,
+                                    "seed": seed}}
+
+    def loop(i: int) -> None:
+        while not stop.is_set():
+            r = requests.post(f"{url}/inference/v1/generate", json=body(samples, short_tokens, f"short{i}"),
+                              headers=headers, timeout=600)
+            r.raise_for_status()
+            with lock:
+                done.append(time.perf_counter())
+
+    threads = [threading.Thread(target=loop, args=(i,), daemon=True) for i in range(loops)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5 if loops else 0.0)
+    t0 = time.perf_counter()
+    r = requests.post(f"{url}/inference/v1/generate", json=body(samples, tokens, "long"), headers=headers,
+                      timeout=1200)
+    t1 = time.perf_counter()
+    stop.set()
+    for t in threads:
+        t.join()
+    r.raise_for_status()
+    if [len(c["token_ids"]) for c in r.json()["choices"]] != [tokens] * samples:
+        raise RuntimeError(f"churn {loops}: the long request did not return {samples} x {tokens} tokens")
+    beside = sum(t0 <= t <= t1 for t in done)
+    return {"loops": loops, "long_wall_s": t1 - t0, "long_per_token_s": (t1 - t0) / tokens, "short_answered": beside,
+            "short_per_s": beside / (t1 - t0)}
+
+
+def measure_churns(url: str, headers: dict[str, str], loops: Sequence[int], tokens: int, short_tokens: int,
+                   samples: int, repeats: int) -> list[dict]:
+    out = []
+    for r in range(repeats):
+        for n in (loops if r % 2 == 0 else loops[::-1]):
+            out.append({"round": r, **measure_churn(url, headers, n, tokens, short_tokens, samples, 7 + r)})
+            x = out[-1]
+            print(f"round {r}, {n} short loops: the long request {x['long_per_token_s'] * 1e3:.2f} ms a token, "
+                  f"{x['short_answered']} short requests beside it ({x['short_per_s']:.1f}/s)", flush=True)
+    return out
+
+
+def summarize_churn(samples: list[dict], loops: Sequence[int], summary: dict[str, Any], sequences: int,
+                    short_tokens: int) -> list[dict]:
+    """Per number of short loops the medians over the repeats, beside the fit's step at the most the replica can
+    run (the long request's sequences and every loop's, all decoding: an upper bound of the per-sequence part)."""
+    rows = []
+    for n in loops:
+        mine = [s for s in samples if s["loops"] == n]
+        full = sequences * (1 + n)
+        rows.append({"loops": n, "long_per_token_s": statistics.median(s["long_per_token_s"] for s in mine),
+                     "long_per_token_s_all": [s["long_per_token_s"] for s in mine],
+                     "short_per_s": statistics.median(s["short_per_s"] for s in mine),
+                     "fitted_full_s": summary["step_s"] + summary["per_seq_s"] * full, "sequences_at_most": full})
+    return rows
+
+
 def measure(url: str, headers: dict[str, str], sizes: Sequence[int], tokens: int, repeats: int) -> list[dict]:
     """A discarded warm-up round, then `repeats` rounds over every size (even rounds ascending, odd descending)."""
     for size in sizes:
@@ -137,6 +214,13 @@ def table(summary: dict[str, Any]) -> str:
                      f"{r['wall_per_token_s'] * 1e3:.2f} ms |")
     lines.append(f"\nfit: {summary['step_s'] * 1e3:.3f} ms + {summary['per_seq_s'] * 1e3:.4f} ms x N "
                  f"(per_seq_s / step_s = {summary['per_seq_over_step']:.4f})")
+    if summary.get("churn"):
+        lines += ["", "| short-request loops beside the long request | the long request, s/token (median; all) | "
+                  "short requests answered per s | fit at N = all sequences running |", "|---:|---|---:|---|"]
+        for r in summary["churn"]:
+            every = ", ".join(f"{x * 1e3:.2f}" for x in r["long_per_token_s_all"])
+            lines.append(f"| {r['loops']} | {r['long_per_token_s'] * 1e3:.2f} ms ({every}) | {r['short_per_s']:.1f} | "
+                         f"{r['fitted_full_s'] * 1e3:.2f} ms (N = {r['sequences_at_most']}) |")
     return "\n".join(lines)
 
 
@@ -155,26 +239,37 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         "runs: 1024)")
     p.add_argument("--node-replicas", type=int, default=2,
                    help="replicas whose share of the cores the replica gets (the fleet bench's --replicas: 2)")
+    p.add_argument("--churn-loops", type=int, nargs="*", default=[0, 1, 3, 7],
+                   help="then: one long request (--samples x --churn-tokens) beside this many loops of short ones "
+                        "(--samples x --short-tokens), the fleet bench's in-flight condition (8 group loops a replica, "
+                        "one of them the long group's); none: skip")
+    p.add_argument("--churn-tokens", type=int, default=500, help="the long request's tokens in the churn part")
+    p.add_argument("--short-tokens", type=int, default=8, help="the short requests' tokens (the fleet bench's)")
+    p.add_argument("--samples", type=int, default=4, help="samples a request in the churn part (the fleet bench's K)")
     p.add_argument("--out", type=Path, default=Path("docs/figures/engine_step_cpu.json"), help="JSON output")
     return p
 
 
 def run(args: argparse.Namespace) -> int:
     sizes = sorted(set(args.sizes))
+    loops = sorted(set(args.churn_loops))
     if len(sizes) < 2 or sizes[0] < 1 or args.tokens < 2 or args.repeats < 1 or args.node_replicas < 1 \
-            or args.tokens + len(PROMPT) > args.positions:
+            or max(args.tokens, args.churn_tokens) + len(PROMPT) > args.positions or (loops and loops[0] < 0) \
+            or args.samples < 1 or args.short_tokens < 1:
         print("megarl bench engine-step: need two or more distinct --sizes >= 1, --tokens >= 2, --repeats >= 1, "
-              f"--node-replicas >= 1, --tokens <= --positions - {len(PROMPT)}", file=sys.stderr)
+              "--node-replicas, --samples, --short-tokens >= 1, --churn-loops >= 0, --tokens and --churn-tokens <= "
+              f"--positions - {len(PROMPT)}", file=sys.stderr)
         return 2
     work_dir = Path(tempfile.mkdtemp(prefix="megarl_bench_engine_step_"))
     t0 = time.perf_counter()
     try:
-        samples = _on_replica(args, sizes, work_dir)
+        samples, churn = _on_replica(args, sizes, loops, work_dir)
     except BaseException:
         print(f"megarl bench engine-step failed: the replica's log is kept in {work_dir}", file=sys.stderr)
         raise
     shutil.rmtree(work_dir, ignore_errors=True)
     summary = summarize(samples, sizes)
+    summary["churn"] = summarize_churn(churn, loops, summary, args.samples, args.short_tokens) if loops else []
     load = os.getloadavg()
     print(f"\nmeasured ({time.perf_counter() - t0:.0f} s; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}): "
           f"one tiny-MoE vLLM CPU replica (context {args.positions}, a 1/{args.node_replicas} share of "
@@ -184,12 +279,13 @@ def run(args: argparse.Namespace) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
                                              if k != "func"}, "load_average": load, **summary,
-                                    "samples": samples}, indent=1) + "\n")
+                                    "samples": samples, "churn_samples": churn}, indent=1) + "\n")
     print(f"wrote {args.out}")
     return 0
 
 
-def _on_replica(args: argparse.Namespace, sizes: list[int], work_dir: Path) -> list[dict]:
+def _on_replica(args: argparse.Namespace, sizes: list[int], loops: list[int],
+                work_dir: Path) -> tuple[list[dict], list[dict]]:
     from megarl.models.tiny import make_tiny_checkpoint
     from megarl.rollout.fleet import FleetSpec, launch
     from megarl.rollout.fleet_auth import bearer_header, read_secret
@@ -198,5 +294,8 @@ def _on_replica(args: argparse.Namespace, sizes: list[int], work_dir: Path) -> l
     print("starting one vLLM CPU replica of the tiny MoE ...", flush=True)
     with launch(FleetSpec(model_dir=model, tp=1, replicas=1, node_replicas=args.node_replicas,
                           log_dir=work_dir)) as fleet:
-        return measure(fleet.base_url, bearer_header(read_secret(fleet.secret_file)), sizes, args.tokens,
-                       args.repeats)
+        headers = bearer_header(read_secret(fleet.secret_file))
+        steps = measure(fleet.base_url, headers, sizes, args.tokens, args.repeats)
+        churn = measure_churns(fleet.base_url, headers, loops, args.churn_tokens, args.short_tokens, args.samples,
+                               max(1, args.repeats - 1)) if loops else []
+        return steps, churn

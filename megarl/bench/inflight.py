@@ -58,6 +58,9 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="with --fleet-check: a `megarl bench engine-step` JSON file; adds the per-seq engine (a decode "
                         "step of scale x (a + b x N), b / a from the file, scale fitted on the queue runs) and the "
                         "what-if of a flat step")
+    p.add_argument("--fleet-train", nargs="+", choices=("set", "measured"), default=["set"],
+                   help="with --fleet-check: the trainer step each run is simulated with: the bench's --train-s (set) "
+                        "and/or the run's measured mean train span over its steady steps (measured)")
     p.add_argument("--out", type=Path, default=None,
                    help="JSON output (default docs/figures/bench_inflight.json; with --fleet-check "
                         "docs/figures/inflight_sim_vs_fleet.json)")
@@ -103,7 +106,7 @@ def _fleet_check(args: argparse.Namespace) -> int:
         print(f"megarl bench inflight --engine-step: no such file: {args.engine_step} (the JSON file "
               "`megarl bench engine-step --out` wrote)", file=sys.stderr)
         return 2
-    result = fleet_check(args.fleet_check, engine_step=args.engine_step)
+    result = fleet_check(args.fleet_check, engine_step=args.engine_step, trains=tuple(args.fleet_train))
     print("the simulation in megarl bench inflight-fleet's setting, against its measured runs (batch order home: "
           "megarl's rule; completion: the first rule):")
     print(fleet_check_markdown(result))

@@ -4,7 +4,8 @@ wall per batch, the drops and the length bias?
 
 Each measured run (a `docs/figures/bench_inflight_fleet*.json`: its mode, first batch and spec) is simulated on the
 same batches (`FleetBenchSpec.set_lengths`), schedule, bound, group loops (`chunks_in_flight(P, R, 1)` a replica,
-group slots) and trainer step (`train_s`), over the same steady steps. The assumptions:
+group slots) and trainer step (`train_s`: the bench's `--train-s`, or with `train='measured'` the run's own measured
+mean train span), over the same steady steps. The assumptions:
   engine    fitted on the *queue* runs only, so that the simulated queue runs decode as many replica-seconds as the
             measured ones (a replica decodes while a request is in flight and no push pauses it); the in-flight
             runs are then predicted, not fitted. Three models (`Engine`): `step`, one constant a decode step whatever
@@ -72,7 +73,7 @@ def _spec(measured: dict[str, Any]):  # -> FleetBenchSpec
 
 
 def simulate_run(measured: dict[str, Any], run: dict[str, Any], engine: Engine, order: str = "home",
-                 doomed: str = "finish") -> InflightResult:
+                 doomed: str = "finish", train: str = "set") -> InflightResult:
     """Measured run `run` of the bench result `measured`, simulated (its mode, batches, schedule and push cost). The
     result's response lengths include the engine's latency steps (`trained` below takes them off)."""
     from megarl.config.schema import chunks_in_flight
@@ -82,9 +83,21 @@ def simulate_run(measured: dict[str, Any], run: dict[str, Any], engine: Engine, 
     end = spec.generated_batches  # the bench's worker generates (and pushes) past its last step
     return simulate_inflight(
         SyncSchedule(spec.interval, spec.offset), end, replicas,
-        lambda j: [[n + extra for n in g] for g in spec.set_lengths(first + j)], engine.costs, spec.train_s,
+        lambda j: [[n + extra for n in g] for g in spec.set_lengths(first + j)], engine.costs,
+        train_s(measured, run, train),
         steady_push_s(measured, run), 0.0, chunks_in_flight(spec.prompts, replicas, 1), "groups", spec.staleness_bound,
         quiesce=run["mode"] == "queue", doomed=doomed, order=order)
+
+
+def train_s(measured: dict[str, Any], run: dict[str, Any], train: str = "set") -> float:
+    """The trainer step the simulation takes: the bench's `--train-s` (`set`), or the run's measured mean train span
+    over its steady steps (`measured`: the sleep's span on the loaded machine, which overshoots: 2.6-2.8 s for a 2.0 s
+    sleep in the long-response runs of 2026-11-29)."""
+    if train == "set":
+        return _spec(measured).train_s
+    if train == "measured":
+        return run["train_share"] * run["wall_per_batch_s"]
+    raise ValueError(f"trainer step {train!r}: use 'set' or 'measured'")
 
 
 def steady_push_s(measured: dict[str, Any], run: dict[str, Any]) -> float:
@@ -119,7 +132,7 @@ def read_engine_step(path: Path) -> float:
     return float(data["per_seq_over_step"])
 
 
-def calibrate(measured: dict[str, Any], kind: str, per_seq_ratio: float | None = None) -> Engine:
+def calibrate(measured: dict[str, Any], kind: str, per_seq_ratio: float | None = None, train: str = "set") -> Engine:
     """The engine whose simulated queue runs decode the measured replica-seconds (the simulated decoding time grows
     with the step's cost and with the latency: bisection). `per-seq` needs `per_seq_ratio` (b / a): a decode step of
     N sequences costs `step_s x (1 + ratio x N)` seconds, `step_s` fitted (the measured a and b scaled alike)."""
@@ -128,7 +141,7 @@ def calibrate(measured: dict[str, Any], kind: str, per_seq_ratio: float | None =
     target = sum(x["decoding_s"] for r in queue for x in r["replicas"])
 
     def decoded(engine: Engine) -> float:
-        return sum(decoding_s(simulate_run(measured, r, engine), spec.skip, spec.steps) for r in queue)
+        return sum(decoding_s(simulate_run(measured, r, engine, train=train), spec.skip, spec.steps) for r in queue)
 
     if kind == "step":
         lo, hi = 1e-4, 0.1
@@ -156,12 +169,13 @@ def calibrate(measured: dict[str, Any], kind: str, per_seq_ratio: float | None =
     raise ValueError(f"engine {kind!r}: use one of {', '.join(KINDS)}")
 
 
-def _figures(measured: dict[str, Any], engine: Engine, order: str, doomed: str) -> dict[tuple[str, int], dict]:
+def _figures(measured: dict[str, Any], engine: Engine, order: str, doomed: str,
+             train: str = "set") -> dict[tuple[str, int], dict]:
     spec = _spec(measured)
     k0, last = spec.skip, spec.steps
     out = {}
     for run in measured["runs"]:
-        r = simulate_run(measured, run, engine, order, doomed)
+        r = simulate_run(measured, run, engine, order, doomed, train)
         lo, hi = r.window(k0, last)
         lengths = trained(r, engine, k0, last)
         out[run["mode"], run["first_batch"]] = {
@@ -175,11 +189,11 @@ def _figures(measured: dict[str, Any], engine: Engine, order: str, doomed: str) 
 
 
 def compare(measured: dict[str, Any], kind: str, order: str = "home", doomed: str = "finish",
-            per_seq_ratio: float | None = None) -> dict:
+            per_seq_ratio: float | None = None, train: str = "set") -> dict:
     """Each measured run next to its simulation (the engine fitted on the queue runs), and per round the in-flight /
     queue ratio of the wall per batch, measured and simulated."""
-    engine = calibrate(measured, kind, per_seq_ratio)
-    sim = _figures(measured, engine, order, doomed)
+    engine = calibrate(measured, kind, per_seq_ratio, train)
+    sim = _figures(measured, engine, order, doomed, train)
     rows = []
     for run in measured["runs"]:
         rows.append({"mode": run["mode"], "first_batch": run["first_batch"], "push_s": steady_push_s(measured, run),
@@ -192,7 +206,7 @@ def compare(measured: dict[str, Any], kind: str, order: str = "home", doomed: st
     ratios = [{"first_batch": b, **{side: by_key["inflight", b][side]["wall_per_batch_s"]
                                     / by_key["queue", b][side]["wall_per_batch_s"] for side in sides}}
               for mode, b in by_key if mode == "inflight" and ("queue", b) in by_key]
-    return {"order": order, "doomed": doomed, "engine": engine.kind, "step_s": engine.step_s,
+    return {"order": order, "doomed": doomed, "train": train, "engine": engine.kind, "step_s": engine.step_s,
             "per_seq_s": engine.per_seq_s, "latency_steps": engine.latency_steps, "engine_text": engine.describe(),
             "rows": rows, "ratios": ratios}
 
@@ -215,17 +229,18 @@ def sweep(measured: dict[str, Any], steps_ms: tuple[float, ...] = (3, 4, 5, 6, 7
     return out
 
 
-def what_if(measured: dict[str, Any], per_seq_ratio: float, order: str = "home") -> dict:
+def what_if(measured: dict[str, Any], per_seq_ratio: float, order: str = "home", train: str = "set") -> dict:
     """The file's runs simulated on the `per-seq` engine fitted on its queue runs, and again on a flat step (GPU-like:
     a step's cost independent of N) of that engine's cost at N = K (one group's sequences: the tail alone on its
     replica), with the same pushes, trainer step and batches: per mode the wall per batch, drops and trained mean
     length, and the in-flight / queue ratio per round."""
     spec = _spec(measured)
-    fitted = calibrate(measured, "per-seq", per_seq_ratio)
+    fitted = calibrate(measured, "per-seq", per_seq_ratio, train)
     flat = Engine("flat", fitted.step_s + fitted.per_seq_s * spec.samples)
-    out: dict[str, Any] = {"order": order, "bound": spec.staleness_bound, "tail_sequences": spec.samples}
+    out: dict[str, Any] = {"order": order, "train": train, "bound": spec.staleness_bound,
+                           "tail_sequences": spec.samples}
     for name, engine in (("per-seq", fitted), ("flat", flat)):
-        sim = _figures(measured, engine, order, "finish")
+        sim = _figures(measured, engine, order, "finish", train)
         firsts = sorted({b for _, b in sim})
         modes = {mode: {"wall_per_batch_s": [sim[mode, b]["wall_per_batch_s"] for b in firsts],
                         "dropped": sum(sim[mode, b]["dropped"] for b in firsts),
@@ -241,9 +256,10 @@ def what_if(measured: dict[str, Any], per_seq_ratio: float, order: str = "home")
 
 
 def fleet_check(paths: list[Path], kinds: tuple[str, ...] = ("tail+latency", "step"),
-                engine_step: Path | None = None) -> dict:
-    """`compare` per measured file, engine model and batch order, and `sweep` per file; with `engine_step` (a
-    `megarl bench engine-step` file) also the `per-seq` engine and, per file, `what_if`."""
+                engine_step: Path | None = None, trains: tuple[str, ...] = ("set",)) -> dict:
+    """`compare` per measured file, engine model, batch order and trainer step (`trains`: `train_s`), and `sweep` per
+    file; with `engine_step` (a `megarl bench engine-step` file) also the `per-seq` engine and, per file and trainer
+    step, `what_if`."""
     ratio = read_engine_step(engine_step) if engine_step is not None else None
     if ratio is not None and "per-seq" not in kinds:
         kinds = (*kinds, "per-seq")
@@ -258,10 +274,10 @@ def fleet_check(paths: list[Path], kinds: tuple[str, ...] = ("tail+latency", "st
                                                  if r["mode"] == "inflight"),
                                   "trained_long": sum(r["lengths"]["trained"]["long"] for r in measured["runs"]
                                                       if r["mode"] == "inflight")},
-            "compare": [compare(measured, kind, order, per_seq_ratio=ratio) for kind in kinds
-                        for order in ("home", "completion")],
+            "compare": [compare(measured, kind, order, per_seq_ratio=ratio, train=train) for train in trains
+                        for kind in kinds for order in ("home", "completion")],
             "sweep": sweep(measured),
-            **({"what_if": what_if(measured, ratio)} if ratio is not None else {})})
+            **({"what_if": [what_if(measured, ratio, train=train) for train in trains]} if ratio is not None else {})})
     return out
 
 
@@ -277,7 +293,8 @@ def fleet_check_markdown(result: dict) -> str:
             s = [x["simulated"] for x in inflight]
             ratios = ", ".join(f"{x['measured']:.2f} / {x['simulated']:.2f}" for x in c["ratios"])
             lines.append(
-                f"| {Path(f['file']).name} ({tuple(f['schedule'])}, {f['kv']}) | {c['engine']}: {c['engine_text']} | "
+                f"| {Path(f['file']).name} ({tuple(f['schedule'])}, {f['kv']}) | {c['engine']}: {c['engine_text']}"
+                f"{'' if c.get('train', 'set') == 'set' else '; trainer step as measured'} | "
                 f"{c['order']} | {ratios} | {sum(x['dropped'] for x in m)} / {sum(x['dropped'] for x in s)} | "
                 f"{sum(x['trained_long'] for x in m)} / {sum(x['trained_long'] for x in s)} | "
                 f"{statistics.fmean(x['trained_mean'] for x in m):.1f} / "
@@ -302,14 +319,12 @@ def fleet_check_markdown(result: dict) -> str:
                   "inflight / queue per round | dropped (in flight) | long trained (in flight) | trained mean length "
                   "(in flight) | trainer wait (in flight) |", "|---|---|---|---|---|---:|---:|---:|---:|"]
         for f in result["files"]:
-            w = f.get("what_if")
-            if w is None:
-                continue
-            for name in ("per-seq", "flat"):
+            for w, name in ((w, name) for w in f.get("what_if", []) for name in ("per-seq", "flat")):
                 e = w[name]
                 q, i = e["queue"], e["inflight"]
                 lines.append(
-                    f"| {Path(f['file']).name} ({w['bound']}) | {name}: {e['engine_text']} | "
+                    f"| {Path(f['file']).name} ({w['bound']}) | {name}: {e['engine_text']}"
+                    f"{'' if w['train'] == 'set' else '; trainer step as measured'} | "
                     f"{', '.join(f'{x:.2f}' for x in q['wall_per_batch_s'])} | "
                     f"{', '.join(f'{x:.2f}' for x in i['wall_per_batch_s'])} | "
                     f"{', '.join(f'{x:.2f}' for x in e['ratios'])} | {i['dropped']} | {i['trained_long']} | "
