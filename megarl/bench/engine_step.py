@@ -19,9 +19,10 @@ ratio per_seq_s / step_s from).
 Then the condition of the fleet bench's in-flight mode, where a long response runs beside short ones that come and
 go: one long request (`--samples` x `--churn-tokens`) beside each number of `--churn-loops` loops of short requests
 (`--samples` x `--short-tokens`, each loop sending its next request as soon as its last one is answered, as the
-bench's group loops do; 7 is the bench's 8 loops a replica less the long group's), `max(1, --repeats - 1)` times
-each: the long request's wall per token, against the fit at every sequence running (an upper bound of what the
-per-sequence cost alone explains). Prints the tables, writes `--out` (JSON).
+bench's group loops do; 7 is the bench's 8 loops a replica less the long group's), the long one sent 1 s after the
+loops start, `max(1, --repeats - 1)` times each: the long request's wall per token, against the fit at every
+sequence running (an upper bound of what the per-sequence cost alone explains), and the short requests' latency
+before the long one starts and beside it. Prints the tables, writes `--out` (JSON).
 """
 
 from __future__ import annotations
@@ -112,8 +113,9 @@ def measure_size(url: str, headers: dict[str, str], size: int, tokens: int, seed
 def measure_churn(url: str, headers: dict[str, str], loops: int, tokens: int, short_tokens: int, samples: int,
                   seed: int) -> dict[str, Any]:
     """One long request (`samples` x `tokens`) beside `loops` loops of short ones (`samples` x `short_tokens`, each loop
-    sending its next request when its last one is answered, as the fleet bench's group loops do), started 0.5 s
-    before it: the long request's wall / `tokens`, and the short requests answered while it ran."""
+    sending its next request when its last one is answered, as the fleet bench's group loops do), started 1 s
+    before it: the long request's wall / `tokens`, the short requests answered while it ran, and the short requests'
+    median latency (send to answer) before the long request started and while it ran."""
     import threading
 
     import requests
@@ -127,16 +129,17 @@ def measure_churn(url: str, headers: dict[str, str], loops: int, tokens: int, sh
 
     def loop(i: int) -> None:
         while not stop.is_set():
+            sent = time.perf_counter()
             r = requests.post(f"{url}/inference/v1/generate", json=body(samples, short_tokens, f"short{i}"),
                               headers=headers, timeout=600)
             r.raise_for_status()
             with lock:
-                done.append(time.perf_counter())
+                done.append((sent, time.perf_counter()))
 
     threads = [threading.Thread(target=loop, args=(i,), daemon=True) for i in range(loops)]
     for t in threads:
         t.start()
-    time.sleep(0.5 if loops else 0.0)
+    time.sleep(1.0 if loops else 0.0)
     t0 = time.perf_counter()
     r = requests.post(f"{url}/inference/v1/generate", json=body(samples, tokens, "long"), headers=headers,
                       timeout=1200)
@@ -147,9 +150,12 @@ def measure_churn(url: str, headers: dict[str, str], loops: int, tokens: int, sh
     r.raise_for_status()
     if [len(c["token_ids"]) for c in r.json()["choices"]] != [tokens] * samples:
         raise RuntimeError(f"churn {loops}: the long request did not return {samples} x {tokens} tokens")
-    beside = sum(t0 <= t <= t1 for t in done)
-    return {"loops": loops, "long_wall_s": t1 - t0, "long_per_token_s": (t1 - t0) / tokens, "short_answered": beside,
-            "short_per_s": beside / (t1 - t0)}
+    alone = [b - a for a, b in done if b < t0]
+    beside = [b - a for a, b in done if t0 <= b <= t1]
+    return {"loops": loops, "long_wall_s": t1 - t0, "long_per_token_s": (t1 - t0) / tokens,
+            "short_answered": len(beside), "short_per_s": len(beside) / (t1 - t0),
+            "short_latency_alone_s": statistics.median(alone) if alone else None,
+            "short_latency_beside_s": statistics.median(beside) if beside else None}
 
 
 def measure_churns(url: str, headers: dict[str, str], loops: Sequence[int], tokens: int, short_tokens: int,
@@ -160,8 +166,18 @@ def measure_churns(url: str, headers: dict[str, str], loops: Sequence[int], toke
             out.append({"round": r, **measure_churn(url, headers, n, tokens, short_tokens, samples, 7 + r)})
             x = out[-1]
             print(f"round {r}, {n} short loops: the long request {x['long_per_token_s'] * 1e3:.2f} ms a token, "
-                  f"{x['short_answered']} short requests beside it ({x['short_per_s']:.1f}/s)", flush=True)
+                  f"{x['short_answered']} short requests beside it ({x['short_per_s']:.1f}/s, median latency "
+                  f"{_s(x['short_latency_beside_s'])}; before it {_s(x['short_latency_alone_s'])})", flush=True)
     return out
+
+
+def _s(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f} s"
+
+
+def _median(xs: list[float | None]) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
 
 
 def summarize_churn(samples: list[dict], loops: Sequence[int], summary: dict[str, Any], sequences: int,
@@ -175,6 +191,8 @@ def summarize_churn(samples: list[dict], loops: Sequence[int], summary: dict[str
         rows.append({"loops": n, "long_per_token_s": statistics.median(s["long_per_token_s"] for s in mine),
                      "long_per_token_s_all": [s["long_per_token_s"] for s in mine],
                      "short_per_s": statistics.median(s["short_per_s"] for s in mine),
+                     "short_latency_alone_s": _median([s["short_latency_alone_s"] for s in mine]),
+                     "short_latency_beside_s": _median([s["short_latency_beside_s"] for s in mine]),
                      "fitted_full_s": summary["step_s"] + summary["per_seq_s"] * full, "sequences_at_most": full})
     return rows
 
@@ -216,11 +234,13 @@ def table(summary: dict[str, Any]) -> str:
                  f"(per_seq_s / step_s = {summary['per_seq_over_step']:.4f})")
     if summary.get("churn"):
         lines += ["", "| short-request loops beside the long request | the long request, s/token (median; all) | "
-                  "short requests answered per s | fit at N = all sequences running |", "|---:|---|---:|---|"]
+                  "fit at N = all sequences running | short requests answered per s | a short request's latency: "
+                  "before the long one / beside it |", "|---:|---|---|---:|---|"]
         for r in summary["churn"]:
             every = ", ".join(f"{x * 1e3:.2f}" for x in r["long_per_token_s_all"])
-            lines.append(f"| {r['loops']} | {r['long_per_token_s'] * 1e3:.2f} ms ({every}) | {r['short_per_s']:.1f} | "
-                         f"{r['fitted_full_s'] * 1e3:.2f} ms (N = {r['sequences_at_most']}) |")
+            lines.append(f"| {r['loops']} | {r['long_per_token_s'] * 1e3:.2f} ms ({every}) | "
+                         f"{r['fitted_full_s'] * 1e3:.2f} ms (N = {r['sequences_at_most']}) | {r['short_per_s']:.1f} | "
+                         f"{_s(r['short_latency_alone_s'])} / {_s(r['short_latency_beside_s'])} |")
     return "\n".join(lines)
 
 
