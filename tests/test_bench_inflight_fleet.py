@@ -123,3 +123,30 @@ def test_engine_step_reads_vllms_metrics_by_hand():
     assert (step_s, sequences) == (pytest.approx(0.02), 4)
     with pytest.raises(RuntimeError, match="disable-log-stats"):
         step_from_metrics(before, before)
+
+
+@pytest.mark.slow  # starts a vLLM CPU replica (about a minute): `make test-all`
+def test_engine_step_on_a_real_replica(tmp_path):
+    # `megarl bench engine-step` end to end on one real replica: vLLM's per-request decode figures against the
+    # independent clock of the bench's own HTTP call, which holds the 47 decode steps after the first token and also
+    # the call and the prefill (so it is longer, but by far less than twice at 48 tokens); and the churn part's long
+    # request answered in full
+    import argparse
+    import json
+
+    from megarl.bench import engine_step
+
+    parser = argparse.ArgumentParser()
+    engine_step.register(parser.add_subparsers(dest="command"))
+    out = tmp_path / "engine_step.json"
+    args = parser.parse_args(["engine-step", "--sizes", "1", "16", "--tokens", "48", "--repeats", "1",
+                              "--positions", "128", "--churn-loops", "0", "2", "--churn-tokens", "48",
+                              "--out", str(out)])
+    assert engine_step.run(args) == 0
+    data = json.loads(out.read_text())
+    assert [r["size"] for r in data["rows"]] == [1, 16]
+    for r in data["rows"]:
+        wall = r["wall_per_token_s"] * 48
+        assert wall / 2 < 47 * r["step_s"] <= wall
+    assert data["step_s"] + 16 * data["per_seq_s"] == pytest.approx(data["rows"][1]["step_s"])
+    assert [r["loops"] for r in data["churn"]] == [0, 2] and all(r["long_per_token_s"] > 0 for r in data["churn"])
