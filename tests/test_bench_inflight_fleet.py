@@ -130,7 +130,7 @@ def test_engine_step_on_a_real_replica(tmp_path):
     # `megarl bench engine-step` end to end on one real replica: vLLM's per-request decode figures against the
     # independent clock of the bench's own HTTP call, which holds the 47 decode steps after the first token and also
     # the call and the prefill (so it is longer, but by far less than twice at 48 tokens); and the churn part's long
-    # request answered in full
+    # request answered in full; the same through keep-mode and recompute pauses
     import argparse
     import json
 
@@ -141,7 +141,7 @@ def test_engine_step_on_a_real_replica(tmp_path):
     out = tmp_path / "engine_step.json"
     args = parser.parse_args(["engine-step", "--sizes", "1", "16", "--tokens", "48", "--repeats", "1",
                               "--positions", "128", "--churn-loops", "0", "2", "--churn-tokens", "48",
-                              "--out", str(out)])
+                              "--pause-loops", "0", "--pause-every", "0.03", "--pause-s", "0.01", "--out", str(out)])
     assert engine_step.run(args) == 0
     data = json.loads(out.read_text())
     assert [r["size"] for r in data["rows"]] == [1, 16]
@@ -150,3 +150,7 @@ def test_engine_step_on_a_real_replica(tmp_path):
         assert wall / 2 < 47 * r["step_s"] <= wall
     assert data["step_s"] + 16 * data["per_seq_s"] == pytest.approx(data["rows"][1]["step_s"])
     assert [r["loops"] for r in data["churn"]] == [0, 2] and all(r["long_per_token_s"] > 0 for r in data["churn"])
+    # the pauses' part: the long request answered in full through keep-mode and recompute pauses (measure_churn
+    # raises otherwise), and paused at least once in each
+    assert [r["pauses"] for r in data["pauses"]] == ["none", "keep", "recompute"]
+    assert [r["pause_count"] >= 1 for r in data["pauses"]] == [False, True, True]

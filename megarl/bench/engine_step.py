@@ -22,7 +22,13 @@ go: one long request (`--samples` x `--churn-tokens`) beside each number of `--c
 bench's group loops do; 7 is the bench's 8 loops a replica less the long group's), the long one sent 1 s after the
 loops start, `max(1, --repeats - 1)` times each: the long request's wall per token, against the fit at every
 sequence running (an upper bound of what the per-sequence cost alone explains), and the short requests' latency
-before the long one starts and beside it. Prints the tables, writes `--out` (JSON).
+before the long one starts and beside it.
+
+Then the pauses of the in-flight pushes, without the weights: the long request beside `--pause-loops` short loops,
+as above, with no pauses, with a pause every `--pause-every` seconds of `--pause-s` seconds in vLLM's keep mode (the
+requests frozen in the engine, their KV kept), and with the same pauses preempting every running request
+(`sync.inflight_kv=recompute`: the KV recomputed at the resume), `max(1, --repeats - 1)` times each: the long
+request's wall per token, and outside the pauses. Prints the tables, writes `--out` (JSON).
 """
 
 from __future__ import annotations
@@ -111,11 +117,16 @@ def measure_size(url: str, headers: dict[str, str], size: int, tokens: int, seed
 
 
 def measure_churn(url: str, headers: dict[str, str], loops: int, tokens: int, short_tokens: int, samples: int,
-                  seed: int) -> dict[str, Any]:
+                  seed: int, pauses: str | None = None, every_s: float = 3.0, pause_s: float = 0.7,
+                  client: Any = None) -> dict[str, Any]:
     """One long request (`samples` x `tokens`) beside `loops` loops of short ones (`samples` x `short_tokens`, each loop
     sending its next request when its last one is answered, as the fleet bench's group loops do), started 1 s
     before it: the long request's wall / `tokens`, the short requests answered while it ran, and the short requests'
-    median latency (send to answer) before the long request started and while it ran."""
+    median latency (send to answer) before the long request started and while it ran. `pauses` ('keep' or
+    'recompute', with `client` a `RolloutClient` of the replica): while the long request runs, every `every_s` seconds
+    the replica is paused as an in-flight push pauses it (vLLM's keep mode; 'recompute': then every running request
+    preempted, its KV recomputed at the resume, `sync.inflight_kv=recompute`) for `pause_s` seconds, and resumed (no
+    weights move): the paused seconds are counted, so that the pace outside the pauses is known."""
     import threading
 
     import requests
@@ -140,19 +151,47 @@ def measure_churn(url: str, headers: dict[str, str], loops: int, tokens: int, sh
     for t in threads:
         t.start()
     time.sleep(1.0 if loops else 0.0)
+    paused, finished, failed = [0.0, 0], threading.Event(), []
+
+    def pauser() -> None:
+        while not finished.wait(every_s):
+            a = time.perf_counter()
+            try:
+                client.pause(mode="keep", clear_cache=False)
+                if pauses == "recompute" and not client.reset_prefix_cache(True):
+                    raise RuntimeError("the replica did not empty its prefix cache after preempting its requests")
+                time.sleep(max(0.0, pause_s - (time.perf_counter() - a)))
+            except BaseException as err:  # noqa: BLE001 - raised by the measuring thread, after the resume
+                failed.append(err)
+                finished.set()
+            finally:
+                client.resume()  # never leave the replica paused: the long request would wait for ever
+            paused[0] += time.perf_counter() - a
+            paused[1] += 1
+
+    holder = threading.Thread(target=pauser, daemon=True) if pauses else None
     t0 = time.perf_counter()
+    if holder is not None:
+        holder.start()
     r = requests.post(f"{url}/inference/v1/generate", json=body(samples, tokens, "long"), headers=headers,
                       timeout=1200)
     t1 = time.perf_counter()
+    finished.set()
+    if holder is not None:
+        holder.join()
     stop.set()
     for t in threads:
         t.join()
+    if failed:
+        raise RuntimeError(f"pauses {pauses}: a pause failed: {failed[0]}") from failed[0]
     r.raise_for_status()
     if [len(c["token_ids"]) for c in r.json()["choices"]] != [tokens] * samples:
         raise RuntimeError(f"churn {loops}: the long request did not return {samples} x {tokens} tokens")
     alone = [b - a for a, b in done if b < t0]
     beside = [b - a for a, b in done if t0 <= b <= t1]
-    return {"loops": loops, "long_wall_s": t1 - t0, "long_per_token_s": (t1 - t0) / tokens,
+    return {"loops": loops, "pauses": pauses, "paused_s": paused[0], "pause_count": paused[1],
+            "long_per_token_unpaused_s": (t1 - t0 - paused[0]) / tokens,
+            "long_wall_s": t1 - t0, "long_per_token_s": (t1 - t0) / tokens,
             "short_answered": len(beside), "short_per_s": len(beside) / (t1 - t0),
             "short_latency_alone_s": statistics.median(alone) if alone else None,
             "short_latency_beside_s": statistics.median(beside) if beside else None}
@@ -169,6 +208,35 @@ def measure_churns(url: str, headers: dict[str, str], loops: Sequence[int], toke
                   f"{x['short_answered']} short requests beside it ({x['short_per_s']:.1f}/s, median latency "
                   f"{_s(x['short_latency_beside_s'])}; before it {_s(x['short_latency_alone_s'])})", flush=True)
     return out
+
+
+def measure_pauses(url: str, headers: dict[str, str], client: Any, loops: int, tokens: int, short_tokens: int,
+                   samples: int, every_s: float, pause_s: float, repeats: int) -> list[dict]:
+    """The long request beside `loops` short loops with no pauses, with keep-mode pauses and with recompute pauses
+    (`measure_churn`), `repeats` rounds."""
+    out = []
+    kinds: tuple[str | None, ...] = (None, "keep", "recompute")
+    for r in range(repeats):
+        for kind in (kinds if r % 2 == 0 else kinds[::-1]):
+            out.append({"round": r, **measure_churn(url, headers, loops, tokens, short_tokens, samples, 7 + r, kind,
+                                                    every_s, pause_s, client)})
+            x = out[-1]
+            print(f"round {r}, pauses {kind or 'none'}: the long request {x['long_per_token_s'] * 1e3:.2f} ms a token "
+                  f"({x['pause_count']} pauses, {x['paused_s']:.2f} s; outside them "
+                  f"{x['long_per_token_unpaused_s'] * 1e3:.2f} ms a token)", flush=True)
+    return out
+
+
+def summarize_pauses(samples: list[dict]) -> list[dict]:
+    rows = []
+    for kind in (None, "keep", "recompute"):
+        mine = [s for s in samples if s["pauses"] == kind]
+        if mine:
+            rows.append({"pauses": kind or "none",
+                         **{k: statistics.median(s[k] for s in mine) for k in
+                            ("long_per_token_s", "long_per_token_unpaused_s", "paused_s", "pause_count")},
+                         "long_per_token_s_all": [s["long_per_token_s"] for s in mine]})
+    return rows
 
 
 def _s(x: float | None) -> str:
@@ -241,6 +309,14 @@ def table(summary: dict[str, Any]) -> str:
             lines.append(f"| {r['loops']} | {r['long_per_token_s'] * 1e3:.2f} ms ({every}) | "
                          f"{r['fitted_full_s'] * 1e3:.2f} ms (N = {r['sequences_at_most']}) | {r['short_per_s']:.1f} | "
                          f"{_s(r['short_latency_alone_s'])} / {_s(r['short_latency_beside_s'])} |")
+    if summary.get("pauses"):
+        lines += ["", "| pauses while the long request runs | the long request, s/token (median; all) | outside the "
+                  "pauses | pauses (s) |", "|---|---|---:|---|"]
+        for r in summary["pauses"]:
+            every = ", ".join(f"{x * 1e3:.2f}" for x in r["long_per_token_s_all"])
+            lines.append(f"| {r['pauses']} | {r['long_per_token_s'] * 1e3:.2f} ms ({every}) | "
+                         f"{r['long_per_token_unpaused_s'] * 1e3:.2f} ms | {r['pause_count']:g} "
+                         f"({r['paused_s']:.2f} s) |")
     return "\n".join(lines)
 
 
@@ -266,6 +342,13 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--churn-tokens", type=int, default=500, help="the long request's tokens in the churn part")
     p.add_argument("--short-tokens", type=int, default=8, help="the short requests' tokens (the fleet bench's)")
     p.add_argument("--samples", type=int, default=4, help="samples a request in the churn part (the fleet bench's K)")
+    p.add_argument("--pause-loops", type=int, default=7,
+                   help="then: the long request beside this many short loops, with no pauses, keep-mode pauses and "
+                        "recompute pauses (as an in-flight push pauses the replica, no weights moved); -1: skip")
+    p.add_argument("--pause-every", type=float, default=3.0,
+                   help="seconds of generation between two pauses (the long-response runs' in-flight step less "
+                        "its push)")
+    p.add_argument("--pause-s", type=float, default=0.7, help="seconds each pause lasts (those runs' push)")
     p.add_argument("--out", type=Path, default=Path("docs/figures/engine_step_cpu.json"), help="JSON output")
     return p
 
@@ -275,21 +358,23 @@ def run(args: argparse.Namespace) -> int:
     loops = sorted(set(args.churn_loops))
     if len(sizes) < 2 or sizes[0] < 1 or args.tokens < 2 or args.repeats < 1 or args.node_replicas < 1 \
             or max(args.tokens, args.churn_tokens) + len(PROMPT) > args.positions or (loops and loops[0] < 0) \
-            or args.samples < 1 or args.short_tokens < 1:
+            or args.samples < 1 or args.short_tokens < 1 or args.pause_every <= 0 or args.pause_s < 0:
         print("megarl bench engine-step: need two or more distinct --sizes >= 1, --tokens >= 2, --repeats >= 1, "
-              "--node-replicas, --samples, --short-tokens >= 1, --churn-loops >= 0, --tokens and --churn-tokens <= "
+              "--node-replicas, --samples, --short-tokens >= 1, --churn-loops >= 0, --pause-every > 0, --pause-s >= 0, "
+              "--tokens and --churn-tokens <= "
               f"--positions - {len(PROMPT)}", file=sys.stderr)
         return 2
     work_dir = Path(tempfile.mkdtemp(prefix="megarl_bench_engine_step_"))
     t0 = time.perf_counter()
     try:
-        samples, churn = _on_replica(args, sizes, loops, work_dir)
+        samples, churn, pauses = _on_replica(args, sizes, loops, work_dir)
     except BaseException:
         print(f"megarl bench engine-step failed: the replica's log is kept in {work_dir}", file=sys.stderr)
         raise
     shutil.rmtree(work_dir, ignore_errors=True)
     summary = summarize(samples, sizes)
     summary["churn"] = summarize_churn(churn, loops, summary, args.samples, args.short_tokens) if loops else []
+    summary["pauses"] = summarize_pauses(pauses) if pauses else []
     load = os.getloadavg()
     print(f"\nmeasured ({time.perf_counter() - t0:.0f} s; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}): "
           f"one tiny-MoE vLLM CPU replica (context {args.positions}, a 1/{args.node_replicas} share of "
@@ -299,14 +384,16 @@ def run(args: argparse.Namespace) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
                                              if k != "func"}, "load_average": load, **summary,
-                                    "samples": samples, "churn_samples": churn}, indent=1) + "\n")
+                                    "samples": samples, "churn_samples": churn,
+                                    "pause_samples": pauses}, indent=1) + "\n")
     print(f"wrote {args.out}")
     return 0
 
 
 def _on_replica(args: argparse.Namespace, sizes: list[int], loops: list[int],
-                work_dir: Path) -> tuple[list[dict], list[dict]]:
+                work_dir: Path) -> tuple[list[dict], list[dict], list[dict]]:
     from megarl.models.tiny import make_tiny_checkpoint
+    from megarl.rollout.client import RolloutClient
     from megarl.rollout.fleet import FleetSpec, launch
     from megarl.rollout.fleet_auth import bearer_header, read_secret
 
@@ -318,4 +405,7 @@ def _on_replica(args: argparse.Namespace, sizes: list[int], loops: list[int],
         steps = measure(fleet.base_url, headers, sizes, args.tokens, args.repeats)
         churn = measure_churns(fleet.base_url, headers, loops, args.churn_tokens, args.short_tokens, args.samples,
                                max(1, args.repeats - 1)) if loops else []
-        return steps, churn
+        pauses = measure_pauses(fleet.base_url, headers, RolloutClient(fleet.base_url, secret_file=fleet.secret_file),
+                                args.pause_loops, args.churn_tokens, args.short_tokens, args.samples, args.pause_every,
+                                args.pause_s, max(1, args.repeats - 1)) if args.pause_loops >= 0 else []
+        return steps, churn, pauses
