@@ -6,7 +6,16 @@ engine-step`'s (`megarl.bench.engine_step`): its least-squares line and its read
 
 import pytest
 
-from megarl.bench.engine_step import DECODE_S, TOKENS_COUNT, TOKENS_SUM, fit_step_cost, metric_sums, step_from_metrics
+from megarl.bench.engine_step import (
+    DECODE_S,
+    PHASES,
+    TOKENS_COUNT,
+    TOKENS_SUM,
+    fit_step_cost,
+    metric_sums,
+    phase_means,
+    step_from_metrics,
+)
 from megarl.bench.inflight_fleet import (
     FleetBenchSpec,
     covered_s,
@@ -154,3 +163,15 @@ def test_engine_step_on_a_real_replica(tmp_path):
     # raises otherwise), and paused at least once in each
     assert [r["pauses"] for r in data["pauses"]] == ["none", "keep", "recompute"]
     assert [r["pause_count"] >= 1 for r in data["pauses"]] == [False, True, True]
+
+
+def test_engine_step_phase_means_leave_the_long_request_out_by_hand():
+    # between two readings 10 requests finished: the long request's 4 sequences (5.0 s each, arrival to finish) and 6
+    # short ones; e2e 26.0 s in all -> (26 - 4 x 5) / 6 = 1.0 s; queued 3.0 s and prefill 0.6 s over the 6 short ones
+    # (the long request's own are taken as nothing): 0.5 s and 0.1 s
+    before = {f"{n}_{s}": 1.0 for n in PHASES.values() for s in ("sum", "count")}
+    after = {**before, PHASES["e2e"] + "_sum": 27.0, PHASES["e2e"] + "_count": 11.0,
+             PHASES["queue"] + "_sum": 4.0, PHASES["prefill"] + "_sum": 1.6}
+    assert phase_means(before, after, 4, 5.0) == {"e2e": pytest.approx(1.0), "queue": pytest.approx(0.5),
+                                                  "prefill": pytest.approx(0.1)}
+    assert phase_means(before, before, 4, 5.0) == {"e2e": None, "queue": None, "prefill": None}

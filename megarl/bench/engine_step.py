@@ -21,8 +21,9 @@ go: one long request (`--samples` x `--churn-tokens`) beside each number of `--c
 (`--samples` x `--short-tokens`, each loop sending its next request as soon as its last one is answered, as the
 bench's group loops do; 7 is the bench's 8 loops a replica less the long group's), the long one sent 1 s after the
 loops start, `max(1, --repeats - 1)` times each: the long request's wall per token, against the fit at every
-sequence running (an upper bound of what the per-sequence cost alone explains), and the short requests' latency
-before the long one starts and beside it.
+sequence running (an upper bound of what the per-sequence cost alone explains), the short requests' latency before
+the long one starts and beside it, and vLLM's own means (`/metrics`: arrival to finish, waiting for the scheduler,
+prefill) of the requests that finished beside it, the long one's sequences left out.
 
 Then the pauses of the in-flight pushes, without the weights: the long request beside `--pause-loops` short loops,
 as above, with no pauses, with a pause every `--pause-every` seconds of `--pause-s` seconds in vLLM's keep mode (the
@@ -51,6 +52,10 @@ PROMPT = [5, 7, 8, 9]  # 4 tokens of the tiny tokenizer (the fleet bench's promp
 DECODE_S = "vllm:request_decode_time_seconds_sum"
 TOKENS_SUM = "vllm:request_generation_tokens_sum"
 TOKENS_COUNT = "vllm:request_generation_tokens_count"
+# a finished request's phases in vLLM's own clock: arrival to finish, waiting for the scheduler, prefill (scheduled to
+# first token)
+PHASES = {"e2e": "vllm:e2e_request_latency_seconds", "queue": "vllm:request_queue_time_seconds",
+          "prefill": "vllm:request_prefill_time_seconds"}
 
 
 def fit_step_cost(sizes: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
@@ -86,6 +91,29 @@ def step_from_metrics(before: dict[str, float], after: dict[str, float]) -> tupl
         raise RuntimeError(f"vLLM's /metrics saw {sequences} requests finish with {steps:g} decode steps: is the "
                            "server logging stats (no --disable-log-stats)?")
     return (after[DECODE_S] - before[DECODE_S]) / steps, sequences
+
+
+def read_metrics(url: str, headers: dict[str, str], names: Sequence[str]) -> dict[str, float]:
+    import requests
+
+    r = requests.get(f"{url}/metrics", headers=headers, timeout=60)
+    r.raise_for_status()
+    return metric_sums(r.text, names)
+
+
+def phase_means(before: dict[str, float], after: dict[str, float], leave_out: int, leave_out_e2e_s: float
+                ) -> dict[str, float | None]:
+    """Mean seconds a finished request spent in each of `PHASES` between two readings, `leave_out` requests (the long
+    request's sequences, `leave_out_e2e_s` seconds of arrival-to-finish each; their queue and prefill are taken as
+    nothing) left out."""
+    count = after[PHASES["e2e"] + "_count"] - before[PHASES["e2e"] + "_count"] - leave_out
+    if count < 1:
+        return dict.fromkeys(PHASES)
+    out: dict[str, float | None] = {}
+    for key, name in PHASES.items():
+        total = after[name + "_sum"] - before[name + "_sum"]
+        out[key] = (total - (leave_out * leave_out_e2e_s if key == "e2e" else 0.0)) / count
+    return out
 
 
 def measure_size(url: str, headers: dict[str, str], size: int, tokens: int, seed: int) -> dict[str, Any]:
@@ -170,12 +198,16 @@ def measure_churn(url: str, headers: dict[str, str], loops: int, tokens: int, sh
             paused[1] += 1
 
     holder = threading.Thread(target=pauser, daemon=True) if pauses else None
+    names = [n + suffix for n in PHASES.values() for suffix in ("_sum", "_count")]
+    before = read_metrics(url, headers, names)
     t0 = time.perf_counter()
     if holder is not None:
         holder.start()
     r = requests.post(f"{url}/inference/v1/generate", json=body(samples, tokens, "long"), headers=headers,
                       timeout=1200)
     t1 = time.perf_counter()
+    time.sleep(0.3)  # the stats reach the API server's metrics at its next output batch
+    phases = phase_means(before, read_metrics(url, headers, names), samples, t1 - t0)
     finished.set()
     if holder is not None:
         holder.join()
@@ -194,7 +226,8 @@ def measure_churn(url: str, headers: dict[str, str], loops: int, tokens: int, sh
             "long_wall_s": t1 - t0, "long_per_token_s": (t1 - t0) / tokens,
             "short_answered": len(beside), "short_per_s": len(beside) / (t1 - t0),
             "short_latency_alone_s": statistics.median(alone) if alone else None,
-            "short_latency_beside_s": statistics.median(beside) if beside else None}
+            "short_latency_beside_s": statistics.median(beside) if beside else None,
+            "finished_beside": {f"{k}_s": v for k, v in phases.items()}}
 
 
 def measure_churns(url: str, headers: dict[str, str], loops: Sequence[int], tokens: int, short_tokens: int,
@@ -206,7 +239,8 @@ def measure_churns(url: str, headers: dict[str, str], loops: Sequence[int], toke
             x = out[-1]
             print(f"round {r}, {n} short loops: the long request {x['long_per_token_s'] * 1e3:.2f} ms a token, "
                   f"{x['short_answered']} short requests beside it ({x['short_per_s']:.1f}/s, median latency "
-                  f"{_s(x['short_latency_beside_s'])}; before it {_s(x['short_latency_alone_s'])})", flush=True)
+                  f"{_s(x['short_latency_beside_s'])}; before it {_s(x['short_latency_alone_s'])}; vLLM's means of the "
+                  f"requests finished beside it: {_phases(x['finished_beside'])})", flush=True)
     return out
 
 
@@ -239,6 +273,10 @@ def summarize_pauses(samples: list[dict]) -> list[dict]:
     return rows
 
 
+def _phases(p: dict[str, float | None]) -> str:
+    return ", ".join(f"{k[:-2]} {_s(v)}" for k, v in p.items())
+
+
 def _s(x: float | None) -> str:
     return "-" if x is None else f"{x:.3f} s"
 
@@ -261,6 +299,8 @@ def summarize_churn(samples: list[dict], loops: Sequence[int], summary: dict[str
                      "short_per_s": statistics.median(s["short_per_s"] for s in mine),
                      "short_latency_alone_s": _median([s["short_latency_alone_s"] for s in mine]),
                      "short_latency_beside_s": _median([s["short_latency_beside_s"] for s in mine]),
+                     **{f"finished_beside_{k}": _median([s["finished_beside"][k] for s in mine])
+                        for k in mine[0]["finished_beside"]},
                      "fitted_full_s": summary["step_s"] + summary["per_seq_s"] * full, "sequences_at_most": full})
     return rows
 
@@ -303,12 +343,15 @@ def table(summary: dict[str, Any]) -> str:
     if summary.get("churn"):
         lines += ["", "| short-request loops beside the long request | the long request, s/token (median; all) | "
                   "fit at N = all sequences running | short requests answered per s | a short request's latency: "
-                  "before the long one / beside it |", "|---:|---|---|---:|---|"]
+                  "before the long one / beside it | vLLM's means beside it: arrival to finish; queued; prefill |",
+                  "|---:|---|---|---:|---|---|"]
         for r in summary["churn"]:
             every = ", ".join(f"{x * 1e3:.2f}" for x in r["long_per_token_s_all"])
             lines.append(f"| {r['loops']} | {r['long_per_token_s'] * 1e3:.2f} ms ({every}) | "
                          f"{r['fitted_full_s'] * 1e3:.2f} ms (N = {r['sequences_at_most']}) | {r['short_per_s']:.1f} | "
-                         f"{_s(r['short_latency_alone_s'])} / {_s(r['short_latency_beside_s'])} |")
+                         f"{_s(r['short_latency_alone_s'])} / {_s(r['short_latency_beside_s'])} | "
+                         f"{_s(r['finished_beside_e2e_s'])}; {_s(r['finished_beside_queue_s'])}; "
+                         f"{_s(r['finished_beside_prefill_s'])} |")
     if summary.get("pauses"):
         lines += ["", "| pauses while the long request runs | the long request, s/token (median; all) | outside the "
                   "pauses | pauses (s) |", "|---|---|---:|---|"]
