@@ -175,4 +175,3 @@ def test_modes_pair_their_rounds():
     assert out["inflight"]["step_wall_s"]["median"] == pytest.approx(2.0)
     assert out["ratio_of_medians"] == pytest.approx(2.0 / 3.0)
     assert "per round 0.50, 0.75 (median 0.62)" in format_tables(FleetBenchSpec(), out)
-
