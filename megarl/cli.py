@@ -17,6 +17,7 @@
     megarl bench pipeline [--offsets 0 1 2]   wall time per step and overlap with the pipeline off and on
     megarl bench inflight [--steps 64]        in-flight weight updates + partial rollouts, projected (simulation)
     megarl bench inflight-fleet [--rounds 2]  the same measured on the real fleet against today's queue
+    megarl bench engine-step [--sizes 1 2 4]  a vLLM CPU replica's decode step against the sequences it runs
     megarl bench sync [--size-mb 400]         one weight sync's bytes, seconds, memory: partitioned vs baselines
     megarl bench savings [--intervals 1 2 4]  the same job per sync.interval: bytes, seconds in sync, fleet pause
     megarl bench delta [--fractions ...]      compute cost of delta pushes per GB on this device (CUDA or CPU)
@@ -44,8 +45,8 @@ _DELEGATED = {
     "plan": ("megarl.plan_report", "parameters and bytes per trainer / rollout rank and per weight sync"),
     "export": ("megarl.models.hf_export", "write a run checkpoint as a Hugging Face checkpoint"),
     "bench": ("megarl.bench",
-              "benchmarks: `megarl bench logprob|padding|pipeline|inflight|inflight-fleet|sync|longtail|savings|delta|"
-              "trainer|gpu-step`"),
+              "benchmarks: `megarl bench logprob|padding|pipeline|inflight|inflight-fleet|engine-step|sync|longtail|"
+              "savings|delta|trainer|gpu-step`"),
     "compare": ("megarl.metrics.compare", "compare finished runs' sync traffic, time and rewards"),
     "preflight": ("megarl.preflight.cli", "check a cluster job's placement, network, model files and GPUs: "
                                           "`megarl preflight rank|serve|report` (docs/cluster.md); an environment's "

@@ -1,10 +1,21 @@
 """`megarl bench inflight-fleet`'s bookkeeping (`megarl.bench.inflight_fleet`) against hand-computed cases: the
 replicas' idle share with pushes overlapping requests in flight, the trainer's shares, the length accounting of
-trained vs sampled vs dropped responses, one run's steady window and drops, and the paired ratio. Pure: no fleet
-(the bench itself runs on the real one)."""
+trained vs sampled vs dropped responses, one run's steady window and drops, and the paired ratio; and `megarl bench
+engine-step`'s (`megarl.bench.engine_step`): its least-squares line and its reading of vLLM's metrics. Pure: no fleet
+(the benches themselves run on the real one)."""
 
 import pytest
 
+from megarl.bench.engine_step import (
+    DECODE_S,
+    PHASES,
+    TOKENS_COUNT,
+    TOKENS_SUM,
+    fit_step_cost,
+    metric_sums,
+    phase_means,
+    step_from_metrics,
+)
 from megarl.bench.inflight_fleet import (
     FleetBenchSpec,
     covered_s,
@@ -17,6 +28,77 @@ from megarl.bench.inflight_fleet import (
 )
 from megarl.bench.longtail import long_prompts
 from megarl.metrics.timeline import Span
+
+
+def test_engine_step_fit_by_hand():
+    # points (1, 1), (2, 3), (3, 2): means (2, 2); sum (x - 2)(y - 2) = 1, sum (x - 2)^2 = 2: slope 0.5, intercept 1
+    assert fit_step_cost([1, 2, 3], [1.0, 3.0, 2.0]) == pytest.approx((1.0, 0.5))
+    # exact on a line: 4 ms + 0.25 ms per sequence
+    assert fit_step_cost([1, 4, 16, 64], [0.004 + 0.00025 * n for n in (1, 4, 16, 64)]) == pytest.approx(
+        (0.004, 0.00025))
+    with pytest.raises(ValueError, match="two distinct sizes"):
+        fit_step_cost([8, 8], [0.01, 0.02])
+
+
+def test_engine_step_reads_vllms_metrics_by_hand():
+    # two readings of vLLM's Prometheus text (two engines' label sets summed): between them 4 sequences finished with
+    # 4 x 32 tokens, i.e. 4 x 31 decode steps after the first token, in 2.48 s of decode: 20 ms a step
+    before = metric_sums(
+        "# HELP vllm:request_decode_time_seconds ...\n"
+        'vllm:request_decode_time_seconds_sum{engine="0",model_name="m"} 1.5\n'
+        'vllm:request_decode_time_seconds_sum{engine="1",model_name="m"} 0.5\n'
+        'vllm:request_generation_tokens_sum{engine="0",model_name="m"} 100.0\n'
+        'vllm:request_generation_tokens_count{engine="0",model_name="m"} 3.0\n'
+        'vllm:request_decode_time_seconds_count{engine="0",model_name="m"} 3.0\n', (DECODE_S, TOKENS_SUM, TOKENS_COUNT))
+    assert before == {DECODE_S: 2.0, TOKENS_SUM: 100.0, TOKENS_COUNT: 3.0}
+    after = {DECODE_S: 2.0 + 2.48, TOKENS_SUM: 100.0 + 4 * 32, TOKENS_COUNT: 7.0}
+    step_s, sequences = step_from_metrics(before, after)
+    assert (step_s, sequences) == (pytest.approx(0.02), 4)
+    with pytest.raises(RuntimeError, match="disable-log-stats"):
+        step_from_metrics(before, before)
+
+
+@pytest.mark.slow  # starts a vLLM CPU replica (about a minute): `make test-all`
+def test_engine_step_on_a_real_replica(tmp_path):
+    # `megarl bench engine-step` end to end on one real replica: vLLM's per-request decode figures against the
+    # independent clock of the bench's own HTTP call, which holds the 47 decode steps after the first token and also
+    # the call and the prefill (so it is longer, but by far less than twice at 48 tokens); and the churn part's long
+    # request answered in full; the same through keep-mode and recompute pauses
+    import argparse
+    import json
+
+    from megarl.bench import engine_step
+
+    parser = argparse.ArgumentParser()
+    engine_step.register(parser.add_subparsers(dest="command"))
+    out = tmp_path / "engine_step.json"
+    args = parser.parse_args(["engine-step", "--sizes", "1", "16", "--tokens", "48", "--repeats", "1",
+                              "--positions", "128", "--churn-loops", "0", "2", "--churn-tokens", "48",
+                              "--pause-loops", "0", "--pause-every", "0.03", "--pause-s", "0.01", "--out", str(out)])
+    assert engine_step.run(args) == 0
+    data = json.loads(out.read_text())
+    assert [r["size"] for r in data["rows"]] == [1, 16]
+    for r in data["rows"]:
+        wall = r["wall_per_token_s"] * 48
+        assert wall / 2 < 47 * r["step_s"] <= wall
+    assert data["step_s"] + 16 * data["per_seq_s"] == pytest.approx(data["rows"][1]["step_s"])
+    assert [r["loops"] for r in data["churn"]] == [0, 2] and all(r["long_per_token_s"] > 0 for r in data["churn"])
+    # the pauses' part: the long request answered in full through keep-mode and recompute pauses (measure_churn
+    # raises otherwise), and paused at least once in each
+    assert [r["pauses"] for r in data["pauses"]] == ["none", "keep", "recompute"]
+    assert [r["pause_count"] >= 1 for r in data["pauses"]] == [False, True, True]
+
+
+def test_engine_step_phase_means_leave_the_long_request_out_by_hand():
+    # between two readings 10 requests finished: the long request's 4 sequences (5.0 s each, arrival to finish) and 6
+    # short ones; e2e 26.0 s in all -> (26 - 4 x 5) / 6 = 1.0 s; queued 3.0 s and prefill 0.6 s over the 6 short ones
+    # (the long request's own are taken as nothing): 0.5 s and 0.1 s
+    before = {f"{n}_{s}": 1.0 for n in PHASES.values() for s in ("sum", "count")}
+    after = {**before, PHASES["e2e"] + "_sum": 27.0, PHASES["e2e"] + "_count": 11.0,
+             PHASES["queue"] + "_sum": 4.0, PHASES["prefill"] + "_sum": 1.6}
+    assert phase_means(before, after, 4, 5.0) == {"e2e": pytest.approx(1.0), "queue": pytest.approx(0.5),
+                                                  "prefill": pytest.approx(0.1)}
+    assert phase_means(before, before, 4, 5.0) == {"e2e": None, "queue": None, "prefill": None}
 
 
 def test_covered_seconds_by_hand():

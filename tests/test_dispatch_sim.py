@@ -254,3 +254,38 @@ def test_colocated_step_by_hand():
 def test_inflight_bound_below_the_interval_is_refused_clearly():
     with pytest.raises(ValueError, match="bound"):
         _run(SyncSchedule(1, 1), 2, [1, 1, 1], 1.0, 1.0, bound=-1)
+
+
+def test_per_sequence_cost_by_hand_two_sequences_on_one_replica():
+    # one replica, one group of two sequences (2 and 5 tokens), a decode step of a + b x N: two steps of a + 2b while
+    # both run, then three of a + b: the short one ends at 2 (a + 2b), the group at 2 (a + 2b) + 3 (a + b)
+    a, b = 0.010, 0.003
+    costs = EngineCosts(step_s=a, per_seq_s=b, prefill_per_seq_s=0.0)
+    r = inflight_sim.simulate_inflight(SyncSchedule(8, 0), 1, 1, lambda j: [[2, 5]] if j == 0 else [[1, 1]], costs,
+                                       0.0, 0.0, 0.0, 1)
+    assert r.groups[0].done_at == pytest.approx(2 * (a + 2 * b) + 3 * (a + b))
+    # the fleet check's per-seq engine hands both costs to the simulation; the flat (GPU-like) one only the step
+    engine = fleet_setting.Engine("per-seq", a, per_seq_s=b)
+    assert engine.costs == costs
+    assert fleet_setting.Engine("flat", a + 4 * b).costs == EngineCosts(a + 4 * b, 0.0, 0.0)
+
+
+def test_fleet_check_per_seq_engine_needs_the_measured_ratio(tmp_path):
+    with pytest.raises(ValueError, match="engine-step"):
+        fleet_setting.calibrate({"spec": {}, "runs": [], "args": {"replicas": 2}}, "per-seq")
+    path = tmp_path / "engine_step.json"
+    path.write_text('{"step_s": 0.004, "per_seq_s": 0.0002, "per_seq_over_step": 0.05}')
+    assert fleet_setting.read_engine_step(path) == pytest.approx(0.05)
+    path.write_text('{"step_s": 0.004}')
+    with pytest.raises(ValueError, match="not a `megarl bench engine-step"):
+        fleet_setting.read_engine_step(path)
+
+
+def test_fleet_check_trainer_step_set_or_measured():
+    # the bench's --train-s, or the run's measured mean train span a steady step: 70 % of a 4.0 s wall per batch
+    measured = {"spec": {"train_s": 2.0}}
+    run = {"train_share": 0.7, "wall_per_batch_s": 4.0}
+    assert fleet_setting.train_s(measured, run) == 2.0
+    assert fleet_setting.train_s(measured, run, "measured") == pytest.approx(2.8)
+    with pytest.raises(ValueError, match="'set' or 'measured'"):
+        fleet_setting.train_s(measured, run, "sleep")

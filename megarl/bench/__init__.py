@@ -8,6 +8,7 @@
     megarl bench longtail   long-tailed responses on the real fleet: static split vs shared queue, and projected
     megarl bench inflight   in-flight weight updates + partial rollouts, projected (pure simulation, no fleet)
     megarl bench inflight-fleet   the same measured on the real fleet against today's queue, same batches
+    megarl bench engine-step  one vLLM CPU replica's decode step against the sequences it runs (step + per seq x N)
     megarl bench savings    the same short job at several sync.interval values: bytes, sync seconds, fleet pause
     megarl bench delta      compute cost of delta pushes per GB (count + encode, apply, base copy) on this device
     megarl bench trainer    one training step per variant (fp32, bf16, bf16 with one change on): time, MFU, memory
@@ -22,6 +23,7 @@ import importlib
 BENCHES = {"logprob": "megarl.bench.logprob", "padding": "megarl.bench.padding",
            "pipeline": "megarl.bench.pipeline", "sync": "megarl.bench.sync", "longtail": "megarl.bench.longtail",
            "inflight": "megarl.bench.inflight", "inflight-fleet": "megarl.bench.inflight_fleet",
+           "engine-step": "megarl.bench.engine_step",
            "savings": "megarl.bench.savings", "delta": "megarl.bench.delta_codec",
            "trainer": "megarl.bench.trainer", "gpu-step": "megarl.bench.gpu_step"}
 

@@ -19,7 +19,9 @@ Writes `--out` (JSON).
 
 `--fleet-check FILE...` runs instead the simulation against measured `megarl bench inflight-fleet` results
 (`megarl.bench.inflight_sim.fleet_setting`: each measured run simulated in its setting, the engine fitted on the
-queue runs) and writes `--out` (default docs/figures/inflight_sim_vs_fleet.json).
+queue runs) and writes `--out` (default docs/figures/inflight_sim_vs_fleet.json); `--engine-step FILE` (a `megarl
+bench engine-step` result) adds a third engine, whose decode step grows with the sequences running, and the what-if
+of a step that does not.
 The assumptions are named in the JSON and in docs/pipeline.md.
 """
 
@@ -52,6 +54,13 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         "aborted at once (abort: not implemented in megarl)")
     p.add_argument("--fleet-check", type=Path, nargs="+", default=None, metavar="FILE",
                    help="instead: the simulation against these measured `megarl bench inflight-fleet` JSON files")
+    p.add_argument("--engine-step", type=Path, default=None, metavar="FILE",
+                   help="with --fleet-check: a `megarl bench engine-step` JSON file; adds the per-seq engine (a decode "
+                        "step of scale x (a + b x N), b / a from the file, scale fitted on the queue runs) and the "
+                        "what-if of a flat step")
+    p.add_argument("--fleet-train", nargs="+", choices=("set", "measured"), default=["set"],
+                   help="with --fleet-check: the trainer step each run is simulated with: the bench's --train-s (set) "
+                        "and/or the run's measured mean train span over its steady steps (measured)")
     p.add_argument("--out", type=Path, default=None,
                    help="JSON output (default docs/figures/bench_inflight.json; with --fleet-check "
                         "docs/figures/inflight_sim_vs_fleet.json)")
@@ -93,7 +102,11 @@ def _fleet_check(args: argparse.Namespace) -> int:
               "`megarl bench inflight-fleet --out` wrote)", file=sys.stderr)
         return 2
     out = args.out or Path("docs/figures/inflight_sim_vs_fleet.json")
-    result = fleet_check(args.fleet_check)
+    if args.engine_step is not None and not args.engine_step.is_file():
+        print(f"megarl bench inflight --engine-step: no such file: {args.engine_step} (the JSON file "
+              "`megarl bench engine-step --out` wrote)", file=sys.stderr)
+        return 2
+    result = fleet_check(args.fleet_check, engine_step=args.engine_step, trains=tuple(args.fleet_train))
     print("the simulation in megarl bench inflight-fleet's setting, against its measured runs (batch order home: "
           "megarl's rule; completion: the first rule):")
     print(fleet_check_markdown(result))
