@@ -632,9 +632,14 @@ class RolloutWorker:
     def _drop_aborted(self, home: int, prompt: int, samples: list[Sample]) -> None:
         """(Condition held.) A group aborted as doomed came back: dropped and counted, with the lag of its oldest
         token (from its samples' own versions: the tokens it had) against the first batch it could have joined."""
+        assert self._partial is not None
         versions = [s.token_versions.oldest for s in samples if s.token_versions is not None and s.token_versions.runs]
         oldest = min(versions) if versions else min(s.policy_version for s in samples)
         drop = (home, prompt, self._next_take - oldest)
+        if drop[2] <= self._partial.bound:  # (never, if the engine's held counts are right: `megarl.rollout.partial`)
+            logger.error("home batch %d, prompt %d was aborted as doomed, but its oldest token lags only %d versions "
+                         "(bound %d): the engine's held counts at a push overstated it; the group is lost", *drop,
+                         self._partial.bound)
         self.dropped.append(drop)
         self._aborted_since_take.append(drop)
         self.aborted.append((*drop, [len(s.response_ids) for s in samples]))
