@@ -4,8 +4,9 @@
 (requests stay in the engine), generates on with the new version, unfinished groups join a later batch; a batch
 is formed from complete groups -- by default megarl's rule (`megarl.rollout.partial`): the finished groups of the
 lowest (home batch, prompt); `--order completion`: the first to finish (AReaL's, megarl's first) -- and a group whose
-oldest token would be trained past the staleness bound (default m + n - 1) is dropped and counted (by default, as
-megarl, generated to its end and then dropped; `--doomed abort`: aborted as soon as it is doomed). Same engine model
+oldest token would be trained past the staleness bound (default m + n - 1) is dropped and counted (by default
+generated to its end and then dropped, as megarl with `sync.inflight_abort_doomed=false`; `--doomed abort`: aborted
+as soon as it is doomed, megarl's default since 2026-11-29). Same engine model
 and constants as `megarl bench pipeline`'s and `megarl bench longtail`'s projections (`megarl.bench.pipeline_sim`,
 `megarl.bench.dispatch_sim`).
 
@@ -50,8 +51,9 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         "default: what megarl.rollout.partial implements) or the first to finish (completion)")
     p.add_argument("--doomed", choices=("finish", "abort"), default="finish",
                    help="a group still generating that can only be trained past the bound: generated to its end and "
-                        "dropped at the next take (finish, the default: what megarl.rollout.partial implements) or "
-                        "aborted at once (abort: not implemented in megarl)")
+                        "dropped at the next take (finish, the default here, which keeps the published projection's "
+                        "figures: sync.inflight_abort_doomed=false) or aborted at once (abort: megarl's default "
+                        "since 2026-11-29, sync.inflight_abort_doomed=true)")
     p.add_argument("--fleet-check", type=Path, nargs="+", default=None, metavar="FILE",
                    help="instead: the simulation against these measured `megarl bench inflight-fleet` JSON files")
     p.add_argument("--engine-step", type=Path, default=None, metavar="FILE",
