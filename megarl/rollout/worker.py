@@ -169,7 +169,7 @@ class RolloutWorker:
         # can have (the version before the first push that found it holding tokens: `pushed`); the groups aborted
         self._requests: dict[tuple[int, int], tuple[int, str]] = {}
         self._oldest_at_most: dict[str, int] = {}
-        self._doomed: dict[tuple[int, int], str] = {}
+        self._doomed: set[tuple[int, int]] = set()
         self._abort_pool = ThreadPoolExecutor(1, thread_name_prefix="megarl-abort")
         self.requeued = 0  # groups a lost replica was generating, given back to the queue and generated again
         self._last_take: dict[str, Any] = {}
@@ -494,7 +494,7 @@ class RolloutWorker:
         for key, (replica, rid) in self._requests.items():
             at_most = self._oldest_at_most.get(rid)
             if at_most is not None and self._next_take - at_most > self._partial.bound and key not in self._doomed:
-                self._doomed[key] = rid
+                self._doomed.add(key)
                 out.setdefault(replica, []).append(rid)
         return out
 
@@ -627,7 +627,7 @@ class RolloutWorker:
         for i in chunk.prompts:
             if (entry := self._requests.pop((chunk.batch, i), None)) is not None:
                 self._oldest_at_most.pop(entry[1], None)
-            self._doomed.pop((chunk.batch, i), None)
+            self._doomed.discard((chunk.batch, i))
 
     def _drop_aborted(self, home: int, prompt: int, samples: list[Sample]) -> None:
         """(Condition held.) A group aborted as doomed came back: dropped and counted, with the lag of its oldest

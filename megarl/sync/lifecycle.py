@@ -203,8 +203,7 @@ class FleetLifecycle:
         under the new weights, its tokens of two versions, unless it had finished in the engine's last step before
         the pause, whose finished requests the model runner still holds. Requests of other ids are left out. Sorted;
         empty without inflight."""
-        return sorted({group for counts in self.held.values() for (rid, _), tokens in counts.items()
-                       if tokens > 0 and (group := group_of_request(rid)) is not None})
+        return sorted({group for rid in self.held_requests() if (group := group_of_request(rid)) is not None})
 
     def held_requests(self) -> list[str]:
         """The ids of the generate requests of which some response held at least one output token at the last
