@@ -5,7 +5,8 @@ streamed full pushes, recompute through staged delta pushes (the in-flight push 
 
 Checked against independent references:
 - the push did not wait for the responses: the engine's own model runner held every request, part-way, when the
-  replica was paused (read by the test itself at the `push.paused.replica0` failpoint, `megarl_held_tokens`);
+  replica was paused (read by the test itself at the `push.paused.replica0` failpoint, `megarl_held_tokens`; the
+  push is held just before its /pause until every request holds a few tokens, `_inflight_push`);
 - no response restarted or lost tokens: its first tokens are exactly the ones the engine held at the pause, and it has
   the length asked for (ignore_eos);
 - the `TokenVersions` of every response (from vLLM's own version spans) ends its first run exactly at the engine's
@@ -35,8 +36,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from megarl.bench.engine_step import read_metrics
 from megarl.config.schema import OptimizerConfig
 from megarl.models.qwen_provider import read_hf_config
+from megarl.rollout.fleet_auth import SECRET_ENV, bearer_header, read_secret
 from megarl.rollout.inflight import engine_request_key, version_salt
 from megarl.trainer.routing_replay import route_segments
 from tests.dist_utils import free_port, run_distributed
@@ -45,14 +48,16 @@ from tests.fleet_fixture import perturbed_checkpoint
 PROMPTS = [[6, 23, 7, 24], [5, 23, 5, 24, 11]]
 N = 2  # samples per prompt: vLLM splits them into child requests `<index>_<parent id>`
 MAX_TOKENS = 110  # within the tiny model's 128 positions
-HELD_AT_LEAST = 4  # every request has this many tokens before the in-flight push starts
+HELD_AT_LEAST = 4  # every request has this many tokens before the in-flight push pauses the replica
+GENERATED = "vllm:generation_tokens_total"  # vLLM's counter of the tokens its engine generated
 VERSIONS = {"keep": 61, "recompute": 71}  # the first (old, new) versions per KV setting: (base, base + 1)
 # how each setting's sync group takes its pushes: keep through streamed full pushes, recompute through staged deltas
 # (its first push, of the old weights, is full; the in-flight one a delta against it)
 RECEIVE = {"keep": {"receive": "streamed"}, "recompute": {"receive": "staged", "delta": True}}
-# the machine is shared: if a poll comes too late (every response already finished when the replica paused), the
-# run is inconclusive and is repeated (old weights pushed again, new responses), at most this many times
-ATTEMPTS = 3
+# the machine is shared: if the responses still finish before the replica is paused (the poll that releases the
+# push comes too late), the run is inconclusive and is repeated (old weights pushed again, new responses), at most
+# this many times
+ATTEMPTS = 4
 # router-logit margin between the k-th and the (k+1)-th expert below which engine and transformers may pick
 # differently (fp32 with other reduction orders: logits differ by ~1e-6); such (row, layer) pairs are not compared
 ROUTE_TIE = 1e-4
@@ -106,8 +111,13 @@ def _trainer(rank, world, old_dir, new_dir, url, port, sync_ports, points):
 
 
 def _inflight_push(sync, client, kv: str, v_old: int, push, points: str) -> dict:
-    """Trainer rank 0: long responses start, and once every request holds a few tokens the in-flight push `push()`
-    runs; the test reads the engine's tokens itself when the replica is paused (failpoint `push.paused.replica0`)."""
+    """Trainer rank 0: the in-flight push `push()` runs and is held just before it pauses the replica (failpoint
+    `push.pause.replica0`) while long responses start; once every request holds a few tokens it goes on and pauses
+    the replica, and the test reads the engine's tokens itself when the replica is paused (`push.paused.replica0`).
+    Holding the push there only sets the moment up: the tiny model's 128 positions make a response last under a
+    second, and on a loaded machine the trainer's way from starting a push to its /pause, or an RPC into the engine
+    that counts tokens, can take longer (CI missed in every attempt once; such an RPC took 50 s here under load).
+    What the test checks starts at the pause, which is not held."""
     from megarl.sync import failpoints
 
     rids = [f"inflight-{kv}-{i}" for i in range(len(PROMPTS))]
@@ -116,32 +126,57 @@ def _inflight_push(sync, client, kv: str, v_old: int, push, points: str) -> dict
     gen = threading.Thread(target=lambda: box.update(samples=client.generate(
         PROMPTS, n=N, max_tokens=MAX_TOKENS, ignore_eos=True, seed=5, cache_salt=version_salt(v_old),
         request_ids=rids)))
-    gen.start()
-    while gen.is_alive():  # until every request of this test holds a few tokens
-        counts = {engine_request_key(k): n for k, n in client.collective_rpc("megarl_held_requests")[0].items()}
-        if all(counts.get((rid, j), 0) >= HELD_AT_LEAST for rid in rids for j in range(N)):
-            break
     seen: dict = {}
-    armed, reached = Path(points) / "push.paused.replica0", Path(points) / "push.paused.replica0.reached"
-    armed.write_text("")
+    headers = bearer_header(read_secret(os.environ[SECRET_ENV])) if os.environ.get(SECRET_ENV) else {}
+    pause, paused = Path(points) / "push.pause.replica0", Path(points) / "push.paused.replica0"
+    pause.write_text("")
+    paused.write_text("")
 
-    def at_pause() -> None:
-        while not reached.exists():
+    def reached(point: Path) -> None:
+        deadline = time.monotonic() + 120
+        while not point.with_name(point.name + ".reached").exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the push never reached {point.name}")
             time.sleep(0.01)
-        seen.update(client.collective_rpc("megarl_held_tokens")[0])
-        seen["_paused"] = client.is_paused()
-        armed.unlink()
-        reached.unlink()
 
-    reader = threading.Thread(target=at_pause)
-    reader.start()
+    def release(point: Path) -> None:
+        point.unlink(missing_ok=True)
+        point.with_name(point.name + ".reached").unlink(missing_ok=True)
+
+    def generated() -> float:
+        """The tokens the server has generated so far, from vLLM's own counter (its API server updates it as the
+        engine's outputs come in; an RPC into the engine to count them can take seconds on a loaded machine)."""
+        return read_metrics(client.url, headers, [GENERATED])[GENERATED]
+
+    def drive() -> None:
+        try:
+            reached(pause)  # the push is about to pause the replica
+            start = generated()
+            gen.start()
+            while gen.is_alive() and generated() - start < len(PROMPTS) * N * (HELD_AT_LEAST + 2):
+                time.sleep(0.005)  # until the requests hold a few tokens each (they decode in the same steps)
+            release(pause)  # it pauses the replica now
+            reached(paused)
+            seen.update(client.collective_rpc("megarl_held_tokens")[0])
+            seen["_paused"] = client.is_paused()
+        except BaseException as err:  # noqa: BLE001 - raised below, in the push's thread
+            box["driver"] = err
+        finally:
+            release(pause)
+            release(paused)
+
+    driver = threading.Thread(target=drive)
+    driver.start()
     os.environ[failpoints.ENV] = points
     try:
         stats = push()
     finally:
         del os.environ[failpoints.ENV]
-    reader.join()
-    gen.join()
+        driver.join()
+        if gen.ident is not None:
+            gen.join()
+    if "driver" in box:
+        raise box["driver"]
     if "samples" not in box:
         raise RuntimeError("the generate call of the in-flight push failed (its traceback is printed above)")
     routing = client.collective_rpc("megarl_routing_probe_take")
@@ -198,7 +233,8 @@ def test_push_lands_while_responses_generate(moe_fleet, tiny_moe_dir, new_checkp
     for kv in VERSIONS:
         r = results[0][kv]
         v_old, v_new = r["versions"]
-        assert r["held_part_way"], f"{kv}: every attempt's responses finished before the push paused the replica"
+        assert r["held_part_way"], (f"{kv}: in every attempt the push paused the replica too late; the last found "
+                                    f"{r['held']} (request: output tokens held) of {MAX_TOKENS}")
         assert r["seen"].pop("_paused") is True
         # the in-flight push went as any other: a full streamed one (keep), a delta to both vLLM workers (recompute)
         assert r["delta_workers"] == ([2, 3] if RECEIVE[kv].get("delta") else []), r["delta_workers"]

@@ -79,10 +79,12 @@ def _same_as(raced, reference, encode) -> None:
 def test_a_slow_replica_takes_fewer_chunks_and_the_batch_is_the_one_replica_batch(
     moe_fleet_2x1, encode, one_replica_run
 ):
+    # the slow replica is replica 0, so its loops start first: listed second, a loaded machine once ran the fast
+    # replica's loops through every chunk before the slow one's took any (CI: [16, 0]), and the race was not run
     with slow_proxy(moe_fleet_2x1.urls[1], delay_s=1.5) as slow_url:
-        raced, taken, spans = _generate([moe_fleet_2x1.urls[0], slow_url], encode, chunks_in_flight=2, live=2)
+        raced, taken, spans = _generate([slow_url, moe_fleet_2x1.urls[0]], encode, chunks_in_flight=2, live=2)
     # every chunk generated once; the slow replica (>= 1.5 s a chunk) took fewer than the fast one, not its half
-    assert sum(taken) == 2 * PROMPTS and 1 <= taken[1] < taken[0], taken
+    assert sum(taken) == 2 * PROMPTS and 1 <= taken[0] < taken[1], taken
     assert len([s for s in spans if s.kind == "generate"]) == 2 * PROMPTS
     _same_as(raced, one_replica_run, encode)
 

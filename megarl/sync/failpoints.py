@@ -29,6 +29,8 @@ The points:
     push.held.replica<i>     each vLLM worker of replica i (`megarl.sync.vllm_receiver`, `megarl_held_requests`): a
                              push's lifecycle asks what the model runner holds while the replica is paused in keep
                              mode (in-flight updates; its update is not open yet); passes `held`
+    push.pause.replica<i>    trainer rank 0 (`megarl.sync.lifecycle`): everything of the push before replica i's
+                             /pause is done (the earlier replicas are paused); its /pause is not sent yet
     push.paused.replica<i>   trainer rank 0 (`megarl.sync.lifecycle`): replica i answered /pause; its update is not
                              open yet (/start_weight_update)
     push.loading.replica<i>  each vLLM worker of replica i (`megarl.sync.vllm_receiver`): inside the model's

@@ -241,6 +241,7 @@ class FleetLifecycle:
             bound = self.call_timeout_s
             for rep, client in self.clients.items():
                 try:
+                    failpoints.hold(f"push.pause.replica{rep}")
                     if self.inflight:  # keep the KV here: `_hold` preempts explicitly for inflight_kv=recompute
                         client.pause(timeout_s=bound, mode="keep", clear_cache=False)
                     else:
