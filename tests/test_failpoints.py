@@ -191,3 +191,41 @@ def _alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+# a stand-in engine core: a process named as vLLM names its engine core, whose child (a "worker") reaches the point
+_ENGINE = """
+import subprocess, sys
+with open("/proc/self/comm", "w") as f:
+    f.write(sys.argv[1])
+worker = subprocess.Popen([sys.executable, "-c", sys.argv[2]])
+print(worker.pid, flush=True)
+worker.wait()
+"""
+_WORKER = """
+from megarl.sync import failpoints
+try:
+    failpoints.hold("push.loading.replica1")
+except failpoints.FailpointError as err:
+    print("worker raised:", err, flush=True)
+"""
+
+
+@pytest.mark.parametrize("name", ["VLLM::EngineCore", "python3"])
+def test_a_point_armed_to_kill_engine_kills_the_workers_engine_core_or_refuses(tmp_path: Path, name: str) -> None:
+    point = "push.loading.replica1"
+    (tmp_path / point).write_text(failpoints.KILL_ENGINE)
+    env = {**os.environ, failpoints.ENV: str(tmp_path), "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    engine = subprocess.Popen([sys.executable, "-c", _ENGINE, name, _WORKER], env=env, stdout=subprocess.PIPE,
+                              text=True)
+    out, _ = engine.communicate(timeout=60)
+    worker = int(out.split()[0])
+    if name.startswith(failpoints.ENGINE_CORE_COMM):  # killed by its worker, which recorded it and disarmed the point
+        assert engine.returncode == -signal.SIGKILL, (engine.returncode, out)
+        assert "worker raised: failure injected at failpoint push.loading.replica1: its engine core" in out, out
+        record = json.loads((tmp_path / f"{point}.reached").read_text())
+        assert record["pid"] == worker and record["engine_core"] == engine.pid, record
+        assert not (tmp_path / point).exists()
+    else:  # the parent is no engine core: nothing killed, the point still armed
+        assert engine.returncode == 0 and "is not a vLLM engine core" in out, out
+        assert (tmp_path / point).exists() and not (tmp_path / f"{point}.reached").exists()

@@ -9,7 +9,9 @@ with each role run from its own environment: the trainer ranks (and `megarl prep
    restarts nothing, stops replica 1 cleanly, and every checkpoint on disk verifies.
 2. The resubmission (checkpoint.resume=latest, rollout.min_replicas=1, ROLLOUT_RESTARTS=1) resumes from the newest
    checkpoint. Once it has trained a step, replica 1's engine core (`VLLM::EngineCore`, what a CUDA error or an
-   out-of-memory kills) is SIGKILLed alone mid-push, right after its server answered /start_weight_update: the push
+   out-of-memory kills) is SIGKILLed alone mid-push, by its own worker inside the model's load_weights (failpoint
+   `push.loading.replica1` armed `kill-engine`: a kill from outside, after the log showed the push, once came after
+   the push had finished on the replica, under load): the push
    goes on without it within the bound, its API server exits by itself and so does its step (issue 36's fault
    matrix, the SLURM subset); the job restarts the step on the same node with the same resources (the test holds
    the trainer still from the push without it until the new vLLM server has registered, so the restart lands
@@ -49,7 +51,8 @@ from megarl.checkpoint import open_checkpoint
 from megarl.config.load import load_config
 from megarl.loop import checkpoint_identity
 from megarl.metrics.timeline import load_spans
-from tests.dist_utils import engine_core, log_grows, process_group_members
+from megarl.sync import failpoints
+from tests.dist_utils import engine_core, process_group_members
 from tests.slurm_cluster import SlurmCluster
 from tests.test_slurm_job import (
     JOB_TIMEOUT_S,
@@ -259,8 +262,10 @@ def test_killed_replicas_fail_or_rejoin_and_the_resubmission_loses_no_step(slurm
 
     # --- job 2, the resubmission: it resumes from the newest checkpoint with rollout.min_replicas=1 and
     # ROLLOUT_RESTARTS=1, and loses replica 1 twice
+    points = tmp_path / "failpoints"  # MEGARL_FAILPOINTS reaches the vLLM workers (`megarl.sync.failpoints`)
+    points.mkdir()
     env = {**base, "MEGARL_OVERRIDES": base["MEGARL_OVERRIDES"] + " checkpoint.resume=latest",
-           "ROLLOUT_RESTARTS": "1"}
+           "ROLLOUT_RESTARTS": "1", failpoints.ENV: str(points)}
 
     def resumed_steps() -> list[dict]:
         path = run_dir / "metrics.jsonl"
@@ -278,14 +283,16 @@ def test_killed_replicas_fail_or_rejoin_and_the_resubmission_loses_no_step(slurm
         placement = _step_placement(slurm_cluster, first_step)
         url = _registered(run_dir, 1)["url"]  # type: ignore[index]
         server = _server_pid(url)
-        # replica 1's engine core alone (what a CUDA error or an out-of-memory kills), mid-push: right after its
-        # server answered /start_weight_update of the next push; its API server and its step are left alone
-        _wait_for("replica 1 taking a push",
-                  log_grows(logs / "vllm_replica1.log", b"POST /start_weight_update"), job)
+        # replica 1's engine core alone (what a CUDA error or an out-of-memory kills), mid-push: its own worker kills
+        # it at the next push, inside the model's load_weights (failpoint push.loading.replica1 armed `kill-engine`,
+        # at full speed: nobody waits); its API server and its step are left alone
         core = engine_core(server)
         assert core is not None, f"no engine core in replica 1's process group {server}"
-        os.kill(core, signal.SIGKILL)
+        (points / "push.loading.replica1").write_text(failpoints.KILL_ENGINE)
+        reached = points / "push.loading.replica1.reached"
+        _wait_for("replica 1's engine core killed by its worker at a push", reached.exists, job)
         killed, seen = time.monotonic(), {}
+        assert json.loads(reached.read_text())["engine_core"] == core, (reached.read_text(), core)
 
         def server_gone() -> bool:  # its server exits by itself (megarl/rollout/engine_death.py), and `megarl serve`
             if "gone" not in seen and not process_group_members(server):

@@ -137,6 +137,9 @@ def test_sync_moves_exactly_each_ranks_slices(moe_fleet, new_checkpoint):
     for tp_rank in range(2):
         assert set(needs.reads[tp_rank]) == set(vllm_rank_slices(hf, 2, tp_rank))
     assert stats.phases["needs_s"] == needs.seconds > 0  # obtained once, in the constructor, reported by push 1
+    # the slowest worker's receive and load seconds, from the workers' own reports (`sync/worker_*_s` metrics)
+    for phase, key in (("worker_receive_s", "receive_seconds"), ("worker_load_s", "load_seconds")):
+        assert stats.phases[phase] == max(r[key] for r in stats.reports) > 0, (phase, stats.phases)
 
     # bytes: each worker received exactly its own slices (ratio 1.00), all read by vLLM's loaders
     expected = _hand_bytes_per_rank(hf, tp=2)

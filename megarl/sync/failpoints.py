@@ -25,6 +25,12 @@ process group and session of its own, `megarl.rollout.fleet`, so that is exactly
 does not lead its session refuses, raising instead). Inside an RPC that must not raise (`push.held`) the failure
 is logged instead. tests/test_fault_inflight.py arms them.
 
+Armed with `kill-engine` (`KILL_ENGINE`), a point inside a vLLM worker SIGKILLs the worker's engine core (its parent
+process) at the first pass, with nobody waiting: what a CUDA error or an out-of-memory kill does to an engine
+mid-push, while its API server lives on. It writes `<name>.reached` (`pid`, `engine_core`, `time`) and disarms the
+point first, then raises `FailpointError` in the worker; a process whose parent is not an engine core refuses
+(raises without killing). tests/test_slurm_failover.py arms it.
+
 The points:
     push.held.replica<i>     each vLLM worker of replica i (`megarl.sync.vllm_receiver`, `megarl_held_requests`): a
                              push's lifecycle asks what the model runner holds while the replica is paused in keep
@@ -62,6 +68,8 @@ T = TypeVar("T")
 FAIL = "fail"  # the content of an armed point that raises instead of holding
 FAIL_IF_HELD = "fail-if-held"  # raises, once, at the first pass that finds a request with an output token held
 KILL_IF_HELD = "kill-if-held"  # SIGKILLs its own process group, once, at the first such pass
+KILL_ENGINE = "kill-engine"  # a vLLM worker SIGKILLs its engine core (its parent process), once, at the first pass
+ENGINE_CORE_COMM = "VLLM::EngineCor"  # the engine core's process name as /proc shows it (cut to 15 characters)
 Held = Callable[[], Mapping[str, int]]  # what a worker's model runner holds now: engine request id -> output tokens
 
 
@@ -84,6 +92,8 @@ def hold(name: str, held: Held | None = None) -> None:
     if mode in (FAIL_IF_HELD, KILL_IF_HELD):
         _if_held(armed, mode, held)
         return
+    if mode == KILL_ENGINE:
+        _kill_engine(armed)
     fail = mode == FAIL
     (Path(root) / f"{name}.reached").write_text(f"{os.getpid()}\n")
     if fail:
@@ -107,16 +117,39 @@ def _if_held(armed: Path, mode: str, held: Held | None) -> None:
         with (armed.parent / f"{name}.passed").open("a") as f:
             f.write(record + "\n")
         return
-    reached = armed.parent / f"{name}.reached"
-    partial = armed.parent / f".{name}.reached.{os.getpid()}"
-    partial.write_text(record + "\n")
-    os.replace(partial, reached)  # whole when it appears
-    armed.unlink(missing_ok=True)
+    _record_reached(armed, record)
     if mode == KILL_IF_HELD and os.getsid(0) == os.getpgrp():
         os.killpg(os.getpgrp(), signal.SIGKILL)
     why = "" if mode == FAIL_IF_HELD else (" (asked to kill its process group, which does not lead its own session: "
                                            "not a replica's server group, so it raised instead)")
     raise FailpointError(f"failure injected at failpoint {name} with requests held ({ENV}={armed.parent}){why}")
+
+
+def _record_reached(armed: Path, record: str) -> None:
+    """Write `<name>.reached` (`record`, whole when it appears) and disarm point `armed`."""
+    partial = armed.parent / f".{armed.name}.reached.{os.getpid()}"
+    partial.write_text(record + "\n")
+    os.replace(partial, armed.parent / f"{armed.name}.reached")
+    armed.unlink(missing_ok=True)
+
+
+def _kill_engine(armed: Path) -> None:
+    """Point `armed` (armed with `KILL_ENGINE`), in a vLLM worker: SIGKILL its engine core, the worker's parent
+    (what a CUDA error or an out-of-memory kill does to an engine, at full speed, while its API server lives on);
+    record it and raise. Refuses (raises without killing) in a process whose parent is not an engine core."""
+    parent = os.getppid()
+    try:
+        comm = Path(f"/proc/{parent}/comm").read_text().strip()
+    except OSError:
+        comm = "?"
+    if not comm.startswith(ENGINE_CORE_COMM):
+        raise FailpointError(f"failpoint {armed.name} is armed {KILL_ENGINE!r}, but this process's parent ({parent}, "
+                             f"{comm!r}) is not a vLLM engine core: only points inside a vLLM worker "
+                             "(push.held.replica<i>, push.loading.replica<i>) can kill their engine")
+    _record_reached(armed, json.dumps({"pid": os.getpid(), "engine_core": parent, "time": time.time()}))
+    os.kill(parent, signal.SIGKILL)
+    raise FailpointError(f"failure injected at failpoint {armed.name}: its engine core (process {parent}) was "
+                         f"killed ({ENV}={armed.parent})")
 
 
 def hold_before_first(name: str, items: Iterable[T], held: Held | None = None) -> Iterator[T]:

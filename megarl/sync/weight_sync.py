@@ -404,7 +404,7 @@ class PartitionedWeightSync:
         # rank 0 pauses the fleet at the start of `open` and resumes it at the end of `close`
         phases["fleet_paused_s"] = clock[5] - clock[1]
         for key in ("receive_seconds", "load_seconds"):  # the workers' own figures: the slowest worker
-            phases[f"worker_{key.removesuffix('onds')}"] = max((r.get(key, 0.0) for r in reports), default=0.0)
+            phases[f"worker_{key.removesuffix('econds')}"] = max((r.get(key, 0.0) for r in reports), default=0.0)
         return SyncStats(
             version=version, seconds=time.perf_counter() - clock[0], replicas=list(self.live),
             lost=dict(self.lost), served=self.fleet.served() if self.fleet is not None else {},
