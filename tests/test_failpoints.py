@@ -205,16 +205,20 @@ worker.wait()
 _WORKER = """
 from megarl.sync import failpoints
 try:
-    failpoints.hold("push.loading.replica1")
+    failpoints.hold("push.loading.replica1", lambda: {})  # kill-engine-if-held: holds nothing, goes on
+    failpoints.hold("push.loading.replica1", lambda: {"megarl-b4-p2-00000000-0-aa": 3})
 except failpoints.FailpointError as err:
     print("worker raised:", err, flush=True)
 """
 
 
-@pytest.mark.parametrize("name", ["VLLM::EngineCore", "python3"])
-def test_a_point_armed_to_kill_engine_kills_the_workers_engine_core_or_refuses(tmp_path: Path, name: str) -> None:
+@pytest.mark.parametrize(("name", "mode"), [("VLLM::EngineCore", failpoints.KILL_ENGINE),
+                                            ("VLLM::EngineCore", failpoints.KILL_ENGINE_IF_HELD),
+                                            ("python3", failpoints.KILL_ENGINE)])
+def test_a_point_armed_to_kill_engine_kills_the_workers_engine_core_or_refuses(tmp_path: Path, name: str,
+                                                                              mode: str) -> None:
     point = "push.loading.replica1"
-    (tmp_path / point).write_text(failpoints.KILL_ENGINE)
+    (tmp_path / point).write_text(mode)
     env = {**os.environ, failpoints.ENV: str(tmp_path), "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
     engine = subprocess.Popen([sys.executable, "-c", _ENGINE, name, _WORKER], env=env, stdout=subprocess.PIPE,
                               text=True)
@@ -226,6 +230,11 @@ def test_a_point_armed_to_kill_engine_kills_the_workers_engine_core_or_refuses(t
         record = json.loads((tmp_path / f"{point}.reached").read_text())
         assert record["pid"] == worker and record["engine_core"] == engine.pid, record
         assert not (tmp_path / point).exists()
+        if mode == failpoints.KILL_ENGINE_IF_HELD:  # the first pass held nothing and went by; the second fired
+            assert record["held"] == {"megarl-b4-p2-00000000-0-aa": 3} and record["pgid"] == os.getpgrp(), record
+            assert len((tmp_path / f"{point}.passed").read_text().splitlines()) == 1
+        else:  # the first pass fired
+            assert "held" not in record and not (tmp_path / f"{point}.passed").exists(), record
     else:  # the parent is no engine core: nothing killed, the point still armed
         assert engine.returncode == 0 and "is not a vLLM engine core" in out, out
         assert (tmp_path / point).exists() and not (tmp_path / f"{point}.reached").exists()

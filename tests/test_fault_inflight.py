@@ -106,19 +106,21 @@ def _record(path: Path) -> dict[str, Any] | None:
 
 
 class _Cells(threading.Thread):
-    """Arms cell M in the first job and cell K in the second (see the module docstring), and watches them fire."""
+    """Arms cell M in the first job and cell K in the second (see the module docstring), or cell E in the one job
+    writing `mixed` (`engine`), and watches them fire."""
 
-    def __init__(self, points: Path, fleet: Any, mixed: Path, killed: Path) -> None:
+    def __init__(self, points: Path, fleet: Any, mixed: Path, killed: Path, engine: bool = False) -> None:
         super().__init__(daemon=True)
         self.points, self.fleet, self.mixed, self.killed = points, fleet, mixed, killed
+        self.plan = [self._cell_e] if engine else [self._cell_m, self._cell_k]
         self.cells: dict[str, dict[str, Any]] = {}
         self.error: str | None = None
         self.deadline = time.monotonic() + 900
 
     def run(self) -> None:
         try:
-            self._cell_m()
-            self._cell_k()
+            for cell in self.plan:
+                cell()
         except Exception as err:  # noqa: BLE001 - reported by the test
             self.error = f"{type(err).__name__}: {err}\n{traceback.format_exc()}"
         finally:  # never leave a point armed
@@ -177,6 +179,14 @@ class _Cells(threading.Thread):
         cell["gone_s"] = time.time() - cell["record"]["time"]
 
 
+    def _cell_e(self) -> None:
+        self._until(lambda: _records(self.mixed), "the job's first step", every_s=0.2)
+        cell = self.cells["E"] = self._fired(HELD, failpoints.KILL_ENGINE_IF_HELD, self.mixed, None)
+        server = cell["server"]  # its API server exits by itself once its engine is dead
+        self._until(lambda: not process_group_members(server), "replica 1's process group gone", every_s=0.2)
+        cell["gone_s"] = time.time() - cell["record"]["time"]
+
+
 def _accounting(records: list[dict[str, Any]], held: set[tuple[int, int]]) -> dict[str, Any]:
     """The groups of a partial-rollout run from its metrics: every step whole, no group trained twice, every started
     group trained, dropped, pooled or in flight at each step; each `held` group trained (the step) or dropped."""
@@ -195,6 +205,34 @@ def _accounting(records: list[dict[str, Any]], held: set[tuple[int, int]]) -> di
     missing = held - set(trained) - set(dropped)
     assert not missing, f"groups the replica held were never trained nor dropped: {sorted(missing)}"
     return {g: at.get(g, "dropped") for g in sorted(held)}
+
+
+def _check_cell(name: str, cell: dict[str, Any], records: list[dict[str, Any]]) -> str:
+    """The checks every cell shares (see the module docstring) on its job's metrics; a line for the report."""
+    step = cell["step"]
+    # the point fired in replica 1's own server group, at a push of this job that left room to train what it
+    # gave back, with requests of named groups held, one at least with an output token
+    assert 1 <= step <= LAST_FAULT_STEP, (name, step)
+    assert cell["record"]["pgid"] == cell["server"], (name, cell["record"], cell["server"])
+    assert cell["groups"] and None not in cell["groups"], (name, cell["record"])
+    assert max(cell["held"].values()) >= 1, (name, cell["held"])
+    # every step trained at its version; the fault's push reached replica 0 alone, later steps had one replica
+    assert [r["step"] for r in records] == list(range(STEPS))
+    assert [r["policy_version"] for r in records] == list(range(STEPS))
+    assert all(set(r["sync/served_versions"]) == {"0", "1"} for r in records[:step]), (name, records[:step])
+    hit = records[step]
+    assert hit["sync/versions"] == [step] and hit["sync/served_versions"] == {"0": str(step)}, (name, hit)
+    assert hit["sync/seconds"] < PUSH_S, (name, hit["sync/seconds"])
+    assert all(r["fleet/replicas_in_sync"] == 1 for r in records[step:]), name
+    assert all(r["fleet/replicas"] == 1 for r in records[step + 1:]), name
+    # nothing lost, nothing trained twice; the held groups generated again and trained
+    held = cell["groups"]
+    where = _accounting(records, held)
+    requeued = records[-1]["fleet/requeued_groups"]
+    assert requeued >= len(held), (name, requeued, held)
+    return (f"{name}: push at step {step} ({cell['passes']} earlier pushes held nothing); replica 1 held "
+            f"{len(cell['held'])} responses of groups {sorted(held)} -> trained at steps {where}; "
+            f"requeued {requeued}; push {hit['sync/seconds']:.1f} s")
 
 
 @pytest.mark.slow  # as the other fault matrices: `make test-all` (its step-0 k3 failure: docs/sync.md's stale KV)
@@ -216,33 +254,8 @@ def test_a_replica_failing_while_it_holds_requests_loses_no_group(moe_fleet_2x1,
     wall = time.monotonic() - started
     said = capfd.readouterr().err
     assert cells.error is None and set(cells.cells) == {"M", "K"}, (cells.error, cells.cells.keys(), said[-3000:])
-    report = []
-    for name, run_dir in (("M", mixed_dir), ("K", killed_dir)):
-        cell, records = cells.cells[name], _records(run_dir)
-        step = cell["step"]
-        # the point fired in replica 1's own server group, at a push of this job that left room to train what it
-        # gave back, with requests of named groups held, one at least with an output token
-        assert 1 <= step <= LAST_FAULT_STEP, (name, step)
-        assert cell["record"]["pgid"] == cell["server"], (name, cell["record"], cell["server"])
-        assert cell["groups"] and None not in cell["groups"], (name, cell["record"])
-        assert max(cell["held"].values()) >= 1, (name, cell["held"])
-        # every step trained at its version; the fault's push reached replica 0 alone, later steps had one replica
-        assert [r["step"] for r in records] == list(range(STEPS))
-        assert [r["policy_version"] for r in records] == list(range(STEPS))
-        assert all(set(r["sync/served_versions"]) == {"0", "1"} for r in records[:step]), (name, records[:step])
-        hit = records[step]
-        assert hit["sync/versions"] == [step] and hit["sync/served_versions"] == {"0": str(step)}, (name, hit)
-        assert hit["sync/seconds"] < PUSH_S, (name, hit["sync/seconds"])
-        assert all(r["fleet/replicas_in_sync"] == 1 for r in records[step:]), name
-        assert all(r["fleet/replicas"] == 1 for r in records[step + 1:]), name
-        # nothing lost, nothing trained twice; the held groups generated again and trained
-        held = cell["groups"]
-        where = _accounting(records, held)
-        requeued = records[-1]["fleet/requeued_groups"]
-        assert requeued >= len(held), (name, requeued, held)
-        report.append(f"{name}: push at step {step} ({cell['passes']} earlier pushes held nothing); replica 1 held "
-                      f"{len(cell['held'])} responses of groups {sorted(held)} -> trained at steps {where}; "
-                      f"requeued {requeued}; push {hit['sync/seconds']:.1f} s")
+    report = [_check_cell(name, cells.cells[name], _records(run_dir))
+              for name, run_dir in (("M", mixed_dir), ("K", killed_dir))]
     m = cells.cells["M"]
     # M: the load failed in replica 1's own worker (not the trainer); the held requests' calls were answered after an
     # abort (replica 1's access log), it was never resumed and stays paused: no token from its half-loaded model
@@ -268,3 +281,30 @@ def test_a_replica_failing_while_it_holds_requests_loses_no_group(moe_fleet_2x1,
     print("\n".join(report) + f"\nM: the engine aborted {m['aborted']:.0f} responses, {answered} generate calls "
           f"answered 200; K: replica 1's group gone "
           f"{k['gone_s']:.1f} s after the kill; both jobs: {wall:.0f} s; the trainer said: {lines}")
+
+
+@pytest.mark.slow
+@pytest.mark.kills_session_fleet("moe_fleet_2x1")
+@pytest.mark.timeout(900)
+def test_an_engine_dying_while_its_replica_holds_requests_loses_no_group(moe_fleet_2x1, tiny_moe_dir,
+                                                                         session_failpoints, tmp_path):
+    """Cell E: one job; `push.held.replica1` armed `kill-engine-if-held`: replica 1's worker, asked by the push's
+    lifecycle what it holds, SIGKILLs its engine core (what a CUDA error or an out-of-memory kill does) if it holds
+    requests. Its API server lives on for a moment: the held requests' calls and the push's RPC are answered with
+    errors, not refused; the push goes on to replica 0, the lost requests' chunks go back to the queue, and the API
+    server exits by itself (`megarl.rollout.engine_death`). The checks every cell shares, and: the engine core the
+    worker killed is gone, and so is replica 1's whole process group."""
+    run_dir = tmp_path / "engine"
+    cfg = prepare(None, _overrides(tiny_moe_dir, run_dir, M, N, STEPS, *JOB))
+    cells = _Cells(session_failpoints, moe_fleet_2x1, run_dir, run_dir, engine=True)
+    cells.start()
+    try:
+        train_jobs_in_one_set_of_ranks([cfg], 2, moe_fleet_2x1.urls, tmp_path)
+    finally:
+        cells.deadline = 0
+        cells.join(10)
+    assert cells.error is None and set(cells.cells) == {"E"}, (cells.error, cells.cells.keys())
+    e = cells.cells["E"]
+    line = _check_cell("E", e, _records(run_dir))
+    assert e["record"]["engine_core"] != e["server"] and not process_group_members(e["server"]), e["record"]
+    print(f"{line}; replica 1's group gone {e['gone_s']:.1f} s after its engine core was killed")

@@ -29,7 +29,9 @@ Armed with `kill-engine` (`KILL_ENGINE`), a point inside a vLLM worker SIGKILLs 
 process) at the first pass, with nobody waiting: what a CUDA error or an out-of-memory kill does to an engine
 mid-push, while its API server lives on. It writes `<name>.reached` (`pid`, `engine_core`, `time`) and disarms the
 point first, then raises `FailpointError` in the worker; a process whose parent is not an engine core refuses
-(raises without killing). tests/test_slurm_failover.py arms it.
+(raises without killing). tests/test_slurm_failover.py arms it. `kill-engine-if-held` (`KILL_ENGINE_IF_HELD`) does
+the same at the first pass with a request's output token held, as the other `-if-held` modes (its record adds
+`pgid` and `held`; tests/test_fault_inflight.py's cell E).
 
 The points:
     push.held.replica<i>     each vLLM worker of replica i (`megarl.sync.vllm_receiver`, `megarl_held_requests`): a
@@ -69,6 +71,7 @@ FAIL = "fail"  # the content of an armed point that raises instead of holding
 FAIL_IF_HELD = "fail-if-held"  # raises, once, at the first pass that finds a request with an output token held
 KILL_IF_HELD = "kill-if-held"  # SIGKILLs its own process group, once, at the first such pass
 KILL_ENGINE = "kill-engine"  # a vLLM worker SIGKILLs its engine core (its parent process), once, at the first pass
+KILL_ENGINE_IF_HELD = "kill-engine-if-held"  # the same, at the first pass with a request's output token held
 ENGINE_CORE_COMM = "VLLM::EngineCor"  # the engine core's process name as /proc shows it (cut to 15 characters)
 Held = Callable[[], Mapping[str, int]]  # what a worker's model runner holds now: engine request id -> output tokens
 
@@ -89,11 +92,11 @@ def hold(name: str, held: Held | None = None) -> None:
         mode = armed.read_text().strip()
     except FileNotFoundError:
         return
-    if mode in (FAIL_IF_HELD, KILL_IF_HELD):
+    if mode in (FAIL_IF_HELD, KILL_IF_HELD, KILL_ENGINE_IF_HELD):
         _if_held(armed, mode, held)
         return
     if mode == KILL_ENGINE:
-        _kill_engine(armed)
+        _kill_engine(armed, {})
     fail = mode == FAIL
     (Path(root) / f"{name}.reached").write_text(f"{os.getpid()}\n")
     if fail:
@@ -105,8 +108,8 @@ def hold(name: str, held: Held | None = None) -> None:
 
 
 def _if_held(armed: Path, mode: str, held: Held | None) -> None:
-    """Point `armed` (armed with `FAIL_IF_HELD` or `KILL_IF_HELD`): go on if no request holds an output token, else
-    record what was held, disarm, and fail or kill (see the module docstring)."""
+    """Point `armed` (armed with `FAIL_IF_HELD`, `KILL_IF_HELD` or `KILL_ENGINE_IF_HELD`): go on if no request holds
+    an output token, else record what was held, disarm, and fail or kill (see the module docstring)."""
     name = armed.name
     if held is None:
         raise FailpointError(f"failpoint {name} is armed {mode!r}, but it knows no held requests: only points inside "
@@ -117,6 +120,8 @@ def _if_held(armed: Path, mode: str, held: Held | None) -> None:
         with (armed.parent / f"{name}.passed").open("a") as f:
             f.write(record + "\n")
         return
+    if mode == KILL_ENGINE_IF_HELD:
+        _kill_engine(armed, {"pgid": os.getpgrp(), "held": seen})
     _record_reached(armed, record)
     if mode == KILL_IF_HELD and os.getsid(0) == os.getpgrp():
         os.killpg(os.getpgrp(), signal.SIGKILL)
@@ -133,10 +138,11 @@ def _record_reached(armed: Path, record: str) -> None:
     armed.unlink(missing_ok=True)
 
 
-def _kill_engine(armed: Path) -> None:
-    """Point `armed` (armed with `KILL_ENGINE`), in a vLLM worker: SIGKILL its engine core, the worker's parent
-    (what a CUDA error or an out-of-memory kill does to an engine, at full speed, while its API server lives on);
-    record it and raise. Refuses (raises without killing) in a process whose parent is not an engine core."""
+def _kill_engine(armed: Path, extra: dict[str, object]) -> None:
+    """Point `armed` (armed with `KILL_ENGINE`, or `KILL_ENGINE_IF_HELD` with a request held), in a vLLM worker:
+    SIGKILL its engine core, the worker's parent (what a CUDA error or an out-of-memory kill does to an engine, at
+    full speed, while its API server lives on); record it (with `extra`) and raise. Refuses (raises without
+    killing) in a process whose parent is not an engine core."""
     parent = os.getppid()
     try:
         comm = Path(f"/proc/{parent}/comm").read_text().strip()
@@ -146,7 +152,7 @@ def _kill_engine(armed: Path) -> None:
         raise FailpointError(f"failpoint {armed.name} is armed {KILL_ENGINE!r}, but this process's parent ({parent}, "
                              f"{comm!r}) is not a vLLM engine core: only points inside a vLLM worker "
                              "(push.held.replica<i>, push.loading.replica<i>) can kill their engine")
-    _record_reached(armed, json.dumps({"pid": os.getpid(), "engine_core": parent, "time": time.time()}))
+    _record_reached(armed, json.dumps({"pid": os.getpid(), "engine_core": parent, "time": time.time(), **extra}))
     os.kill(parent, signal.SIGKILL)
     raise FailpointError(f"failure injected at failpoint {armed.name}: its engine core (process {parent}) was "
                          f"killed ({ENV}={armed.parent})")
