@@ -96,7 +96,7 @@ def hold(name: str, held: Held | None = None) -> None:
         _if_held(armed, mode, held)
         return
     if mode == KILL_ENGINE:
-        _kill_engine(armed, {})
+        _kill_engine(armed, mode, {})
     fail = mode == FAIL
     (Path(root) / f"{name}.reached").write_text(f"{os.getpid()}\n")
     if fail:
@@ -121,7 +121,7 @@ def _if_held(armed: Path, mode: str, held: Held | None) -> None:
             f.write(record + "\n")
         return
     if mode == KILL_ENGINE_IF_HELD:
-        _kill_engine(armed, {"pgid": os.getpgrp(), "held": seen})
+        _kill_engine(armed, mode, {"pgid": os.getpgrp(), "held": seen})
     _record_reached(armed, record)
     if mode == KILL_IF_HELD and os.getsid(0) == os.getpgrp():
         os.killpg(os.getpgrp(), signal.SIGKILL)
@@ -138,7 +138,7 @@ def _record_reached(armed: Path, record: str) -> None:
     armed.unlink(missing_ok=True)
 
 
-def _kill_engine(armed: Path, extra: dict[str, object]) -> None:
+def _kill_engine(armed: Path, mode: str, extra: dict[str, object]) -> None:
     """Point `armed` (armed with `KILL_ENGINE`, or `KILL_ENGINE_IF_HELD` with a request held), in a vLLM worker:
     SIGKILL its engine core, the worker's parent (what a CUDA error or an out-of-memory kill does to an engine, at
     full speed, while its API server lives on); record it (with `extra`) and raise. Refuses (raises without
@@ -149,7 +149,7 @@ def _kill_engine(armed: Path, extra: dict[str, object]) -> None:
     except OSError:
         comm = "?"
     if not comm.startswith(ENGINE_CORE_COMM):
-        raise FailpointError(f"failpoint {armed.name} is armed {KILL_ENGINE!r}, but this process's parent ({parent}, "
+        raise FailpointError(f"failpoint {armed.name} is armed {mode!r}, but this process's parent ({parent}, "
                              f"{comm!r}) is not a vLLM engine core: only points inside a vLLM worker "
                              "(push.held.replica<i>, push.loading.replica<i>) can kill their engine")
     _record_reached(armed, json.dumps({"pid": os.getpid(), "engine_core": parent, "time": time.time(), **extra}))

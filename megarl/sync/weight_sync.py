@@ -403,8 +403,8 @@ class PartitionedWeightSync:
         phases["send_s"] = max(g[2] for g in gathered)  # the slowest sender
         # rank 0 pauses the fleet at the start of `open` and resumes it at the end of `close`
         phases["fleet_paused_s"] = clock[5] - clock[1]
-        for key in ("receive_seconds", "load_seconds"):  # the workers' own figures: the slowest worker
-            phases[f"worker_{key.removesuffix('econds')}"] = max((r.get(key, 0.0) for r in reports), default=0.0)
+        for key, phase in (("receive_seconds", "worker_receive_s"), ("load_seconds", "worker_load_s")):
+            phases[phase] = max((r.get(key, 0.0) for r in reports), default=0.0)  # the workers' own: the slowest
         return SyncStats(
             version=version, seconds=time.perf_counter() - clock[0], replicas=list(self.live),
             lost=dict(self.lost), served=self.fleet.served() if self.fleet is not None else {},
