@@ -21,6 +21,9 @@ which a user's run does not get (the project's rule for failure tests). The poin
        (`megarl_held_requests`, the replica paused in keep mode, its update not open yet), SIGKILLs its own server's
        process group if it holds requests: the push goes on to replica 0, the lost requests' chunks go back to the
        queue.
+    E  (its own test and job, on the fleet with replica 1 restarted after K) `push.held.replica1` armed
+       `kill-engine-if-held`: asked what it holds, replica 1's worker SIGKILLs its engine core (what a CUDA error or an
+       out-of-memory kill does) if it holds requests; its API server answers 503 until it exits by itself.
 
 Checked from outside, per cell: the point fired in a process of replica 1's server group, with requests of named
 groups held, at a push of that cell's job (step 1 .. LAST_FAULT_STEP: seen from the job's metrics as it fired); the
@@ -31,7 +34,7 @@ counted, no group was trained twice, every started group is accounted for at eve
 own `vllm:request_success_total` counter, against its value when the point was armed), the calls were answered
 (replica 1's access log after the fault's `/pause?mode=keep`: the `/pause?mode=abort`, a 200 for at least every held
 request, no `/resume`), and replica 1 is paused afterwards: it computed no token with its half-loaded weights; K: no
-process of replica 1's group is left.
+process of replica 1's group is left; E: the process killed was not the server, and no process of its group is left.
 
 Marked `kills_session_fleet("moe_fleet_2x1")`: it runs after every other test of the session, and a later user of
 the fleet gets replica 1 restarted (tests/fleet_fixture.py)."""
