@@ -21,6 +21,7 @@ from megarl.bench.inflight_fleet import (
     covered_s,
     format_tables,
     length_accounting,
+    long_call_time,
     replica_time,
     summarize_modes,
     summarize_run,
@@ -161,6 +162,21 @@ def test_one_runs_steady_window_walls_drops_and_lengths_by_hand():
     assert run["lengths"]["trained"]["mean"] == pytest.approx(130 / 4)  # step 0's batch is outside the window
 
 
+def test_long_calls_timed_by_hand():
+    # pushes [2, 3) and [5, 7); the window [0, 20); long responses of 100 tokens
+    spans = [Span("push", "push", 2, 3), Span("push", "push", 5, 7), Span("replica 0", "generate", 0, 20)]
+    calls = [
+        {"start": 1.0, "end": 6.0, "long": True, "tokens": 100, "aborted": False},  # 5 s, paused 1 + 1: 3 s for 100
+        {"start": 8.0, "end": 9.0, "long": True, "tokens": 100, "aborted": False},  # no push: 10 ms a token
+        {"start": 1.0, "end": 4.0, "long": False, "tokens": 8, "aborted": False},  # short: left out
+        {"start": 1.0, "end": 4.0, "long": True, "tokens": 40, "aborted": True},  # aborted: left out
+        {"start": 15.0, "end": 21.0, "long": True, "tokens": 100, "aborted": False},  # ends after the window
+    ]
+    timed = long_call_time(calls, spans, 0.0, 20.0, 100)
+    assert [(c["wall_s"], c["paused_s"]) for c in timed] == [(5.0, 2.0), (1.0, 0.0)]
+    assert [c["decode_ms_per_token"] for c in timed] == pytest.approx([30.0, 10.0])
+
+
 def test_modes_pair_their_rounds():
     def run(mode, first, wall, dropped=(), aborted=()):
         stats = {"responses": 2, "mean": 5.0, "long": 0}
@@ -168,7 +184,8 @@ def test_modes_pair_their_rounds():
                 "idle_share": 0.5, "wait_share": 0.1, "push_share": 0.1, "dropped_groups": len(dropped),
                 "lengths": {"trained": stats, "sampled": stats}, "held_per_push": [], "pushes": [], "max_token_lag": 1,
                 "responses_spanning": 0, "steady_steps": [2, 12], "dropped": [list(d) for d in dropped],
-                "aborted": [list(a) for a in aborted]}
+                "aborted": [list(a) for a in aborted],
+                "long_calls": [{"wall_s": wall, "paused_s": 0.5, "decode_ms_per_token": 10.0}]}
 
     # (step, home, prompt, lag) per drop; (home, prompt, lag, lengths) per abort: of round 0's three drops, (3, 1)
     # is outside the steady steps and (5, 0) finished before it was dropped, so one steady drop was aborted
@@ -186,5 +203,8 @@ def test_modes_pair_their_rounds():
     tables = format_tables(FleetBenchSpec(doomed="both"), out)
     assert "inflight / queue, wall per batch: per round 0.50, 0.75 (median 0.62)" in tables
     assert "inflight_finish / queue, wall per batch: per round 0.75, 0.88 (median 0.81)" in tables
+    # long responses pooled over a mode's runs: inflight's walls 1.0 and 3.0
+    assert out["inflight"]["long_calls"] == {"n": 2, "wall_s": 2.0, "paused_s": 0.5, "decode_ms_per_token": 10.0}
+    assert "| inflight | 2 | 2.00 | 0.50 | 10.00 |" in tables
     assert FleetBenchSpec(doomed="both").modes == ("queue", "inflight", "inflight_finish")
     assert FleetBenchSpec().modes == ("queue", "inflight")

@@ -35,8 +35,9 @@ the end of the last step). Reported per mode: wall per batch (median and spread 
 mean), the replicas' idle share (a replica is idle when it has no request in flight or is paused for a push), the
 trainer's wait share (waiting for a batch or for the fleet before a push), pushes and the requests each held,
 and the length accounting: responses sampled (the home batches those steps would train without partial rollouts)
-against those trained, long responses among them, groups dropped past the bound and their lengths. Prints tables,
-writes `--out` (JSON).
+against those trained, long responses among them, groups dropped past the bound and their lengths; and per long
+response that ran to its end, its wall, the part of it the fleet was paused for pushes, and the rest per token
+(`long_call_time`: why a long response takes longer in flight). Prints tables, writes `--out` (JSON).
 """
 
 from __future__ import annotations
@@ -165,6 +166,24 @@ def length_accounting(sampled: Sequence[int], trained: Sequence[int], dropped: S
             "bias": t["mean"] / s["mean"] - 1.0 if s["mean"] and t["mean"] is not None else None}
 
 
+def long_call_time(calls: Sequence[dict[str, Any]], spans: Sequence[Span], start: float, end: float,
+                   long_tokens: int) -> list[dict[str, float]]:
+    """Per generate call of a long group that ran to its end (`long_tokens` tokens, not aborted) and ended inside
+    [start, end): its wall (`wall_s`, sent to answered), the part of it the fleet was paused for pushes
+    (`paused_s`: overlap with the push spans), and the rest per token (`decode_ms_per_token`: decoding, prefills and
+    the re-prefills after pushes, and any wait of the request for a slot). A call is one group here
+    (`chunk_prompts=1`)."""
+    pushes = [(p.start, p.end) for p in spans if p.kind == "push"]
+    out = []
+    for c in calls:
+        if not (c["long"] and not c["aborted"] and c["tokens"] == long_tokens and start <= c["end"] < end):
+            continue
+        wall = c["end"] - c["start"]
+        paused = covered_s(pushes, c["start"], c["end"])
+        out.append({"wall_s": wall, "paused_s": paused, "decode_ms_per_token": 1e3 * (wall - paused) / long_tokens})
+    return out
+
+
 def step_walls(t0: float, ends: Sequence[float]) -> list[float]:
     """Each step's wall: from the previous step's end (the run's start for step 0) to its own."""
     return [b - a for a, b in zip([t0, *ends[:-1]], ends, strict=True)]
@@ -179,9 +198,10 @@ def spread(values: Sequence[float]) -> dict[str, float]:
 
 def summarize_run(spec: FleetBenchSpec, mode: str, first: int, t0: float, ends: list[float], spans: list[Span],
                   replicas: int, trained: list[list[int]], dropped: list[tuple[int, int, int, int]],
-                  extra: dict[str, Any]) -> dict[str, Any]:
+                  extra: dict[str, Any], calls: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
     """One run's steady figures (steps `spec.skip`..): `trained[k]` the response lengths step k trained,
-    `dropped` (step, home batch, prompt, lag) per group dropped; batches are numbered from `first`."""
+    `dropped` (step, home batch, prompt, lag) per group dropped, `calls` the clients' generate calls
+    (`long_call_time`); batches are numbered from `first`."""
     k0 = spec.skip
     start, end = (ends[k0 - 1] if k0 else t0), ends[-1]
     walls = step_walls(t0, ends)[k0:]
@@ -198,6 +218,7 @@ def summarize_run(spec: FleetBenchSpec, mode: str, first: int, t0: float, ends: 
         "dropped": [list(d) for d in dropped],
         "lengths": length_accounting(sampled, [n for k in range(k0, spec.steps) for n in trained[k]], lost,
                                      spec.long_tokens),
+        "long_calls": long_call_time(calls, spans, start, end, spec.long_tokens),
         **extra,
     }
 
@@ -233,6 +254,7 @@ def summarize_modes(runs: list[dict[str, Any]]) -> dict[str, Any]:
             if any(r["held_per_push"] for r in rs) else 0.0,
             "max_token_lag": max(r["max_token_lag"] for r in rs),
             "responses_spanning_versions": sum(r["responses_spanning"] for r in rs),
+            "long_calls": _long_call_medians([c for r in rs for c in r.get("long_calls", [])]),
         }
     for mode in MODES[1:]:  # `ratio_*` (inflight / queue), `inflight_finish_ratio_*`
         pairs = [(q, i) for q in runs if q["mode"] == "queue" for i in runs
@@ -243,6 +265,14 @@ def summarize_modes(runs: list[dict[str, Any]]) -> dict[str, Any]:
             out[f"{key}_median"] = statistics.median(out[f"{key}_per_round"])
             out[f"{key}_of_medians"] = out[mode]["step_wall_s"]["median"] / out["queue"]["step_wall_s"]["median"]
     return out
+
+
+def _long_call_medians(calls: list[dict[str, float]]) -> dict[str, float] | None:
+    """The medians of `long_call_time`'s figures over a mode's runs (None: no long group ran to its end)."""
+    if not calls:
+        return None
+    return {"n": len(calls), **{key: statistics.median(c[key] for c in calls)
+                                for key in ("wall_s", "paused_s", "decode_ms_per_token")}}
 
 
 def _steady_aborted(run: dict[str, Any]) -> int:
@@ -277,6 +307,12 @@ def format_tables(spec: FleetBenchSpec, summary: dict[str, Any]) -> str:
             f"{m['trained_long']} / {m['trained_responses']} ({m['trained_mean_length']:.1f}) | "
             f"{m['sampled_long']} / {m['sampled_responses']} ({m['sampled_mean_length']:.1f}) | "
             f"{m['max_token_lag']} |")
+    timed = [(mode, summary[mode]["long_calls"]) for mode in MODES if summary.get(mode, {}).get("long_calls")]
+    if timed:
+        lines += ["", "| mode | long responses timed (ran to their end) | wall each, median s | of which the fleet "
+                  "paused for pushes, median s | the rest per token, median ms |", "|---|---:|---:|---:|---:|"]
+        lines += [f"| {mode} | {c['n']} | {c['wall_s']:.2f} | {c['paused_s']:.2f} | {c['decode_ms_per_token']:.2f} |"
+                  for mode, c in timed]
     for mode in MODES[1:]:
         key = "ratio" if mode == "inflight" else f"{mode}_ratio"
         if f"{key}_per_round" in summary:
@@ -291,15 +327,23 @@ class _CountingClient(LongTailClient):
     """`LongTailClient` that counts the groups (prompts) it is asked to generate, into `sent` (shared, [count]): the
     bench's own count of the groups started, against which the worker's trained + dropped + pooled is checked."""
 
-    def __init__(self, url: str, long_tokens: int, short_tokens: int, sent: list[int], lock: Any) -> None:
+    def __init__(self, url: str, long_tokens: int, short_tokens: int, sent: list[int], lock: Any,
+                 calls: list[dict[str, Any]], clock: Any) -> None:
         super().__init__(url, long_tokens, short_tokens)
-        self.sent, self.lock = sent, lock
+        self.sent, self.lock, self.calls, self.clock = sent, lock, calls, clock
 
     def generate(self, prompt_token_ids: list[list[int]], n: int, max_tokens: int | list[int],
                  **kwargs: Any) -> list[list[Any]]:
         with self.lock:
             self.sent[0] += len(prompt_token_ids)
-        return super().generate(prompt_token_ids, n, max_tokens, **kwargs)
+        start = self.clock()
+        out = super().generate(prompt_token_ids, n, max_tokens, **kwargs)
+        samples = [s for group in out for s in group]
+        with self.lock:  # (timed on the timeline's clock, for `long_call_time`)
+            self.calls.append({"start": start, "end": self.clock(), "long": any(p[0] == LONG for p in prompt_token_ids),
+                               "tokens": max(len(s.response_ids) for s in samples),
+                               "aborted": any(s.finish_reason == "abort" for s in samples)})
+        return out
 
 
 class _Pusher:
@@ -374,10 +418,11 @@ def run_mode(spec: FleetBenchSpec, mode: str, first: int, urls: list[str], pushe
     pusher.push(0, inflight)  # as sync.push_initial: the engine's labels are this run's versions
     timeline = Timeline()
     scorer = BatchScorer(RewardPool("megarl.rewards.exact_match:exact_match", workers=1, timeout_s=60), lambda ids: "")
-    sent, lock = [0], threading.Lock()
+    sent, lock, calls = [0], threading.Lock(), []
     t0 = timeline.now()
     worker = RolloutWorker(
-        [_CountingClient(u, spec.long_tokens, spec.short_tokens, sent, lock) for u in urls], schedule,
+        [_CountingClient(u, spec.long_tokens, spec.short_tokens, sent, lock, calls, timeline.now) for u in urls],
+        schedule,
         problems=problems, encode=encode, sampling={"n": spec.samples, "max_tokens": spec.long_tokens},
         seed=lambda j: 1000 * (first + j), score=scorer, timeline=timeline, end=end, chunk_prompts=1,
         chunks_in_flight=chunks_in_flight(spec.prompts, len(urls), 1),
@@ -440,7 +485,7 @@ def run_mode(spec: FleetBenchSpec, mode: str, first: int, urls: list[str], pushe
                          {"held_per_push": [p["held"] for p in pushes], "pushes": pushes, "max_token_lag": max_lag,
                           # of `dropped_total`: aborted while generating, and each response's length then
                           "aborted_groups": len(worker.aborted), "aborted": [list(a) for a in worker.aborted],
-                          "responses_spanning": spanning, "bound": bound, "groups": accounted})
+                          "responses_spanning": spanning, "bound": bound, "groups": accounted}, calls)
 
 
 def measure(spec: FleetBenchSpec, urls: list[str], hf_dir: Path, rounds: int) -> list[dict[str, Any]]:
