@@ -181,7 +181,6 @@ class _Cells(threading.Thread):
         self._until(lambda: not process_group_members(server), "replica 1's process group gone", every_s=0.2)
         cell["gone_s"] = time.time() - cell["record"]["time"]
 
-
     def _cell_e(self) -> None:
         self._until(lambda: _records(self.mixed), "the job's first step", every_s=0.2)
         cell = self.cells["E"] = self._fired(HELD, failpoints.KILL_ENGINE_IF_HELD, self.mixed, None)
