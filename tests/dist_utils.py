@@ -15,6 +15,7 @@ from typing import Any
 
 from megarl.parallel.spawn import free_port, run_ranks
 from megarl.rollout.fleet_auth import SECRET_ENV
+from megarl.sync.failpoints import ENGINE_CORE_COMM
 
 __all__ = ["free_port", "run_distributed"]
 
@@ -61,7 +62,7 @@ def engine_core(pgid: int) -> int | None:
         except OSError:
             continue
         comm, fields = text.split("(", 1)[1].rsplit(")", 1)[0], text.rsplit(")", 1)[1].split()
-        if int(fields[2]) == pgid and comm.startswith("VLLM::EngineCor") and fields[0] != "Z":
+        if int(fields[2]) == pgid and comm.startswith(ENGINE_CORE_COMM) and fields[0] != "Z":
             return int(stat.parent.name)
     return None
 

@@ -174,20 +174,20 @@ class _Cells(threading.Thread):
             f.seek(cell["log_at"])
             cell["log"] = f.read().decode(errors="replace")
 
-    def _cell_k(self) -> None:
-        self._until(lambda: _records(self.killed), "the second job's first step", every_s=0.2)
-        cell = self.cells["K"] = self._fired(HELD, failpoints.KILL_IF_HELD, self.killed, None)
-        server = cell["server"]  # replica 1's server leads its process group
+    def _cell_k(self) -> None:  # replica 1's server leads its process group: the kill takes all of it
+        self._killed_cell("K", failpoints.KILL_IF_HELD, self.killed, "the second job's first step")
+
+    def _cell_e(self) -> None:  # its API server exits by itself once its engine is dead
+        self._killed_cell("E", failpoints.KILL_ENGINE_IF_HELD, self.mixed, "the job's first step")
+
+    def _killed_cell(self, name: str, mode: str, run_dir: Path, first_step: str) -> None:
+        """Cells K and E: `push.held.replica1` armed `mode` once the job writing `run_dir` has a step, then wait
+        until replica 1's whole process group is gone."""
+        self._until(lambda: _records(run_dir), first_step, every_s=0.2)
+        cell = self.cells[name] = self._fired(HELD, mode, run_dir, None)
+        server = cell["server"]
         self._until(lambda: not process_group_members(server), "replica 1's process group gone", every_s=0.2)
         cell["gone_s"] = time.time() - cell["record"]["time"]
-
-    def _cell_e(self) -> None:
-        self._until(lambda: _records(self.mixed), "the job's first step", every_s=0.2)
-        cell = self.cells["E"] = self._fired(HELD, failpoints.KILL_ENGINE_IF_HELD, self.mixed, None)
-        server = cell["server"]  # its API server exits by itself once its engine is dead
-        self._until(lambda: not process_group_members(server), "replica 1's process group gone", every_s=0.2)
-        cell["gone_s"] = time.time() - cell["record"]["time"]
-
 
 def _accounting(records: list[dict[str, Any]], held: set[tuple[int, int]]) -> dict[str, Any]:
     """The groups of a partial-rollout run from its metrics: every step whole, no group trained twice, every started
