@@ -238,3 +238,34 @@ def test_a_point_armed_to_kill_engine_kills_the_workers_engine_core_or_refuses(t
     else:  # the parent is no engine core: nothing killed, the point still armed
         assert engine.returncode == 0 and "is not a vLLM engine core" in out, out
         assert (tmp_path / point).exists() and not (tmp_path / f"{point}.reached").exists()
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(")")[-1].split()[0]
+
+
+def test_a_point_armed_to_stop_engine_if_held_stops_the_engine_core_and_goes_on(tmp_path: Path) -> None:
+    """`stop-engine-if-held`: the stand-in engine core is stopped (hung, never continued) by its worker at the first
+    pass with a token held; the worker is not stopped and raises nothing (it answers as if nothing happened)."""
+    point = "push.held.replica1"
+    (tmp_path / point).write_text(failpoints.STOP_ENGINE_IF_HELD)
+    env = {**os.environ, failpoints.ENV: str(tmp_path), "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    worker_code = _WORKER.replace("push.loading.replica1", point) + "print('worker went on', flush=True)\n"
+    engine = subprocess.Popen([sys.executable, "-c", _ENGINE, "VLLM::EngineCore", worker_code], env=env,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        worker = int(engine.stdout.readline())
+        assert engine.stdout.readline().strip() == "worker went on"  # its parent stopped: it printed, then ended
+        deadline = time.monotonic() + 10
+        while _state(engine.pid) != "T":
+            assert time.monotonic() < deadline, f"the engine core is {_state(engine.pid)!r}, not stopped"
+            time.sleep(0.05)
+        record = json.loads((tmp_path / f"{point}.reached").read_text())
+        assert record["pid"] == worker and record["engine_core"] == engine.pid, record
+        assert record["held"] == {"megarl-b4-p2-00000000-0-aa": 3}, record
+        assert len((tmp_path / f"{point}.passed").read_text().splitlines()) == 1  # the first pass held nothing
+        assert not (tmp_path / point).exists()
+    finally:
+        engine.kill()  # ends a stopped process too
+        engine.wait(30)

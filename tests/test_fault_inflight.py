@@ -24,6 +24,14 @@ which a user's run does not get (the project's rule for failure tests). The poin
     E  (its own test and job, on the fleet with replica 1 restarted after K) `push.held.replica1` armed
        `kill-engine-if-held`: asked what it holds, replica 1's worker SIGKILLs its engine core (what a CUDA error or an
        out-of-memory kill does) if it holds requests; its API server answers 503 until it exits by itself.
+    W  (its own test and job, after E) `push.held.replica1` armed `stop-engine-if-held`: asked what it holds,
+       replica 1's worker SIGSTOPs its engine core (an engine that hangs: a wedged kernel or collective), never
+       continued, and answers; the answer never reaches the API server, which lives on. The push's call waits its
+       bound and gives up: replica 1 is failed for the push and condemned, but this fleet is one the caller keeps,
+       so no launcher acts on that and nobody kills the replica. The push goes on to replica 0; the rollout worker
+       drops replica 1 and gives back the chunks it held at once; its `/health` must then fail
+       (`megarl.rollout.engine_probe`: the window of the push's call ends when its caller leaves), so that nothing
+       else waits on it.
 
 Checked from outside, per cell: the point fired in a process of replica 1's server group, with requests of named
 groups held, at a push of that cell's job (step 1 .. LAST_FAULT_STEP: seen from the job's metrics as it fired); the
@@ -34,7 +42,8 @@ counted, no group was trained twice, every started group is accounted for at eve
 own `vllm:request_success_total` counter, against its value when the point was armed), the calls were answered
 (replica 1's access log after the fault's `/pause?mode=keep`: the `/pause?mode=abort`, a 200 for at least every held
 request, no `/resume`), and replica 1 is paused afterwards: it computed no token with its half-loaded weights; K: no
-process of replica 1's group is left; E: the process killed was not the server, and no process of its group is left.
+process of replica 1's group is left; E: the process killed was not the server, and no process of its group is left;
+W: as its test says.
 
 Marked `kills_session_fleet("moe_fleet_2x1")`: it runs after every other test of the session, and a later user of
 the fleet gets replica 1 restarted (tests/fleet_fixture.py)."""
@@ -43,6 +52,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import threading
 import time
 import traceback
@@ -75,6 +85,7 @@ JOB = ["algorithm.name=gspo", "algorithm.decoupled.enabled=true", "sync.inflight
 LAST_FAULT_STEP = STEPS - 3  # a fault's push leaves at least 2 more steps to train the groups it gave back
 LOADING, HELD = "push.loading.replica1", "push.held.replica1"  # the failpoints of cells M and K
 PUSH_S = 30.0  # the push at a fault waits for nothing: well within this on a loaded 2-core machine
+WEDGED_BOUND_S = 15  # cell W's sync.timeout_fixed_s: the push's bound on each of its calls to a replica
 
 
 def _records(run_dir: Path) -> list[dict[str, Any]]:
@@ -100,6 +111,14 @@ def _aborted(url: str) -> float:
                if line.startswith("vllm:request_success_total{") and 'finished_reason="abort"' in line)
 
 
+def _health(url: str) -> int | None:
+    """The status of replica `url`'s /health, None if it does not answer."""
+    try:
+        return requests.get(f"{url}/health", timeout=5).status_code
+    except requests.RequestException:
+        return None
+
+
 def _record(path: Path) -> dict[str, Any] | None:
     """A failpoint's `.reached` record (`megarl.sync.failpoints`: written whole before it appears), None before."""
     try:
@@ -112,10 +131,10 @@ class _Cells(threading.Thread):
     """Arms cell M in the first job and cell K in the second (see the module docstring), or cell E in the one job
     writing `mixed` (`engine`), and watches them fire."""
 
-    def __init__(self, points: Path, fleet: Any, mixed: Path, killed: Path, engine: bool = False) -> None:
+    def __init__(self, points: Path, fleet: Any, mixed: Path, killed: Path, plan: str = "MK") -> None:
         super().__init__(daemon=True)
         self.points, self.fleet, self.mixed, self.killed = points, fleet, mixed, killed
-        self.plan = [self._cell_e] if engine else [self._cell_m, self._cell_k]
+        self.plan = [getattr(self, f"_cell_{name.lower()}") for name in plan]
         self.cells: dict[str, dict[str, Any]] = {}
         self.error: str | None = None
         self.deadline = time.monotonic() + 900
@@ -180,6 +199,12 @@ class _Cells(threading.Thread):
     def _cell_e(self) -> None:  # its API server exits by itself once its engine is dead
         self._killed_cell("E", failpoints.KILL_ENGINE_IF_HELD, self.mixed, "the job's first step")
 
+    def _cell_w(self) -> None:  # nothing kills it: a fleet the caller keeps has no launcher to act on a condemnation
+        self._until(lambda: _records(self.mixed), "the job's first step", every_s=0.2)
+        cell = self.cells["W"] = self._fired(HELD, failpoints.STOP_ENGINE_IF_HELD, self.mixed, None)
+        self._until(lambda: _health(self.fleet.urls[1]) == 503, "replica 1's /health 503", every_s=0.2)
+        cell["unhealthy_s"] = time.time() - cell["record"]["time"]
+
     def _killed_cell(self, name: str, mode: str, run_dir: Path, first_step: str) -> None:
         """Cells K and E: `push.held.replica1` armed `mode` once the job writing `run_dir` has a step, then wait
         until replica 1's whole process group is gone."""
@@ -209,8 +234,9 @@ def _accounting(records: list[dict[str, Any]], held: set[tuple[int, int]]) -> di
     return {g: at.get(g, "dropped") for g in sorted(held)}
 
 
-def _check_cell(name: str, cell: dict[str, Any], records: list[dict[str, Any]]) -> str:
-    """The checks every cell shares (see the module docstring) on its job's metrics; a line for the report."""
+def _check_cell(name: str, cell: dict[str, Any], records: list[dict[str, Any]], waited_s: float = 0.0) -> str:
+    """The checks every cell shares (see the module docstring) on its job's metrics; a line for the report.
+    `waited_s`: the bound the push at the fault waited on replica 1 (a hung one), none for the others."""
     step = cell["step"]
     # the point fired in replica 1's own server group, at a push of this job that left room to train what it
     # gave back, with requests of named groups held, one at least with an output token
@@ -224,7 +250,7 @@ def _check_cell(name: str, cell: dict[str, Any], records: list[dict[str, Any]]) 
     assert all(set(r["sync/served_versions"]) == {"0", "1"} for r in records[:step]), (name, records[:step])
     hit = records[step]
     assert hit["sync/versions"] == [step] and hit["sync/served_versions"] == {"0": str(step)}, (name, hit)
-    assert hit["sync/seconds"] < PUSH_S, (name, hit["sync/seconds"])
+    assert waited_s - 1.0 <= hit["sync/seconds"] < waited_s + PUSH_S, (name, hit["sync/seconds"])
     assert all(r["fleet/replicas_in_sync"] == 1 for r in records[step:]), name
     assert all(r["fleet/replicas"] == 1 for r in records[step + 1:]), name
     # nothing lost, nothing trained twice; the held groups generated again and trained
@@ -298,7 +324,7 @@ def test_an_engine_dying_while_its_replica_holds_requests_loses_no_group(moe_fle
     worker killed is gone, and so is replica 1's whole process group."""
     run_dir = tmp_path / "engine"
     cfg = prepare(None, _overrides(tiny_moe_dir, run_dir, M, N, STEPS, *JOB))
-    cells = _Cells(session_failpoints, moe_fleet_2x1, run_dir, run_dir, engine=True)
+    cells = _Cells(session_failpoints, moe_fleet_2x1, run_dir, run_dir, "E")
     cells.start()
     try:
         train_jobs_in_one_set_of_ranks([cfg], 2, moe_fleet_2x1.urls, tmp_path)
@@ -310,3 +336,46 @@ def test_an_engine_dying_while_its_replica_holds_requests_loses_no_group(moe_fle
     line = _check_cell("E", e, _records(run_dir))
     assert e["record"]["engine_core"] != e["server"] and not process_group_members(e["server"]), e["record"]
     print(f"{line}; replica 1's group gone {e['gone_s']:.1f} s after its engine core was killed")
+
+
+@pytest.mark.slow
+@pytest.mark.kills_session_fleet("moe_fleet_2x1")
+@pytest.mark.timeout(900)
+def test_an_engine_hanging_while_its_replica_holds_requests_loses_no_group(moe_fleet_2x1, tiny_moe_dir,
+                                                                           session_failpoints, tmp_path):
+    """Cell W (a wedged engine; see the module docstring): the checks every cell shares (the push at the fault
+    waited its bound, `sync.timeout_fixed_s` = WEDGED_BOUND_S, and no more), and: replica 1's /health answered 503,
+    its engine core was still stopped when the job ended (nothing continued it), and the held groups were requeued
+    by the step whose push dropped the replica (`RolloutWorker.drop` gives back the chunks of a replica the sync
+    dropped, whose calls still wait on the hung engine), not once its /health had failed for the bound."""
+    run_dir = tmp_path / "hung"
+    cfg = prepare(None, _overrides(tiny_moe_dir, run_dir, M, N, STEPS, *JOB, f"sync.timeout_fixed_s={WEDGED_BOUND_S}"))
+    cells = _Cells(session_failpoints, moe_fleet_2x1, run_dir, run_dir, "W")
+    cells.start()
+    server = moe_fleet_2x1.procs[1].pid
+    try:
+        train_jobs_in_one_set_of_ranks([cfg], 2, moe_fleet_2x1.urls, tmp_path)
+    finally:
+        cells.deadline = 0
+        cells.join(10)
+        record = cells.cells.get("W", {}).get("record") or {}
+        stopped = _state(record["engine_core"]) if "engine_core" in record else None
+        if process_group_members(server):  # the test's own clean-up, after the job: the fixture restarts it
+            os.killpg(server, signal.SIGKILL)
+    assert cells.error is None and set(cells.cells) == {"W"}, (cells.error, cells.cells.keys())
+    w = cells.cells["W"]
+    records = _records(run_dir)
+    line = _check_cell("W", w, records, waited_s=WEDGED_BOUND_S)
+    assert stopped == "T", (stopped, w["record"])
+    # the held groups went back to the queue when the push dropped the replica (`RolloutWorker.drop`), not once its
+    # /health had failed for the bound (tens of seconds later): the step the push preceded counts them
+    assert records[w["step"]]["fleet/requeued_groups"] >= len(w["groups"]), (records[w["step"]], w["groups"])
+    print(f"{line}; replica 1's /health 503 {w['unhealthy_s']:.1f} s after its engine core was stopped")
+
+
+def _state(pid: int) -> str | None:
+    """Process `pid`'s state letter (T: stopped), None if it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return None

@@ -25,7 +25,7 @@ import pytest
 import requests
 
 from megarl.parallel.spawn import free_port
-from megarl.rollout.client import RolloutClient, RolloutServerLost, Sample
+from megarl.rollout.client import RolloutClient, RolloutServerHung, RolloutServerLost, Sample
 from megarl.rollout.fleet import FleetHandle, FleetSpec
 from megarl.rollout.fleet_auth import new_fleet_secret
 from megarl.rollout.liveness import Liveness
@@ -35,6 +35,15 @@ from tests.dist_utils import engine_core, process_group_members
 from tests.fleet_fixture import ENGINE_BOUND_S
 
 SLACK_S = 15.0  # a loaded 2-core machine: thread start-up, probe intervals
+GIVE_UP_S = 12.0  # the bound of a push's call to a hung engine (a run's is sync.timeout_fixed_s + bytes / min_gbps)
+
+
+def _failure(call: Callable[[], object], into: list[Exception]) -> None:
+    """Run `call`, appending what it raised to `into`."""
+    try:
+        call()
+    except Exception as err:  # noqa: BLE001 - the test looks at it
+        into.append(err)
 
 
 class _Replica(ThreadingHTTPServer):
@@ -257,8 +266,11 @@ def test_a_hung_engine_core_fails_health_but_not_inside_an_engine_rpc(moe_fleet_
     engine core, and `Liveness` judges it dead. A push's `/pause` in flight changes nothing: 503 still (a pause
     lets a live engine core step and answer the probe; a hung one that a push begins to pause is judged, not
     excused). Then an engine RPC that occupies the engine core is called (`/collective_rpc`, as a push's report):
-    while it is in flight /health answers 200 although the silence is past the bound. Continued (SIGCONT): the RPC
-    and the pause complete, and after `/resume` the generation; /health answers 200 after the push."""
+    while it is in flight /health answers 200 although the silence is past the bound. Its caller gives up at its
+    bound (`RolloutServerHung`, as a push's call does) and closes the connection: /health answers 503 again the
+    engine bound later, although vLLM's handler still waits (without that, a replica no launcher kills would pass
+    /health for ever). Continued (SIGCONT): the pause completes, and after `/resume` the generation; /health answers
+    200 after the push."""
     url = moe_fleet_2x1.urls[1]
     client = RolloutClient(url)
     engine = engine_core(moe_fleet_2x1.procs[1].pid)
@@ -292,7 +304,10 @@ def test_a_hung_engine_core_fails_health_but_not_inside_an_engine_rpc(moe_fleet_
         for _ in range(10):
             assert health().status_code == 503, "a pause excused the hung engine core"
             time.sleep(0.2)
-        reporting = call(lambda: client.collective_rpc("megarl_sync_report", timeout_s=120))  # occupies the engine
+        # an engine RPC that occupies the engine core, as a push's report, whose caller gives up at its bound
+        gave_up: list[Exception] = []
+        reporting = call(lambda: _failure(lambda: client.collective_rpc("megarl_sync_report", timeout_s=GIVE_UP_S),
+                                          gave_up))
         pushed = time.monotonic()
         while health().status_code != 200:
             assert time.monotonic() - pushed < SLACK_S, "/health stayed 503 while an engine RPC was in flight"
@@ -301,11 +316,18 @@ def test_a_hung_engine_core_fails_health_but_not_inside_an_engine_rpc(moe_fleet_
             assert health().status_code == 200, "the engine RPC's window was counted"
             time.sleep(0.2)
         assert pausing.is_alive() and reporting.is_alive()  # both in flight all along
+        reporting.join(GIVE_UP_S + SLACK_S)
+        assert not reporting.is_alive() and isinstance(gave_up[0], RolloutServerHung), gave_up
+        left = time.monotonic()  # the caller left: the window ends, although vLLM's handler still waits
+        while (reply := health()).status_code == 200:
+            assert time.monotonic() - left < ENGINE_BOUND_S + SLACK_S, "an RPC its caller left excused the hang"
+            time.sleep(0.2)
+        failed_again = time.monotonic() - left
+        assert "the engine core has not answered for" in reply.text, reply.text
 
         os.kill(engine, signal.SIGCONT)
         pausing.join(30)
-        reporting.join(30)
-        assert not pausing.is_alive() and not reporting.is_alive()
+        assert not pausing.is_alive()
         client.resume(timeout_s=30)  # the push ends; the generation, queued by the pause, runs
         generating.join(30)
         assert len(samples) == 1 and len(samples[0][0].response_ids) == 16
@@ -314,5 +336,7 @@ def test_a_hung_engine_core_fails_health_but_not_inside_an_engine_rpc(moe_fleet_
         os.kill(engine, signal.SIGCONT)
         if client.is_paused():
             client.resume(timeout_s=30)
-    print(f"a hung engine core failed /health after {failed:.1f} s (bound {ENGINE_BOUND_S} s)")
+    print(f"a hung engine core failed /health after {failed:.1f} s (bound {ENGINE_BOUND_S} s), and again "
+          f"{failed_again:.1f} s after an engine RPC's caller gave up")
     assert failed >= ENGINE_BOUND_S - 0.5  # not before the bound (a probe sent just before the stop counts from then)
+    assert failed_again >= ENGINE_BOUND_S - 0.5  # the clock restarts when the caller leaves

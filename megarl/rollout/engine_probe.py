@@ -19,6 +19,10 @@ The engine-RPC window is not counted: while a request to one of `PUSH_ROUTES` is
 engine core is legitimately inside a long RPC (a weight push's collective RPCs: opening the transfer group, receiving
 and loading, the report), so a probe's clock restarts when the last of them ends. A push has its own bounds there
 (the trainer's timeouts, the workers' heartbeat, `megarl.sync.heartbeat`), which condemn a replica that hangs in it.
+A request's window also ends when its caller leaves (the trainer gave up on the call at the push's bound and closed
+its connection): vLLM's handler goes on waiting for an engine core that hangs, and without this its replica would
+pass `/health` for ever where no launcher acts on the trainer's condemnation (a fleet the caller keeps), its held
+and later requests waiting for their clients' read timeout.
 `/pause`, `/resume` and `/reset_prefix_cache` are not in that window: a pause (megarl's, mode "wait") lets the engine
 core go on stepping until the running requests are done, answering utility RPCs between steps, so an engine core
 that hangs while a push pauses it is judged by this bound, not by the push's (seen under SLURM: a hung engine core
@@ -32,6 +36,7 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import MutableMapping
 from typing import Any
 
 from megarl.rollout.engine_death import ASGIApp, Receive, Scope, Send, answer_503, engine_errored
@@ -48,6 +53,16 @@ PUSH_ROUTES = frozenset({
 })
 
 logger = logging.getLogger(__name__)
+
+
+async def _caller_left(receive: Receive, body_read: asyncio.Event) -> None:
+    """Return once the caller of a request has left (the server's `http.disconnect`), watching only after the app
+    has read the whole body (so that no body message is taken from it). A caller that gives up on a push's call (the
+    push's own bound) closes its connection: the request's push window ends there, although its handler may wait on
+    a hung engine core forever."""
+    await body_read.wait()
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 def bound_s() -> float:
@@ -84,13 +99,36 @@ class EngineProbeMiddleware:
         if path not in PUSH_ROUTES:
             await self.app(scope, receive, send)
             return
+        await self._in_push_window(scope, receive, send)
+
+    async def _in_push_window(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Run a request to a push route with the probe's clock stopped until it is answered or its caller left."""
         self._pushes += 1
+        ended = False
+
+        def end_window() -> None:  # once per request: when its caller left, or when it was answered
+            nonlocal ended
+            if not ended:
+                ended = True
+                self._pushes -= 1
+                if self._asked is not None:  # the probe in flight waited on the push: its clock starts now
+                    self._asked = time.monotonic()
+
+        body_read = asyncio.Event()
+
+        async def app_receive() -> MutableMapping[str, Any]:
+            message = await receive()
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                body_read.set()
+            return message
+
+        watcher = asyncio.ensure_future(_caller_left(receive, body_read))
+        watcher.add_done_callback(lambda w: w.cancelled() or w.exception() or end_window())
         try:
-            await self.app(scope, receive, send)
+            await self.app(scope, app_receive, send)
         finally:
-            self._pushes -= 1
-            if self._asked is not None:  # the probe in flight waited on the push: its clock starts now
-                self._asked = time.monotonic()
+            watcher.cancel()
+            end_window()
 
     def silent_for(self) -> float:
         """Seconds the engine core has left the probe in flight unanswered, outside the push window (0 inside it)."""

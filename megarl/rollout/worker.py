@@ -181,7 +181,8 @@ class RolloutWorker:
         self.chunks_taken = [0] * len(clients)  # per replica: chunks it generated (the bench reports them)
         self._static = static_split
         self._lost: dict[int, str] = {}  # replicas that stopped answering -> why
-        self._generating: set[Chunk] = set()  # chunks a replica's loop took and has not yet stored or given back
+        # chunks a replica's loop took and has not yet stored or given back -> (replica, the loop's incarnation)
+        self._generating: dict[Chunk, tuple[int, int]] = {}
         self._min_replicas = min_replicas
         self._chunks_in_flight = chunks_in_flight
         self._incarnation = [0] * len(clients)  # per replica: bumped by `admit`, so the old loops of a slot end
@@ -373,10 +374,30 @@ class RolloutWorker:
             return dict(self._lost)
 
     def drop(self, replica: int, why: str) -> None:
-        """Replica `replica` is gone (the weight sync found it dead): it takes no more chunks."""
+        """Replica `replica` is gone (the weight sync found it dead or gave it up): it takes no more chunks, and the
+        chunks its loops are generating go back to the queue now (with partial rollouts a push leaves requests held
+        in it; a replica that hangs would keep their calls waiting until its `/health` fails for
+        rollout.health_timeout_s). Their calls' answers, if any come, are ignored."""
         with self._cv:
             self._lost.setdefault(replica, why)
+            taken = [chunk for chunk, (rep, _) in self._generating.items() if rep == replica]
+            for chunk in taken:
+                self._give_back(chunk)
             self._cv.notify_all()
+        if taken:
+            logger.warning("rollout replica %d dropped by the weight sync while generating %d chunk(s): they go back "
+                           "to the queue (%s)", replica, len(taken), why.splitlines()[0])
+
+    def _give_back(self, chunk: Chunk) -> None:
+        """(Condition held.) A chunk a lost replica was generating goes back to the front of the queue, counted in
+        `requeued`; its loop no longer holds it."""
+        del self._generating[chunk]
+        self._forget_requests(chunk)
+        if chunk.batch in self._queue.open:  # (another loop cannot have completed it: nobody else held it)
+            self._queue.give_back(chunk)
+            self.requeued += len(chunk.prompts)
+            if self._partial is not None:
+                self._admitted -= len(chunk.prompts)
 
     def admit(self, replica: int, client: RolloutClient) -> None:
         """A restarted replica, which the last push gave the current weights, takes chunks again from now on
@@ -537,7 +558,7 @@ class RolloutWorker:
                         self._cv.wait()
                     if chunk is None:  # closing, or this replica is lost
                         return
-                    self._generating.add(chunk)
+                    self._generating[chunk] = (replica, incarnation)
                     prompts = [self._queue.open[chunk.batch].prompts[i] for i in chunk.prompts]
                     problems = [self._queue.open[chunk.batch].problems[i] for i in chunk.prompts]
                     base = self._seed(chunk.batch)
@@ -552,7 +573,7 @@ class RolloutWorker:
                         out = client.generate(prompts, **self._sampling, seed=[base + i for i in chunk.prompts],
                                               request_ids=rids, **salt)
                     except RolloutServerLost as err:
-                        self._lose(replica, chunk, err, client)
+                        self._lose(replica, chunk, err, client, (replica, incarnation))
                         continue
                     except Exception as err:
                         raise RolloutWorkerError(
@@ -569,11 +590,14 @@ class RolloutWorker:
                     if given_up:
                         self._lose(replica, chunk, RolloutServerLost(
                             f"{len(given_up)} of the chunk's groups came back aborted (finish_reason 'abort'): the "
-                            "replica dropped its requests (a push that failed part-way on it)"), client)
+                            "replica dropped its requests (a push that failed part-way on it)"), client,
+                                   (replica, incarnation))
                         continue
                 with self._cv:
+                    if self._generating.get(chunk) != (replica, incarnation):  # given back by `drop`: too late
+                        continue
                     self.chunks_taken[replica] += 1
-                    self._generating.discard(chunk)
+                    del self._generating[chunk]
                     self._forget_requests(chunk)
                     batch = self._queue.done(chunk, out)
                     if self._partial is not None:  # every chunk's groups are scored and pooled as they come in
@@ -591,19 +615,16 @@ class RolloutWorker:
         except BaseException as err:  # noqa: BLE001 - handed to the controller
             self._fail(err)
 
-    def _lose(self, replica: int, chunk: Chunk, err: RolloutServerLost, client: RolloutClient) -> None:
-        """Replica `replica` stopped answering while generating `chunk`: the chunk goes back to the front of the
-        queue for the others, the replica takes no more, and one line says so. The others' loops of this replica
-        end the same way (their chunks go back too). With no replica left, the run stops with the cause."""
+    def _lose(self, replica: int, chunk: Chunk, err: RolloutServerLost, client: RolloutClient,
+              owner: tuple[int, int]) -> None:
+        """Replica `replica` stopped answering while generating `chunk` (the loop `owner`, replica and incarnation,
+        took it): the chunk goes back to the front of the queue for the others, the replica takes no more, and one
+        line says so. The others' loops of this replica end the same way (their chunks go back too). With no replica
+        left, the run stops with the cause."""
         url, cause = client.url, f"{type(err).__name__}: {err}"
         with self._cv:
-            self._generating.discard(chunk)
-            self._forget_requests(chunk)
-            if chunk.batch in self._queue.open:  # (another loop cannot have completed it: nobody else held it)
-                self._queue.give_back(chunk)
-                self.requeued += len(chunk.prompts)
-                if self._partial is not None:
-                    self._admitted -= len(chunk.prompts)
+            if self._generating.get(chunk) == owner:  # else `drop` gave it back already
+                self._give_back(chunk)
             first = replica not in self._lost and client is self.clients[replica]  # not an older incarnation's loop
             if client is self.clients[replica]:
                 self._lost.setdefault(replica, cause)

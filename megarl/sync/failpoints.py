@@ -31,7 +31,9 @@ mid-push, while its API server lives on. It writes `<name>.reached` (`pid`, `eng
 point first, then raises `FailpointError` in the worker; a process whose parent is not an engine core refuses
 (raises without killing). tests/test_slurm_failover.py arms it. `kill-engine-if-held` (`KILL_ENGINE_IF_HELD`) does
 the same at the first pass with a request's output token held, as the other `-if-held` modes (its record adds
-`pgid` and `held`; tests/test_fault_inflight.py's cell E).
+`pgid` and `held`; tests/test_fault_inflight.py's cell E). `stop-engine-if-held` (`STOP_ENGINE_IF_HELD`) SIGSTOPs
+the engine core there instead, never continued: an engine that hangs (a wedged kernel or collective) while its
+worker and API server live on; the worker returns as if nothing happened, its answer never forwarded (cell W).
 
 The points:
     push.held.replica<i>     each vLLM worker of replica i (`megarl.sync.vllm_receiver`, `megarl_held_requests`): a
@@ -72,6 +74,7 @@ FAIL_IF_HELD = "fail-if-held"  # raises, once, at the first pass that finds a re
 KILL_IF_HELD = "kill-if-held"  # SIGKILLs its own process group, once, at the first such pass
 KILL_ENGINE = "kill-engine"  # a vLLM worker SIGKILLs its engine core (its parent process), once, at the first pass
 KILL_ENGINE_IF_HELD = "kill-engine-if-held"  # the same, at the first pass with a request's output token held
+STOP_ENGINE_IF_HELD = "stop-engine-if-held"  # SIGSTOPs the engine core instead (hung, never continued) and goes on
 ENGINE_CORE_COMM = "VLLM::EngineCor"  # the engine core's process name as /proc shows it (cut to 15 characters)
 Held = Callable[[], Mapping[str, int]]  # what a worker's model runner holds now: engine request id -> output tokens
 
@@ -92,11 +95,11 @@ def hold(name: str, held: Held | None = None) -> None:
         mode = armed.read_text().strip()
     except FileNotFoundError:
         return
-    if mode in (FAIL_IF_HELD, KILL_IF_HELD, KILL_ENGINE_IF_HELD):
+    if mode in (FAIL_IF_HELD, KILL_IF_HELD, KILL_ENGINE_IF_HELD, STOP_ENGINE_IF_HELD):
         _if_held(armed, mode, held)
         return
     if mode == KILL_ENGINE:
-        _kill_engine(armed, mode, {})
+        _signal_engine(armed, mode, {}, signal.SIGKILL)
     fail = mode == FAIL
     (Path(root) / f"{name}.reached").write_text(f"{os.getpid()}\n")
     if fail:
@@ -108,8 +111,8 @@ def hold(name: str, held: Held | None = None) -> None:
 
 
 def _if_held(armed: Path, mode: str, held: Held | None) -> None:
-    """Point `armed` (armed with `FAIL_IF_HELD`, `KILL_IF_HELD` or `KILL_ENGINE_IF_HELD`): go on if no request holds
-    an output token, else record what was held, disarm, and fail or kill (see the module docstring)."""
+    """Point `armed` (armed with one of the `-if-held` modes): go on if no request holds an output token, else
+    record what was held, disarm, and fail, kill, or stop the engine and go on (see the module docstring)."""
     name = armed.name
     if held is None:
         raise FailpointError(f"failpoint {name} is armed {mode!r}, but it knows no held requests: only points inside "
@@ -120,8 +123,10 @@ def _if_held(armed: Path, mode: str, held: Held | None) -> None:
         with (armed.parent / f"{name}.passed").open("a") as f:
             f.write(record + "\n")
         return
-    if mode == KILL_ENGINE_IF_HELD:
-        _kill_engine(armed, mode, {"pgid": os.getpgrp(), "held": seen})
+    if mode in (KILL_ENGINE_IF_HELD, STOP_ENGINE_IF_HELD):
+        stop = mode == STOP_ENGINE_IF_HELD
+        _signal_engine(armed, mode, {"pgid": os.getpgrp(), "held": seen}, signal.SIGSTOP if stop else signal.SIGKILL)
+        return
     _record_reached(armed, record)
     if mode == KILL_IF_HELD and os.getsid(0) == os.getpgrp():
         os.killpg(os.getpgrp(), signal.SIGKILL)
@@ -138,11 +143,12 @@ def _record_reached(armed: Path, record: str) -> None:
     armed.unlink(missing_ok=True)
 
 
-def _kill_engine(armed: Path, mode: str, extra: dict[str, object]) -> None:
-    """Point `armed` (armed with `KILL_ENGINE`, or `KILL_ENGINE_IF_HELD` with a request held), in a vLLM worker:
-    SIGKILL its engine core, the worker's parent (what a CUDA error or an out-of-memory kill does to an engine, at
-    full speed, while its API server lives on); record it (with `extra`) and raise. Refuses (raises without
-    killing) in a process whose parent is not an engine core."""
+def _signal_engine(armed: Path, mode: str, extra: dict[str, object], sig: signal.Signals) -> None:
+    """Point `armed` (armed with `KILL_ENGINE`, or an `-ENGINE_IF_HELD` mode with a request held), in a vLLM worker:
+    send `sig` to its engine core, the worker's parent, and record it (with `extra`). SIGKILL is what a CUDA error
+    or an out-of-memory kill does to an engine, at full speed, while its API server lives on: then raise. SIGSTOP is
+    an engine that hangs (a wedged kernel or collective): the worker goes on, its answer never forwarded. Refuses
+    (raises without signalling) in a process whose parent is not an engine core."""
     parent = os.getppid()
     try:
         comm = Path(f"/proc/{parent}/comm").read_text().strip()
@@ -151,9 +157,11 @@ def _kill_engine(armed: Path, mode: str, extra: dict[str, object]) -> None:
     if not comm.startswith(ENGINE_CORE_COMM):
         raise FailpointError(f"failpoint {armed.name} is armed {mode!r}, but this process's parent ({parent}, "
                              f"{comm!r}) is not a vLLM engine core: only points inside a vLLM worker "
-                             "(push.held.replica<i>, push.loading.replica<i>) can kill their engine")
+                             "(push.held.replica<i>, push.loading.replica<i>) can signal their engine")
     _record_reached(armed, json.dumps({"pid": os.getpid(), "engine_core": parent, "time": time.time(), **extra}))
-    os.kill(parent, signal.SIGKILL)
+    os.kill(parent, sig)
+    if sig == signal.SIGSTOP:
+        return
     raise FailpointError(f"failure injected at failpoint {armed.name}: its engine core (process {parent}) was "
                          f"killed ({ENV}={armed.parent})")
 
