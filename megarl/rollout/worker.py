@@ -31,9 +31,10 @@ A lost replica costs no step: when a replica stops answering (connection refused
 same way, it takes no more chunks, and one warning names the replica, the cause and its log; the batch completes
 on the others (`live_replicas()` is recorded per step as `fleet/replicas`). With fewer than `min_replicas` left
 (rollout.min_replicas) the run stops, naming the cause. At the next push the weight sync leaves it out too
-(`megarl.rollout.membership`); a replica the sync found dead is `drop`ped here, and a restarted one is let back in
-with `admit` once a push has given it the current weights (the fleet is quiesced then, so it starts with the next
-window, holding the same version as the others).
+(`megarl.rollout.membership`); a replica the sync found dead is `drop`ped here (the chunks its loops still wait on,
+requests held in it by an in-flight push, go back to the queue at once; answers that come later are ignored), and a
+restarted one is let back in with `admit` once a push has given it the current weights (the fleet is quiesced then,
+so it starts with the next window, holding the same version as the others).
 
 Reproducibility when replicas race: prompt i of batch j is always sampled with the seed `seed(j) + i`, and its
 group is stored at position i, so which replica served it and when do not change what is recorded. Given the
