@@ -55,3 +55,15 @@ def test_recipe_fits_its_model(path):
     for (section, field), expected in PAPER_SETTINGS.get(path.name, {}).items():
         value = getattr(getattr(cfg, section), field)
         assert value == (pytest.approx(expected) if isinstance(expected, float) else expected), (section, field)
+
+
+def test_the_documented_inflight_overrides_fit_the_30b_recipe():
+    """docs/cluster.md's in-flight command for the 30B recipe: its overrides validate against the model as a GPU
+    job and give the projection's best setting (in-flight, sync (8, 1), sequence refill, decoupled)."""
+    doc = Path("docs/cluster.md").read_text()
+    line = next(ln for ln in doc.splitlines() if "guru_inflight" in ln and "sbatch slurm/guru_moe.sh" in ln)
+    overrides = line.split('MEGARL_OVERRIDES="', 1)[1].split('"', 1)[0].split()
+    cfg = load_config("configs/qwen3_30b_a3b_guru.yaml", overrides)
+    check_against_model(cfg, read_hf_config("configs/models/qwen3-30b-a3b"), cuda=True)
+    assert cfg.sync.inflight and cfg.algorithm.decoupled.enabled and cfg.rollout.refill == "sequences"
+    assert (cfg.sync.interval, cfg.sync.offset) == (8, 1)
