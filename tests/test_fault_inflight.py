@@ -128,8 +128,8 @@ def _record(path: Path) -> dict[str, Any] | None:
 
 
 class _Cells(threading.Thread):
-    """Arms cell M in the first job and cell K in the second (see the module docstring), or cell E in the one job
-    writing `mixed` (`engine`), and watches them fire."""
+    """Arms the cells of `plan` one after another and watches them fire (see the module docstring): M in the job
+    writing `mixed` and K in the one writing `killed` ("MK"), or E or W in the one job writing `mixed`."""
 
     def __init__(self, points: Path, fleet: Any, mixed: Path, killed: Path, plan: str = "MK") -> None:
         super().__init__(daemon=True)

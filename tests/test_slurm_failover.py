@@ -2,7 +2,7 @@
 scale, as tests/test_slurm_job.py runs it: two trainer ranks on node1 and node2, two TP-1 replicas sharing node3),
 with each role run from its own environment: the trainer ranks (and `megarl prepare`) from `.venv-trainer`
 (`make trainer-env`: torch, megatron-core, no vLLM; MEGARL_TRAINER_ENV), the replicas from this venv
-(MEGARL_FLEET_ENV). One run of 12 steps, two jobs:
+(MEGARL_FLEET_ENV). One run of STEPS steps, two jobs:
 
 1. rollout.min_replicas=2, ROLLOUT_RESTARTS=0: replica 0's step is killed after the first checkpoint (step 0's:
    checkpoint.interval=1). The trainer cannot go on without it: the job exits 1 naming replica 0 as the likely cause,
