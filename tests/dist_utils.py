@@ -40,6 +40,14 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, init_dist: bool =
     return run_ranks(_entry, world_size, world_size, free_port(), fn, args, init_dist, role="test")
 
 
+def process_state(pid: int) -> str | None:
+    """Process `pid`'s state letter from /proc (R, S, T: stopped, Z: a zombie, dead but not reaped), None if gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
 def process_group_members(*pgids: int) -> list[int]:
     """Running (not zombie) members of the process groups `pgids`, from /proc."""
     members = []

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from megarl.sync import failpoints
+from tests.dist_utils import process_state
 
 
 def test_disarmed_points_do_not_wait(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -186,11 +187,7 @@ def test_kill_if_held_refuses_a_group_that_does_not_lead_its_session(tmp_path: P
 
 
 def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+    return process_state(pid) not in (None, "Z")
 
 
 # a stand-in engine core: a process named as vLLM names its engine core, whose child (a "worker") reaches the point
@@ -240,11 +237,6 @@ def test_a_point_armed_to_kill_engine_kills_the_workers_engine_core_or_refuses(t
         assert (tmp_path / point).exists() and not (tmp_path / f"{point}.reached").exists()
 
 
-def _state(pid: int) -> str:
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split(")")[-1].split()[0]
-
-
 def test_a_point_armed_to_stop_engine_if_held_stops_the_engine_core_and_goes_on(tmp_path: Path) -> None:
     """`stop-engine-if-held`: the stand-in engine core is stopped (hung, never continued) by its worker at the first
     pass with a token held; the worker is not stopped and raises nothing (it answers as if nothing happened)."""
@@ -258,8 +250,8 @@ def test_a_point_armed_to_stop_engine_if_held_stops_the_engine_core_and_goes_on(
         worker = int(engine.stdout.readline())
         assert engine.stdout.readline().strip() == "worker went on"  # its parent stopped: it printed, then ended
         deadline = time.monotonic() + 10
-        while _state(engine.pid) != "T":
-            assert time.monotonic() < deadline, f"the engine core is {_state(engine.pid)!r}, not stopped"
+        while process_state(engine.pid) != "T":
+            assert time.monotonic() < deadline, f"the engine core is {process_state(engine.pid)!r}, not stopped"
             time.sleep(0.05)
         record = json.loads((tmp_path / f"{point}.reached").read_text())
         assert record["pid"] == worker and record["engine_core"] == engine.pid, record

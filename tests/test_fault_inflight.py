@@ -67,7 +67,7 @@ from megarl.rollout.client import RolloutClient
 from megarl.rollout.fleet_auth import SECRET_ENV, bearer_header, read_secret
 from megarl.rollout.inflight import group_of_request, held_counts
 from megarl.sync import failpoints
-from tests.dist_utils import process_group_members
+from tests.dist_utils import process_group_members, process_state
 from tests.shared_ranks import train_jobs_in_one_set_of_ranks
 from tests.test_end_to_end import _overrides
 
@@ -359,7 +359,7 @@ def test_an_engine_hanging_while_its_replica_holds_requests_loses_no_group(moe_f
         cells.deadline = 0
         cells.join(10)
         record = cells.cells.get("W", {}).get("record") or {}
-        stopped = _state(record["engine_core"]) if "engine_core" in record else None
+        stopped = process_state(record["engine_core"]) if "engine_core" in record else None
         if process_group_members(server):  # the test's own clean-up, after the job: the fixture restarts it
             os.killpg(server, signal.SIGKILL)
     assert cells.error is None and set(cells.cells) == {"W"}, (cells.error, cells.cells.keys())
@@ -371,11 +371,3 @@ def test_an_engine_hanging_while_its_replica_holds_requests_loses_no_group(moe_f
     # /health had failed for the bound (tens of seconds later): the step the push preceded counts them
     assert records[w["step"]]["fleet/requeued_groups"] >= len(w["groups"]), (records[w["step"]], w["groups"])
     print(f"{line}; replica 1's /health 503 {w['unhealthy_s']:.1f} s after its engine core was stopped")
-
-
-def _state(pid: int) -> str | None:
-    """Process `pid`'s state letter (T: stopped), None if it is gone."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, IndexError):
-        return None

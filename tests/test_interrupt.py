@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests.dist_utils import engine_core
+from tests.dist_utils import engine_core, process_state
 from tests.proc_cores import worker_cores
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -48,10 +48,7 @@ def _descendants(pid: int) -> list[int]:
 
 def _alive(pid: int) -> bool:
     """Running (a zombie, dead but not yet reaped by its parent, does not count)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    return process_state(pid) not in (None, "Z")
 
 
 def _cmdline(pid: int) -> str:
