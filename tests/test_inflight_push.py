@@ -55,8 +55,8 @@ VERSIONS = {"keep": 61, "recompute": 71}  # the first (old, new) versions per KV
 # (its first push, of the old weights, is full; the in-flight one a delta against it)
 RECEIVE = {"keep": {"receive": "streamed"}, "recompute": {"receive": "staged", "delta": True}}
 # the machine is shared: if the responses still finish before the replica is paused (the poll that releases the
-# push comes too late), the run is inconclusive and is repeated (old weights pushed again, new responses), at most
-# this many times
+# push comes too late), or one of them holds fewer than HELD_AT_LEAST tokens at the pause (the engine scheduled it
+# late), the run is inconclusive and is repeated (old weights pushed again, new responses), at most this many times
 ATTEMPTS = 4
 # router-logit margin between the k-th and the (k+1)-th expert below which engine and transformers may pick
 # differently (fp32 with other reduction orders: logits differ by ~1e-6); such (row, layer) pairs are not compared
@@ -182,7 +182,9 @@ def _inflight_push(sync, client, kv: str, v_old: int, push, points: str) -> dict
     routing = client.collective_rpc("megarl_routing_probe_take")
     assert all("rows" in r for r in routing), routing
     held = dict(sync.fleet.held[0])
-    part_way = all(0 < held.get((rid, j), 0) < MAX_TOKENS for rid in rids for j in range(N))
+    # the push is released once the requests hold HELD_AT_LEAST + 2 tokens on average: one scheduled late may hold
+    # fewer, and an attempt where one does is inconclusive as one paused too late (repeated)
+    part_way = all(HELD_AT_LEAST <= held.get((rid, j), 0) < MAX_TOKENS for rid in rids for j in range(N))
     return {"samples": box["samples"], "seen": seen, "held": held, "held_part_way": part_way,
             "paused_s": stats.phases["fleet_paused_s"], "rids": rids, "delta_workers": sorted(stats.delta),
             "routing": [r["rows"] for r in routing]}
@@ -233,8 +235,9 @@ def test_push_lands_while_responses_generate(moe_fleet, tiny_moe_dir, new_checkp
     for kv in VERSIONS:
         r = results[0][kv]
         v_old, v_new = r["versions"]
-        assert r["held_part_way"], (f"{kv}: in every attempt the push paused the replica too late; the last found "
-                                    f"{r['held']} (request: output tokens held) of {MAX_TOKENS}")
+        assert r["held_part_way"], (f"{kv}: in every attempt the push paused the replica too late (or a request had "
+                                    f"fewer than {HELD_AT_LEAST} tokens); the last found {r['held']} (request: "
+                                    f"output tokens held) of {MAX_TOKENS}")
         assert r["seen"].pop("_paused") is True
         # the in-flight push went as any other: a full streamed one (keep), a delta to both vLLM workers (recompute)
         assert r["delta_workers"] == ([2, 3] if RECEIVE[kv].get("delta") else []), r["delta_workers"]

@@ -27,8 +27,10 @@ from tests.proc_cores import worker_cores
 
 ROOT = Path(__file__).resolve().parent.parent
 # the bound on a restart at full speed: from the engine core's SIGKILL to the new incarnation's rejoin (its first
-# push served). Measured on this 2-core machine with the trainer and replica 1 busy: see docs/pipeline.md
-BACK_S = 300.0
+# push served). Measured on this 2-core machine with the trainer and replica 1 busy: 57-62 s, 171 s at a load
+# average of 15 (docs/pipeline.md). The fault it guards against never came back at all, so the bound is far above
+# any pace seen (it fits pytest's 900 s timeout with the rest of the test)
+BACK_S = 480.0
 
 
 def _children(pid: int) -> list[tuple[int, str]]:

@@ -17,7 +17,7 @@ import torch
 
 from megarl.sync.slices import HFSlice
 from megarl.sync.wire import WireEntry
-from tests.dist_utils import free_port, run_distributed
+from tests.dist_utils import free_port, process_state, run_distributed
 
 SHAPE = (4, 256)  # one float32 row: 1 KiB, one bucket per row
 TIMEOUT_S = 30  # the sync group's timeout: a live sender left without a receiver fails after this, not at once
@@ -94,7 +94,9 @@ def _dead_receiver_rank(rank: int, port: int, tmp: Path, watch: bool) -> None:
     pid_file, t0 = tmp / "dead.pid", time.monotonic()
     if rank == 3:
         for _ in take_buckets(group, [e for e in entries if e.receiver == 3], {}, ahead=None):
-            pid_file.write_text(str(os.getpid()))
+            written = tmp / "dead.pid.partial"  # whole when it appears: a reader never sees it half written
+            written.write_text(str(os.getpid()))
+            os.replace(written, pid_file)
             os.kill(os.getpid(), signal.SIGKILL)
     if rank == 2:
         got, received = receive_slices(group, [e for e in entries if e.receiver == 2])
@@ -104,11 +106,7 @@ def _dead_receiver_rank(rank: int, port: int, tmp: Path, watch: bool) -> None:
     def gone(receiver: int) -> str | None:
         if receiver != 3 or not pid_file.exists():
             return None
-        try:
-            state = Path(f"/proc/{pid_file.read_text()}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (OSError, ValueError):
-            state = "X"
-        return "worker 3 died" if state in "ZX" else None
+        return "worker 3 died" if process_state(int(pid_file.read_text())) in (None, "Z") else None
 
     mine = [(e.block, torch.full((1, BIG), float(e.bucket))) for e in entries if e.sender == rank]
     sent = send_buckets(group, rank, entries, mine, gone=gone if watch else None, slice_s=0.2)
