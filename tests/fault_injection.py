@@ -85,7 +85,10 @@ class FaultInjector(threading.Thread):
     process's descendants; another launcher overrides `_server_of` and `_trainer_pids` (and passes `log_dir`, where
     the vLLM logs are)."""
 
-    HOLD_AFTER_PUSH = False  # hold the trainer only right after a push ended (`_recover`)
+    # whether `_recover` holds the trainer (SIGSTOP) while a killed replica restarts, so that the run does not end
+    # first. A user's run is not held: tests/test_fault_matrix.py holds nothing and runs long enough instead; the
+    # SLURM matrix (tests/test_slurm_fault_matrix.py) still holds (not converted yet)
+    HOLD_TRAINER = False
 
     def __init__(self, run_dir: Path, failpoints: Path | None = None, log_dir: Path | None = None) -> None:
         super().__init__(daemon=True)
@@ -177,6 +180,33 @@ class FaultInjector(threading.Thread):
         finally:
             armed.unlink()
 
+    def _kill_at_failpoint(self, name: str, replica: int, point: str, target: Callable[[int], int]) -> dict[str, Any]:
+        """A kill at an exact moment of a push, with nobody held: arm failpoint `point` with `kill <pid>`
+        (`failpoints.KILL_PROCESS`, the victim `target(server)` named now) or, for `target` None, with `kill-engine`
+        (a vLLM worker's point: the worker kills its own engine core); the first process to pass it kills at once
+        and goes on. The cell records that process (`holder`), whether it was a process of the replica's group
+        (`holder_in_replica`), and the kill's time from its record."""
+        from megarl.sync import failpoints
+
+        assert self.failpoints is not None, "the run has no failpoint directory"
+        entry = registration(self.run_dir, replica)
+        assert entry is not None, f"{name}: replica {replica} is not registered"
+        pid, server = entry["pid"], self._server_of(entry)
+        group = process_group_members(server)
+        expected = self._core(server) if target is None else target(server)
+        armed, reached = self.failpoints / point, self.failpoints / f"{point}.reached"
+        reached.unlink(missing_ok=True)
+        armed.write_text(failpoints.KILL_ENGINE if target is None else f"{failpoints.KILL_PROCESS} {expected}")
+        record = json.loads(self._until(lambda: reached.exists() and reached.read_text().strip(),
+                                        f"failpoint {point} passed"))
+        victim = record["engine_core"] if target is None else record["victim"]
+        assert victim == expected and record.get("killed", True), (name, expected, record)
+        cell = {"replica": replica, "pid": pid, "server": server, "killed_url": entry["url"], "victim": victim,
+                "kill": time.monotonic() - (time.time() - record["time"]), "step": len(self._records()),
+                "holder": record["pid"], "holder_in_replica": record["pid"] in group}
+        self.cells[name] = cell
+        return cell
+
     def _kill(self, name: str, replica: int, target: Callable[[int], int], step: int | None = None,
               sig: int = signal.SIGKILL) -> dict[str, Any]:
         """Send `sig` to `target(server)` (server: the replica's vLLM server, its process group's leader)."""
@@ -192,18 +222,15 @@ class FaultInjector(threading.Thread):
         return cell
 
     def _recover(self, cell: dict[str, Any], out_after: int) -> None:
-        """After a kill: the trainer is held once a push at or after step `out_after` went on without the replica
-        (the run must not end first), until the replica is registered again; meanwhile the times the watcher
-        removed the registration and the replica's process group died are taken.
+        """After a kill: wait until the replica is registered again; meanwhile the times the watcher removed the
+        registration and the replica's process group died are taken. With `HOLD_TRAINER` the trainer is held once a
+        push at or after step `out_after` went on without the replica (so that the run does not end first), until
+        then.
 
-        The hold is a SIGSTOP of the trainer ranks. With `HOLD_AFTER_PUSH` it is sent only right after a push has
-        resumed the other replica (its log's `POST /resume`), so that they stop while they generate or train, never
-        inside a push: a run whose push bound (sync.timeout_fixed_s) is shorter than a restart would find its bound
-        spent when continued mid-push. Without it (a run with the default 120 s bound), at once: the run spends fewer
-        steps per cell."""
+        The hold is a SIGSTOP of the trainer ranks, sent at once (a run with the default 120 s push bound; one whose
+        bound is shorter than a restart would find it spent when continued mid-push)."""
         replica, pid, server = cell["replica"], cell["pid"], cell["server"]
         held: list[int] = []
-        resumed: list[Callable[[], bool]] = []  # the other replica's log, watched for the end of a push
 
         def watch() -> bool:
             now = time.monotonic()
@@ -211,20 +238,18 @@ class FaultInjector(threading.Thread):
                 cell["gone"] = now
             if "group" not in cell and not process_group_members(server):
                 cell["group"] = now
-            if not held and not resumed and any(r["step"] >= out_after and str(replica) not in
-                                                (r.get("sync/served_versions") or {str(replica): 0})
-                                                for r in self._records()):
-                other = self.log_dir / f"vllm_replica{1 - replica}.log"
-                resumed.append(log_grows(other, b"POST /resume", other.stat().st_size) if self.HOLD_AFTER_PUSH
-                               else lambda: True)
-            if not held and resumed and resumed[0]():
+            if self.HOLD_TRAINER and not held and any(r["step"] >= out_after and str(replica) not in
+                                                      (r.get("sync/served_versions") or {str(replica): 0})
+                                                      for r in self._records()):
                 held.extend(self._trainer_pids())
                 for p in held:
                     signal_quietly(p, signal.SIGSTOP)
                 cell["held"] = time.monotonic()
             entry = registration(self.run_dir, replica)
-            if held and entry is not None and entry["pid"] != pid and "gone" in cell and "group" in cell:
+            if (held or not self.HOLD_TRAINER) and entry is not None and entry["pid"] != pid and "gone" in cell \
+                    and "group" in cell:
                 cell["back"], cell["new_pid"], cell["url"] = now, entry["pid"], entry["url"]
+                cell["back_step"] = len(self._records())  # the step under way as it registered
                 return True
             return False
 

@@ -261,3 +261,32 @@ def test_a_point_armed_to_stop_engine_if_held_stops_the_engine_core_and_goes_on(
     finally:
         engine.kill()  # ends a stopped process too
         engine.wait(30)
+
+
+def test_a_point_armed_to_kill_a_process_kills_it_once_and_goes_on(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """`kill <pid>`: the first pass SIGKILLs the named process (a real one: its exit status says how it ended) and
+    returns at once, records it and disarms the point; a later pass goes by; a victim already gone is recorded, and
+    an arming without a process id is refused naming the form."""
+    monkeypatch.setenv(failpoints.ENV, str(tmp_path))
+    point = "push.report.replica1"
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        (tmp_path / point).write_text(f"{failpoints.KILL_PROCESS} {victim.pid}")
+        started = time.monotonic()
+        failpoints.hold(point)
+        assert time.monotonic() - started < 1.0, "the passing process waited"
+        assert victim.wait(10) == -signal.SIGKILL
+        record = json.loads((tmp_path / f"{point}.reached").read_text())
+        assert (record["pid"], record["victim"], record["killed"]) == (os.getpid(), victim.pid, True), record
+        assert not (tmp_path / point).exists()
+        failpoints.hold(point)  # disarmed: goes by
+    finally:
+        victim.kill()
+        victim.wait(10)
+    (tmp_path / point).write_text(f"{failpoints.KILL_PROCESS} {victim.pid}")  # reaped: no such process any more
+    failpoints.hold(point)
+    assert json.loads((tmp_path / f"{point}.reached").read_text())["killed"] is False
+    (tmp_path / point).write_text(failpoints.KILL_PROCESS)
+    with pytest.raises(failpoints.FailpointError, match="takes one process id, e.g. 'kill 1234'"):
+        failpoints.hold(point)

@@ -22,6 +22,10 @@ megarl/rollout/restarts.py, docs/pipeline.md's fault table):
        tests): the push gives it up within the health bound, the watcher kills its whole process group (the stopped
        server too) and restarts it
 
+Nothing is held: the trainer trains on at full speed on the other replica while a replica restarts (a TP-2 vLLM
+start shares the two cores with it), as a user's run would, and the run is long enough (STEPS) for every cell's
+restart and rejoin at that pace.
+
 Marked `slow` (`make test-all`, `pytest -m slow`): five TP-2 vLLM starts (streamed), four (staged). Each cell is
 checked from outside as in tests/test_fault_matrix.py (whose injector, tests/fault_injection.py, this reuses): the
 trainer noticed within the bound, the registration removed, the replica's whole process group gone, a new incarnation
@@ -48,17 +52,17 @@ from tests.test_end_to_end import _expected_lag
 
 ROOT = Path(__file__).resolve().parent.parent
 HEALTH_S = 8.0  # rollout.health_timeout_s of the run
-STEP_S = 10  # rollout.step_timeout_s of the run: vLLM's bound on one engine step
+# rollout.step_timeout_s of the run: vLLM's bound on one engine step. 10 s until 2026-11-29, when a fresh TP-2
+# replica's first generation step (16 requests) took longer beside a trainer at full speed and ended its engine
+STEP_S = 30
 PUSH_BOUND_S = 20.0  # sync.timeout_fixed_s of the run: the push's bound (the tiny model's bytes add milliseconds)
 SLACK_S = 20.0  # a loaded 2-core machine
 BRIEF_S = 3.0  # cell T: a stop shorter than the health bound
-M, N, STEPS, PROMPTS, K = 1, 0, 24, 8, 4
+M, N, STEPS, PROMPTS, K = 1, 0, 600, 8, 4
 RESTARTS = 2
 
 
 class _Faults(FaultInjector):
-    HOLD_AFTER_PUSH = True  # the push's bound (20 s) is shorter than a restart: never hold the trainer inside a push
-
     def __init__(self, run_dir: Path, generating: bool) -> None:
         super().__init__(run_dir)
         self.generating = generating  # also cell I
@@ -98,7 +102,7 @@ class _Faults(FaultInjector):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1500)
+@pytest.mark.timeout(2400)
 @pytest.mark.parametrize("receive", ["streamed", "staged"])
 def test_tp2_worker_killed_and_hung_under_megarl_train(tmp_path: Path, capfd: pytest.CaptureFixture[str],
                                                        receive: str) -> None:

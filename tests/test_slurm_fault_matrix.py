@@ -89,6 +89,8 @@ class _SlurmFaults(FaultInjector):
     pid (the incarnation), its vLLM server leads a process group of its own; the trainer ranks are the `megarl rank`
     tasks of the job's trainer step."""
 
+    HOLD_TRAINER = True  # still held while a replica restarts (tests/test_fault_matrix.py and _tp no longer are)
+
     def _server_of(self, entry: dict[str, Any]) -> int:
         return _server_pid(entry["url"])
 

@@ -35,6 +35,13 @@ the same at the first pass with a request's output token held, as the other `-if
 the engine core there instead, never continued: an engine that hangs (a wedged kernel or collective) while its
 worker and API server live on; the worker returns as if nothing happened, its answer never forwarded (cell W).
 
+Armed with `kill <pid>` (`KILL_PROCESS`, then a process id of this machine), the first process to pass the point
+SIGKILLs that process and goes on at once: a replica that crashes at exactly that moment of a push, with nobody
+waiting (trainer rank 0's points, whose process cannot signal a replica by itself: the test names the victim, its
+API server or its engine core, when it arms the point). It writes `<name>.reached` (`pid`, `victim`, `killed`:
+whether the process was still there, `time`) and disarms the point; a victim already gone is recorded, not an
+error. tests/test_fault_matrix.py arms it (cells P and R).
+
 The points:
     push.held.replica<i>     each vLLM worker of replica i (`megarl.sync.vllm_receiver`, `megarl_held_requests`): a
                              push's lifecycle asks what the model runner holds while the replica is paused in keep
@@ -75,6 +82,7 @@ KILL_IF_HELD = "kill-if-held"  # SIGKILLs its own process group, once, at the fi
 KILL_ENGINE = "kill-engine"  # a vLLM worker SIGKILLs its engine core (its parent process), once, at the first pass
 KILL_ENGINE_IF_HELD = "kill-engine-if-held"  # the same, at the first pass with a request's output token held
 STOP_ENGINE_IF_HELD = "stop-engine-if-held"  # SIGSTOPs the engine core instead (hung, never continued) and goes on
+KILL_PROCESS = "kill"  # `kill <pid>`: SIGKILLs process <pid> of this machine, once, at the first pass, and goes on
 ENGINE_CORE_COMM = "VLLM::EngineCor"  # the engine core's process name as /proc shows it (cut to 15 characters)
 Held = Callable[[], Mapping[str, int]]  # what a worker's model runner holds now: engine request id -> output tokens
 
@@ -97,6 +105,9 @@ def hold(name: str, held: Held | None = None) -> None:
         return
     if mode in (FAIL_IF_HELD, KILL_IF_HELD, KILL_ENGINE_IF_HELD, STOP_ENGINE_IF_HELD):
         _if_held(armed, mode, held)
+        return
+    if mode.split()[:1] == [KILL_PROCESS]:
+        _kill_process(armed, mode)
         return
     if mode == KILL_ENGINE:
         _signal_engine(armed, mode, {}, signal.SIGKILL)
@@ -133,6 +144,21 @@ def _if_held(armed: Path, mode: str, held: Held | None) -> None:
     why = "" if mode == FAIL_IF_HELD else (" (asked to kill its process group, which does not lead its own session: "
                                            "not a replica's server group, so it raised instead)")
     raise FailpointError(f"failure injected at failpoint {name} with requests held ({ENV}={armed.parent}){why}")
+
+
+def _kill_process(armed: Path, mode: str) -> None:
+    """Point `armed`, armed with `kill <pid>`: SIGKILL that process, record it, disarm, and go on."""
+    words = mode.split()
+    if len(words) != 2 or not words[1].isdigit():
+        raise FailpointError(f"failpoint {armed.name} is armed {mode!r}: {KILL_PROCESS!r} takes one process id, "
+                             f"e.g. '{KILL_PROCESS} 1234'")
+    victim = int(words[1])
+    try:
+        os.kill(victim, signal.SIGKILL)
+        killed = True
+    except ProcessLookupError:
+        killed = False
+    _record_reached(armed, json.dumps({"pid": os.getpid(), "victim": victim, "killed": killed, "time": time.time()}))
 
 
 def _record_reached(armed: Path, record: str) -> None:
