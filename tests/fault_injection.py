@@ -86,8 +86,8 @@ class FaultInjector(threading.Thread):
     the vLLM logs are)."""
 
     # whether `_recover` holds the trainer (SIGSTOP) while a killed replica restarts, so that the run does not end
-    # first. A user's run is not held: tests/test_fault_matrix.py holds nothing and runs long enough instead; the
-    # SLURM matrix (tests/test_slurm_fault_matrix.py) still holds (not converted yet)
+    # first. A user's run is not held: tests/test_fault_matrix.py and tests/test_fault_matrix_tp.py hold nothing and
+    # run long enough instead; the SLURM matrix (tests/test_slurm_fault_matrix.py) still holds (not converted yet)
     HOLD_TRAINER = False
 
     def __init__(self, run_dir: Path, failpoints: Path | None = None, log_dir: Path | None = None) -> None:
@@ -180,7 +180,8 @@ class FaultInjector(threading.Thread):
         finally:
             armed.unlink()
 
-    def _kill_at_failpoint(self, name: str, replica: int, point: str, target: Callable[[int], int]) -> dict[str, Any]:
+    def _kill_at_failpoint(self, name: str, replica: int, point: str,
+                           target: Callable[[int], int] | None) -> dict[str, Any]:
         """A kill at an exact moment of a push, with nobody held: arm failpoint `point` with `kill <pid>`
         (`failpoints.KILL_PROCESS`, the victim `target(server)` named now) or, for `target` None, with `kill-engine`
         (a vLLM worker's point: the worker kills its own engine core); the first process to pass it kills at once
