@@ -9,6 +9,7 @@ from tests.fleet_fixture import (  # noqa: F401 - session fixtures used across t
     revive_killed_fleets,
     session_failpoints,
     tiny_moe_dir,
+    tiny_moe_long_dir,
 )
 from tests.slurm_cluster import slurm_cluster  # noqa: F401 - session fixture: a real 3-node SLURM cluster
 from tests.suite_budget import SuiteTimes

@@ -80,11 +80,26 @@ def tiny_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "moe", kind="moe")
 
 
+LONG_POSITIONS = 1024  # the context of `tiny_moe_long_dir`, which `moe_fleet` serves
+
+
 @pytest.fixture(scope="session")
-def moe_fleet(tiny_moe_dir: Path, fleet_secret: Path,
+def tiny_moe_long_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny MoE at a context of `LONG_POSITIONS` (`make_tiny_checkpoint(positions=...)`): the same weights as
+    `tiny_moe_dir` (rotary positions hold none), so trainers built from `tiny_moe_dir` push into a server of it, and
+    transformers' forward of either agrees on the first 128 positions. A response can be ~1,000 tokens long: long
+    enough that a test's request is still generating after a push's way to its pause on a loaded machine."""
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_long") / "moe", kind="moe", positions=LONG_POSITIONS)
+
+
+@pytest.fixture(scope="session")
+def moe_fleet(tiny_moe_long_dir: Path, fleet_secret: Path,
               tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetHandle]:
-    """A real vLLM OpenAI-compatible server, TP 2, serving the tiny MoE with megarl's weight-transfer backend."""
-    spec = FleetSpec(model_dir=tiny_moe_dir, tp=2, log_dir=tmp_path_factory.mktemp("fleet_logs"),
+    """A real vLLM OpenAI-compatible server, TP 2, serving the tiny MoE with megarl's weight-transfer backend, at a
+    context of `LONG_POSITIONS` (`tiny_moe_long_dir`: the weights of `tiny_moe_dir`). The only difference a test sees
+    is that a request may run past 128 positions (tests/test_inflight_push.py's long responses); vLLM's flags are
+    the same (`_cpu_args`: a step's token budget of 4,096 at TP 2 either way)."""
+    spec = FleetSpec(model_dir=tiny_moe_long_dir, tp=2, log_dir=tmp_path_factory.mktemp("fleet_logs"),
                      secret_file=fleet_secret)
     with launch(spec) as fleet:
         _SPECS[id(fleet)] = spec

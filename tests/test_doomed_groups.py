@@ -1,16 +1,17 @@
 """Doomed groups are aborted in their engines (`sync.inflight_abort_doomed`, `megarl.rollout.partial`: "Doomed
-groups"), on a real replica: one vLLM server (TP 1) of the tiny MoE at a context of 1,024 positions
-(`make_tiny_checkpoint(positions=...)`: the same weights) generates `megarl bench inflight-fleet`'s long-tailed task
-through megarl's own `RolloutWorker` in partial mode, driven by that bench's trainer loop (`run_mode`: real in-flight
-pushes through `PartitionedWeightSync`, keep mode, KV recomputed) with a trainer step that costs nothing.
+groups"), on a real replica: the session's vLLM server (`moe_fleet`, TP 2), which serves the tiny MoE at a context
+of 1,024 positions, generates `megarl bench inflight-fleet`'s long-tailed task through megarl's own `RolloutWorker`
+in partial mode, driven by that bench's trainer loop (`run_mode`: real in-flight pushes through
+`PartitionedWeightSync`, keep mode, KV recomputed) with a trainer step that costs nothing.
 
 The long responses (1,000 tokens) are what makes a group doomed in a user's run: a response far longer than the
-trainer's cycle, so it is pushed over while it generates and lags past the bound long before it could finish. The
-session fleet's 128 positions cannot set that up reliably: a 120-token response lasts only about three of the
+trainer's cycle, so it is pushed over while it generates and lags past the bound long before it could finish.
+`moe_fleet_2x1`'s 128 positions cannot set that up reliably: a 120-token response lasts only about three of the
 trainer's cycles (a push and a take) here, so whether it outlives its bound depended on the machine's pace, and on
-CI's it did not (no group aborted). Here one lasts tens of cycles, so homes 1 to 3's long groups, each started after
-a push and held at the next, are doomed by the second take after it whatever the machine's pace. Only the last
-homes (4 to 7) have no long group, so the run's drain does not wait for one.
+CI's it did not (no group aborted). Here one lasts tens of cycles, so the long groups of the first four homes, each
+pushed over part-way, are doomed by the second take after that push whatever the machine's pace (3 or 4 of the 4
+aborted in each run, after 8 to 39 of their 1,000 tokens; the last may still be generating when the run's takes
+end). Homes 4 to 7 have no long group, so the run's drain does not wait for one.
 
 Checked against independent references:
 - the engine stopped every aborted group early: the task asks for exactly 1,000 or 4 tokens per response (vLLM's
@@ -28,35 +29,20 @@ Checked against independent references:
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
-from pathlib import Path
 
-import pytest
 import requests
 
 from megarl.bench.inflight_fleet import FleetBenchSpec, _Pusher, run_mode
-from megarl.models.tiny import make_tiny_checkpoint
-from megarl.rollout.fleet import FleetHandle, FleetSpec, launch
 from megarl.rollout.fleet_auth import SECRET_ENV, bearer_header, read_secret
-from tests.fleet_fixture import ENGINE_BOUND_S
+from tests.fleet_fixture import LONG_POSITIONS
 
-POSITIONS = 1024
+POSITIONS = LONG_POSITIONS
 # 8 prompts x 2 a batch, an eighth of them to 1,000 tokens, the rest to 4; sync (1, 1), bound 1; batches from 3631
 # on have one long prompt in each of their first four batches and none in the next four (`long_prompts`: 1, 1, 1, 1,
 # 0, 0, 0, 0): one replica runs 8 groups at once (`chunks_in_flight`), so the long ones never fill its slots
 SPEC = FleetBenchSpec(prompts=8, samples=2, interval=1, offset=1, steps=6, skip=0, train_s=0.0, long_share=0.125,
                       long_tokens=1000, short_tokens=4, positions=POSITIONS)
 FIRST = 3631
-
-
-@pytest.fixture(scope="module")
-def long_context_replica(fleet_secret: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
-        tuple[FleetHandle, Path]]:
-    model = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_long") / "moe", kind="moe", positions=POSITIONS)
-    spec = FleetSpec(model_dir=model, tp=1, replicas=1, log_dir=tmp_path_factory.mktemp("long_fleet_logs"),
-                     secret_file=fleet_secret, step_timeout_s=ENGINE_BOUND_S)
-    with launch(spec) as fleet:
-        yield fleet, model
 
 
 def _aborted(urls: list[str]) -> float:
@@ -69,16 +55,16 @@ def _aborted(urls: list[str]) -> float:
     return total
 
 
-def test_a_group_past_the_bound_is_aborted_while_it_generates(long_context_replica):
-    fleet, model = long_context_replica
-    urls = list(fleet.urls)
-    pusher = _Pusher(urls, model, "recompute")
+def test_a_group_past_the_bound_is_aborted_while_it_generates(moe_fleet, tiny_moe_long_dir):
+    urls = list(moe_fleet.urls)
+    pusher = _Pusher(urls, tiny_moe_long_dir, "recompute", rollout_tp=2)
     try:
         before = _aborted(urls)
         run = run_mode(SPEC, "inflight", FIRST, urls, pusher)
         aborted_requests = _aborted(urls) - before
     finally:
         pusher.close()
+    print(f"aborted groups (home, prompt, lag, response lengths): {run['aborted']}")
     assert run["aborted_groups"] >= 1, (f"no group was aborted: dropped {run['dropped']}, held per push "
                                         f"{run['held_per_push']}, step walls {run['step_walls_s']}")
     bound = SPEC.staleness_bound

@@ -1,7 +1,8 @@
 """In-flight weight updates on the real stack (`megarl.rollout.inflight`): two megatron-core trainer ranks push into
-the session's real vLLM server (tensor parallel 2) while long responses are generating, with the replica paused in
-vLLM's keep mode, once per KV setting (`sync.inflight_kv`), each through a sync group of its own: keep through
-streamed full pushes, recompute through staged delta pushes (the in-flight push a delta against the old weights).
+the session's real vLLM server (tensor parallel 2, at 1,024 positions: `tiny_moe_long_dir`) while 1,000-token
+responses are generating, with the replica paused in vLLM's keep mode, once per KV setting (`sync.inflight_kv`),
+each through a sync group of its own: keep through streamed full pushes, recompute through staged delta pushes (the
+in-flight push a delta against the old weights).
 
 Checked against independent references:
 - the push did not wait for the responses: the engine's own model runner held every request, part-way, when the
@@ -47,8 +48,8 @@ from tests.fleet_fixture import perturbed_checkpoint
 
 PROMPTS = [[6, 23, 7, 24], [5, 23, 5, 24, 11]]
 N = 2  # samples per prompt: vLLM splits them into child requests `<index>_<parent id>`
-MAX_TOKENS = 110  # within the tiny model's 128 positions
-HELD_AT_LEAST = 4  # every request has this many tokens before the in-flight push pauses the replica
+MAX_TOKENS = 1000  # within the served context (`LONG_POSITIONS`): a response lasts many of the push's way to its pause
+HELD_AT_LEAST = 8  # every request has this many tokens before the in-flight push pauses the replica
 GENERATED = "vllm:generation_tokens_total"  # vLLM's counter of the tokens its engine generated
 VERSIONS = {"keep": 61, "recompute": 71}  # the first (old, new) versions per KV setting: (base, base + 1)
 # how each setting's sync group takes its pushes: keep through streamed full pushes, recompute through staged deltas
@@ -64,8 +65,8 @@ ROUTE_TIE = 1e-4
 
 
 @pytest.fixture(scope="module")
-def new_checkpoint(tiny_moe_dir, tmp_path_factory):
-    return perturbed_checkpoint(tiny_moe_dir, tmp_path_factory.mktemp("inflight_new"), seed=11)
+def new_checkpoint(tiny_moe_long_dir, tmp_path_factory):
+    return perturbed_checkpoint(tiny_moe_long_dir, tmp_path_factory.mktemp("inflight_new"), seed=11)
 
 
 def _trainer(rank, world, old_dir, new_dir, url, port, sync_ports, points):
@@ -114,10 +115,10 @@ def _inflight_push(sync, client, kv: str, v_old: int, push, points: str) -> dict
     """Trainer rank 0: the in-flight push `push()` runs and is held just before it pauses the replica (failpoint
     `push.pause.replica0`) while long responses start; once every request holds a few tokens it goes on and pauses
     the replica, and the test reads the engine's tokens itself when the replica is paused (`push.paused.replica0`).
-    Holding the push there only sets the moment up: the tiny model's 128 positions make a response last under a
-    second, and on a loaded machine the trainer's way from starting a push to its /pause, or an RPC into the engine
-    that counts tokens, can take longer (CI missed in every attempt once; such an RPC took 50 s here under load).
-    What the test checks starts at the pause, which is not held."""
+    Holding the push there only sets the moment up: the trainer's way from starting a push to its /pause can take
+    seconds on a loaded machine. The responses are long for the same reason (`MAX_TOKENS`): at the tiny model's 128
+    positions a response lasted under a second, and CI's loaded machine once paused too late in every attempt (the
+    responses had finished). What the test checks starts at the pause, which is not held."""
     from megarl.sync import failpoints
 
     rids = [f"inflight-{kv}-{i}" for i in range(len(PROMPTS))]
@@ -186,8 +187,8 @@ def _inflight_push(sync, client, kv: str, v_old: int, push, points: str) -> dict
     # fewer, and an attempt where one does is inconclusive as one paused too late (repeated)
     part_way = all(HELD_AT_LEAST <= held.get((rid, j), 0) < MAX_TOKENS for rid in rids for j in range(N))
     return {"samples": box["samples"], "seen": seen, "held": held, "held_part_way": part_way,
-            "paused_s": stats.phases["fleet_paused_s"], "rids": rids, "delta_workers": sorted(stats.delta),
-            "routing": [r["rows"] for r in routing]}
+            "after_pause_s": {k: stats.phases[f"{k}_s"] for k in ("send", "close")}, "rids": rids,
+            "delta_workers": sorted(stats.delta), "routing": [r["rows"] for r in routing]}
 
 
 def _reference(hf_dir, sequences: list[tuple[list[int], list[int]]]) -> tuple[list[torch.Tensor], list[tuple]]:
@@ -227,7 +228,7 @@ def _route_mismatches(engine: list[list[list[int]]], reference: tuple, rows: ran
     return bad, ties, len(rows) * len(engine[0]) - ties
 
 
-def test_push_lands_while_responses_generate(moe_fleet, tiny_moe_dir, new_checkpoint, tmp_path):
+def test_push_lands_while_responses_generate(moe_fleet, tiny_moe_dir, tiny_moe_long_dir, new_checkpoint, tmp_path):
     """One set of trainer ranks: per KV setting, a push of the old weights, then long responses and an in-flight
     push of the new weights while they generate."""
     results = run_distributed(_trainer, 2, tiny_moe_dir, new_checkpoint, moe_fleet.urls[0], free_port(),
@@ -258,14 +259,16 @@ def test_push_lands_while_responses_generate(moe_fleet, tiny_moe_dir, new_checkp
                 sequences.append((prompt, s.response_ids))
                 boundaries.append((len(held), torch.tensor(s.response_logprobs)))
                 keys.append(((rid, j), s.token_versions, len(held)))
-        old_ref, old_routes = _reference(tiny_moe_dir, sequences)
+        old_ref, old_routes = _reference(tiny_moe_long_dir, sequences)  # the weights of tiny_moe_dir
         new_ref, new_routes = _reference(new_checkpoint, sequences)
         before = max(float((e[:b] - o[:b]).abs().max()) for (b, e), o in zip(boundaries, old_ref, strict=True))
         after = [(e[b:] - n[b:]).abs() for (b, e), n in zip(boundaries, new_ref, strict=True)]
         after_max, after_mean = max(float(a.max()) for a in after), float(torch.cat(after).mean())
+        sent, closed = r["after_pause_s"]["send"], r["after_pause_s"]["close"]
         print(f"inflight_kv={kv} (attempt {r['attempts']}): held {sorted(len(v) for v in seen.values())} tokens at "
-              f"the pause (replica paused {r['paused_s']:.2f} s); engine vs transformers |dlogprob|: before the push "
-              f"(old weights) max {before:.2e}; after it (new weights) max {after_max:.2e} mean {after_mean:.2e}")
+              f"the pause (then sent in {sent:.2f} s, closed in {closed:.2f} s); engine vs transformers |dlogprob|: "
+              f"before the push (old weights) max {before:.2e}; after it (new weights) max {after_max:.2e} mean "
+              f"{after_mean:.2e}")
         assert before < 1e-5, (kv, before)
         if kv == "recompute":
             assert after_max < 1e-5, after_max
