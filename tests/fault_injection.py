@@ -32,40 +32,6 @@ def secret_file_of(pid: int) -> Path:
     return Path(next(v for v in env if v.startswith(f"{SECRET_ENV}=".encode())).decode().split("=", 1)[1])
 
 
-def trainer_processes() -> list[int]:
-    """The trainer ranks and their helpers: this process's descendants in its own process group (the fleet's
-    servers lead process groups of their own, and this process runs the watcher that restarts them), except a fork
-    of this process that has not run its program yet: a server the watcher is starting, still in this process group
-    until it leaves for a session of its own (`start_new_session`). Stopped in that window, the restart would never
-    come (seen once: the trainer held until the replica registered again, the replica's start held with it)."""
-    parent, group = {}, {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        parent[int(stat.parent.name)], group[int(stat.parent.name)] = int(fields[1]), int(fields[2])
-    me, mine = os.getpid(), os.getpgid(0)
-    program = _cmdline(me)
-
-    def descends(pid: int) -> bool:
-        while pid > 1:
-            pid = parent.get(pid, 0)
-            if pid == me:
-                return True
-        return False
-
-    return [pid for pid in parent if pid != me and group[pid] == mine and descends(pid)
-            and not (parent[pid] == me and _cmdline(pid) == program)]
-
-
-def _cmdline(pid: int) -> bytes | None:
-    try:
-        return (Path("/proc") / str(pid) / "cmdline").read_bytes()
-    except OSError:
-        return None
-
-
 def signal_quietly(pid: int, sig: int) -> None:
     try:
         os.kill(pid, sig)
@@ -81,25 +47,24 @@ class FaultInjector(threading.Thread):
     its process group's leader) and URL (`killed_url`; `url` is the new incarnation's), the process signalled
     (`victim`) and, for A, the new incarnation's checks.
 
-    Written for `megarl train`'s own fleet, where the registered pid is the server's and the trainer ranks are this
-    process's descendants; another launcher overrides `_server_of` and `_trainer_pids` (and passes `log_dir`, where
-    the vLLM logs are)."""
+    Nothing of the run is held: the trainer trains on at full speed while a killed replica restarts, as a user's run
+    would, and each test's run is long enough to outlast its restarts; a kill at an exact moment of a push is made by
+    the process that passes the point (`_kill_at_failpoint`), which goes on at once.
 
-    # whether `_recover` holds the trainer (SIGSTOP) while a killed replica restarts, so that the run does not end
-    # first. A user's run is not held: tests/test_fault_matrix.py and tests/test_fault_matrix_tp.py hold nothing and
-    # run long enough instead; the SLURM matrix (tests/test_slurm_fault_matrix.py) still holds (not converted yet)
-    HOLD_TRAINER = False
+    Written for `megarl train`'s own fleet, where the registered pid is the server's; another launcher overrides
+    `_server_of` (and passes `log_dir`, where the vLLM logs are)."""
 
-    def __init__(self, run_dir: Path, failpoints: Path | None = None, log_dir: Path | None = None) -> None:
+    def __init__(self, run_dir: Path, failpoints: Path | None = None, log_dir: Path | None = None,
+                 deadline_s: float = 1500) -> None:
         super().__init__(daemon=True)
         self.run_dir = run_dir
         self.log_dir = run_dir if log_dir is None else log_dir  # where vllm_replica<i>.log are
-        self.failpoints = failpoints  # the run's MEGARL_FAILPOINTS directory, for `_at_failpoint`
+        self.failpoints = failpoints  # the run's MEGARL_FAILPOINTS directory, for `_kill_at_failpoint`
         self.metrics = run_dir / "metrics.jsonl"
         self.cells: dict[str, dict[str, Any]] = {}
         self.error: str | None = None
         self.stale: bool | None = None  # whether an earlier run's registration was there once the run trained
-        self.deadline = time.monotonic() + 1500
+        self.deadline = time.monotonic() + deadline_s  # the whole injection's bound (`_until`)
 
     def _run(self) -> None:
         raise NotImplementedError
@@ -107,10 +72,6 @@ class FaultInjector(threading.Thread):
     def _server_of(self, entry: dict[str, Any]) -> int:
         """The pid of the vLLM server (its process group's leader) of registration `entry`."""
         return entry["pid"]
-
-    def _trainer_pids(self) -> list[int]:
-        """The processes to hold (SIGSTOP) while a replica restarts: the trainer ranks."""
-        return trainer_processes()
 
     def run(self) -> None:
         try:
@@ -160,26 +121,6 @@ class FaultInjector(threading.Thread):
 
     # -- one cell
 
-    def _at_failpoint(self, name: str, replica: int, point: str, target: Callable[[int], int]) -> dict[str, Any]:
-        """A kill at an exact moment of a push: arm failpoint `point` (`megarl.sync.failpoints`; the run's
-        MEGARL_FAILPOINTS is `self.failpoints`), wait until the process that reaches it (trainer rank 0, or a vLLM
-        worker of the replica) holds there, `_kill`, and let it go on. The cell records the holder's pid (`holder`)
-        and whether it was a process of the replica's group (`holder_in_replica`)."""
-        assert self.failpoints is not None, "the run has no failpoint directory"
-        armed, reached = self.failpoints / point, self.failpoints / f"{point}.reached"
-        armed.write_text("")
-        try:
-            holder = int(self._until(lambda: reached.exists() and reached.read_text().strip(),
-                                     f"failpoint {point} reached"))
-            entry = registration(self.run_dir, replica)
-            group = process_group_members(entry["pid"]) if entry is not None else []
-            cell = self._kill(name, replica, target)
-            # the process held there: trainer rank 0 (push.paused, push.report) or a worker of the replica
-            cell["holder"], cell["holder_in_replica"] = holder, holder in group
-            return cell
-        finally:
-            armed.unlink()
-
     def _kill_at_failpoint(self, name: str, replica: int, point: str,
                            target: Callable[[int], int] | None) -> dict[str, Any]:
         """A kill at an exact moment of a push, with nobody held: arm failpoint `point` with `kill <pid>`
@@ -192,7 +133,7 @@ class FaultInjector(threading.Thread):
         assert self.failpoints is not None, "the run has no failpoint directory"
         entry = registration(self.run_dir, replica)
         assert entry is not None, f"{name}: replica {replica} is not registered"
-        pid, server = entry["pid"], self._server_of(entry)
+        server = self._server_of(entry)
         group = process_group_members(server)
         expected = self._core(server) if target is None else target(server)
         armed, reached = self.failpoints / point, self.failpoints / f"{point}.reached"
@@ -202,10 +143,9 @@ class FaultInjector(threading.Thread):
                                         f"failpoint {point} passed"))
         victim = record["engine_core"] if target is None else record["victim"]
         assert victim == expected and record.get("killed", True), (name, expected, record)
-        cell = {"replica": replica, "pid": pid, "server": server, "killed_url": entry["url"], "victim": victim,
-                "kill": time.monotonic() - (time.time() - record["time"]), "step": len(self._records()),
-                "holder": record["pid"], "holder_in_replica": record["pid"] in group}
-        self.cells[name] = cell
+        cell = self._cell(name, replica, entry, server, victim, time.monotonic() - (time.time() - record["time"]),
+                          len(self._records()))
+        cell["holder"], cell["holder_in_replica"] = record["pid"], record["pid"] in group
         return cell
 
     def _kill(self, name: str, replica: int, target: Callable[[int], int], step: int | None = None,
@@ -213,25 +153,25 @@ class FaultInjector(threading.Thread):
         """Send `sig` to `target(server)` (server: the replica's vLLM server, its process group's leader)."""
         entry = registration(self.run_dir, replica)
         assert entry is not None, f"{name}: replica {replica} is not registered"
-        pid, server = entry["pid"], self._server_of(entry)
+        server = self._server_of(entry)
         victim = target(server)
         os.kill(victim, sig)
-        cell = {"replica": replica, "pid": pid, "server": server, "killed_url": entry["url"], "victim": victim,
-                "kill": time.monotonic(),
-                "step": len(self._records()) if step is None else step}
+        return self._cell(name, replica, entry, server, victim, time.monotonic(),
+                          len(self._records()) if step is None else step)
+
+    def _cell(self, name: str, replica: int, entry: dict[str, Any], server: int, victim: int, kill: float,
+              step: int) -> dict[str, Any]:
+        """Cell `name`'s record of a kill (the class docstring's keys), kept in `cells`; `server` was looked up
+        before the kill (a killed server is no longer found by another launcher's `_server_of`)."""
+        cell = {"replica": replica, "pid": entry["pid"], "server": server, "killed_url": entry["url"],
+                "victim": victim, "kill": kill, "step": step}
         self.cells[name] = cell
         return cell
 
-    def _recover(self, cell: dict[str, Any], out_after: int) -> None:
-        """After a kill: wait until the replica is registered again; meanwhile the times the watcher removed the
-        registration and the replica's process group died are taken. With `HOLD_TRAINER` the trainer is held once a
-        push at or after step `out_after` went on without the replica (so that the run does not end first), until
-        then.
-
-        The hold is a SIGSTOP of the trainer ranks, sent at once (a run with the default 120 s push bound; one whose
-        bound is shorter than a restart would find it spent when continued mid-push)."""
+    def _recover(self, cell: dict[str, Any]) -> None:
+        """After a kill: wait until the replica is registered again, the trainer training on meanwhile; the times the
+        watcher removed the registration and the replica's process group died are taken as well."""
         replica, pid, server = cell["replica"], cell["pid"], cell["server"]
-        held: list[int] = []
 
         def watch() -> bool:
             now = time.monotonic()
@@ -239,29 +179,17 @@ class FaultInjector(threading.Thread):
                 cell["gone"] = now
             if "group" not in cell and not process_group_members(server):
                 cell["group"] = now
-            if self.HOLD_TRAINER and not held and any(r["step"] >= out_after and str(replica) not in
-                                                      (r.get("sync/served_versions") or {str(replica): 0})
-                                                      for r in self._records()):
-                held.extend(self._trainer_pids())
-                for p in held:
-                    signal_quietly(p, signal.SIGSTOP)
-                cell["held"] = time.monotonic()
             entry = registration(self.run_dir, replica)
-            if (held or not self.HOLD_TRAINER) and entry is not None and entry["pid"] != pid and "gone" in cell \
-                    and "group" in cell:
+            if entry is not None and entry["pid"] != pid and "gone" in cell and "group" in cell:
                 cell["back"], cell["new_pid"], cell["url"] = now, entry["pid"], entry["url"]
                 cell["back_step"] = len(self._records())  # the step under way as it registered
                 return True
             return False
 
-        try:
-            self._until(watch, f"replica {replica} registered again")
-            cell["log_at_back"] = self._log_end(replica)
-            if "checks" in cell:
-                cell["checks"](registration(self.run_dir, replica))
-        finally:
-            for p in held:
-                signal_quietly(p, signal.SIGCONT)
+        self._until(watch, f"replica {replica} registered again")
+        cell["log_at_back"] = self._log_end(replica)
+        if "checks" in cell:
+            cell["checks"](registration(self.run_dir, replica))
 
     def _unhealthy(self, cell: dict[str, Any]) -> tuple[int, str] | None:
         """The replica's `/health` answer (status, body) if it is not 200 now ((0, why) if it did not answer); None

@@ -100,12 +100,12 @@ class _Faults(FaultInjector):
         self._tail(0, self._log_end(0), b"POST /inference/v1/generate")
         a = self._kill("A", 0, lambda pid: pid)
         a["checks"] = self._new_incarnation(a)
-        self._recover(a, a["step"])
+        self._recover(a)
 
         # D: the new incarnation killed at its first push (the full one), right after it opened it
         self._tail(0, a["log_at_back"], b"POST /start_weight_update")
         d = self._kill("D", 0, lambda pid: pid)
-        self._recover(d, d["step"])
+        self._recover(d)
         d["rejoined"] = self._rejoined(0, d["step"])
 
         # C: replica 0's engine core killed during a held-out evaluation (the first eval step from here on: its
@@ -115,23 +115,23 @@ class _Faults(FaultInjector):
         self._until(lambda: len(self._records()) >= step, f"step {step - 1} written")
         time.sleep(0.1)
         c = self._kill("C", 0, self._core, step=step)
-        self._recover(c, step)
+        self._recover(c)
         c["rejoined"] = self._rejoined(0, step)
 
         # B: replica 1's engine core killed mid-push, right after it opened the push
         self._tail(1, self._log_end(1), b"POST /start_weight_update")
         b = self._kill("B", 1, self._core)
-        self._recover(b, b["step"])
+        self._recover(b)
         b["rejoined"] = self._rejoined(1, b["step"])
 
         # P: replica 1's API server killed while it is paused for a push, before its update is opened
         p = self._kill_at_failpoint("P", 1, "push.paused.replica1", lambda pid: pid)
-        self._recover(p, p["step"])
+        self._recover(p)
         p["rejoined"] = self._rejoined(1, p["step"])
 
         # R: replica 1's engine core killed once its workers have loaded a push, before its report is read
         r = self._kill_at_failpoint("R", 1, "push.report.replica1", self._core)
-        self._recover(r, r["step"])
+        self._recover(r)
         r["rejoined"] = self._rejoined(1, r["step"])
 
         # G: replica 0's engine core stopped (hung, never continued) as it starts generating: right after the push
@@ -148,12 +148,12 @@ class _Faults(FaultInjector):
         assert g["step"] == step, (step, g)
         g["status"], g["why"] = self._until(lambda: self._unhealthy(g), "replica 0's /health failing", every_s=0.1)
         g["unhealthy"] = time.monotonic() - g["kill"]
-        self._recover(g, g["step"])
+        self._recover(g)
         g["rejoined"] = self._rejoined(0, g["step"])
 
         # L: replica 1's engine core killed while its worker loads a received push (by the worker, at its failpoint)
         ld = self._kill_at_failpoint("L", 1, "push.loading.replica1", None)
-        self._recover(ld, ld["step"])
+        self._recover(ld)
         ld["rejoined"] = self._rejoined(1, ld["step"])
 
 
@@ -174,8 +174,7 @@ def test_fault_matrix_under_megarl_train(tmp_path: Path, capfd: pytest.CaptureFi
         f"data.prompts_per_step={PROMPTS}",
         f"rollout.samples_per_prompt={K}", f"eval.interval={EVAL_EVERY}", "eval.prompts=8", "eval.samples=4",
         "eval.max_new_tokens=32", "rollout.overlap=false"])
-    faults = _Faults(run_dir, points)
-    faults.deadline = time.monotonic() + 2700
+    faults = _Faults(run_dir, points, deadline_s=2700)
     faults.start()
     caplog.set_level(logging.WARNING, logger="megarl")
     started = time.monotonic()

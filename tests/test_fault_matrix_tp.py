@@ -75,12 +75,12 @@ class _Faults(FaultInjector):
         # E: a worker of replica 0 SIGKILLed right after the push opened on it
         self._tail(0, self._log_end(0), b"POST /start_weight_update")
         e = self._kill("E", 0, self._worker)
-        self._recover(e, e["step"])
+        self._recover(e)
         e["rejoined"] = self._rejoined(0, e["step"])
         # H: a worker of the restarted replica 0 stopped (hung) right after a later push opened on it
         self._tail(0, self._log_end(0), b"POST /start_weight_update")
         h = self._kill("H", 0, self._worker, sig=signal.SIGSTOP)
-        self._recover(h, h["step"])
+        self._recover(h)
         h["rejoined"] = self._rejoined(0, h["step"])
         if not self.generating:
             # T: replica 1's API server stopped for less than the bound as it generates after a push, then continued
@@ -94,13 +94,13 @@ class _Faults(FaultInjector):
             # S: replica 1's API server stopped for good right after a later push opened on it
             self._tail(1, self._log_end(1), b"POST /start_weight_update")
             s = self._kill("S", 1, lambda pid: pid, sig=signal.SIGSTOP)
-            self._recover(s, s["step"])
+            self._recover(s)
             s["rejoined"] = self._rejoined(1, s["step"])
             return
         # I: a worker of replica 1 stopped (hung) as it resumes generating after a push
         self._tail(1, self._log_end(1), b"POST /resume")
         i = self._kill("I", 1, self._worker, sig=signal.SIGSTOP)
-        self._recover(i, i["step"])
+        self._recover(i)
         i["rejoined"] = self._rejoined(1, i["step"])
 
 
