@@ -58,7 +58,7 @@ RECEIVE = {"keep": {"receive": "streamed"}, "recompute": {"receive": "staged", "
 # the machine is shared: if the responses still finish before the replica is paused (the poll that releases the
 # push comes too late), or one of them holds fewer than HELD_AT_LEAST tokens at the pause (the engine scheduled it
 # late), the run is inconclusive and is repeated (old weights pushed again, new responses), at most this many times
-ATTEMPTS = 4
+ATTEMPTS = 6
 # router-logit margin between the k-th and the (k+1)-th expert below which engine and transformers may pick
 # differently (fp32 with other reduction orders: logits differ by ~1e-6); such (row, layer) pairs are not compared
 ROUTE_TIE = 1e-4

@@ -348,9 +348,9 @@ class _CountingClient(LongTailClient):
 
 class _Pusher:
     """One trainer rank's weight sync into the fleet (`PartitionedWeightSync`, world of one rank), pushing the
-    checkpoint's own tensors under each new version label into replicas of tensor parallel `rollout_tp`."""
+    checkpoint's own tensors under each new version label."""
 
-    def __init__(self, urls: list[str], hf_dir: Path, kv: str, rollout_tp: int = 1) -> None:
+    def __init__(self, urls: list[str], hf_dir: Path, kv: str) -> None:
         import torch.distributed as dist
         from safetensors.torch import load_file
 
@@ -366,7 +366,7 @@ class _Pusher:
         hf = read_hf_config(hf_dir)
         tensors = load_file(str(hf_dir / "model.safetensors"))
         self.slices = [(HFSlice.whole(name, tuple(t.shape)), t) for name, t in tensors.items()]
-        self.sync = PartitionedWeightSync(0, 1, hf, [RolloutClient(u) for u in urls], rollout_tp=rollout_tp,
+        self.sync = PartitionedWeightSync(0, 1, hf, [RolloutClient(u) for u in urls], rollout_tp=1,
                                           rollout_replicas=len(urls), store_host="127.0.0.1", store_port=free_port(),
                                           bucket_bytes=int(SyncConfig().bucket_mb * 2**20), timeout_s=300,
                                           inflight=True, inflight_kv=kv)  # type: ignore[arg-type]
