@@ -13,9 +13,8 @@ pushed over part-way, are doomed by the second take after that push whatever the
 no long group, so the run's drain does not wait for one.
 
 The replica is the test's own, TP 1, not the session's TP-2 server (which also serves 1,024 positions): on the TP-2
-server the test passed on a quiet machine, but beside one busy process (load average near 30: its two workers
-all-reduce every layer) no group was aborted in two runs, while this replica aborted all four long groups beside the
-same process.
+server the test passed on a quiet machine, but beside one busy process (load average near 30) no group was aborted
+in two runs, while this replica aborted all four long groups beside the same process.
 
 Checked against independent references:
 - the engine stopped every aborted group early: the task asks for exactly 1,000 or 4 tokens per response (vLLM's
