@@ -60,7 +60,7 @@ from typing import Any
 import pytest
 
 from megarl.sync import failpoints
-from tests.dist_utils import engine_core, process_group_members
+from tests.dist_utils import engine_core, log_grows, process_group_members
 from tests.fault_injection import FaultInjector, registration, signal_quietly
 from tests.slurm_cluster import SlurmCluster
 from tests.test_slurm_failover import _rank_pids, _server_pid
@@ -123,10 +123,7 @@ class _SlurmFaults(FaultInjector):
             if len(self._records()) == push["step"] + 1:
                 log_at_stop = self._log_end(replica)
                 cell = self._kill(name, replica, self._core, sig=signal.SIGSTOP)
-                with (self.log_dir / f"vllm_replica{replica}.log").open("rb") as log:
-                    log.seek(since_push)
-                    paused = b"POST /pause" in log.read()
-                if not paused:
+                if not log_grows(self.log_dir / f"vllm_replica{replica}.log", b"POST /pause", since_push)():
                     cell["tries"], cell["log_at_stop"] = tries, log_at_stop
                     return cell
                 signal_quietly(cell["victim"], signal.SIGCONT)
