@@ -16,6 +16,7 @@ from typing import Any
 from megarl.config.load import ConfigError
 from megarl.config.schema import Config, TrainerConfig
 from megarl.models.hf_config import num_experts
+from megarl.models.layer_backend import planned_layer_spec, precision_problem
 from megarl.models.shapes import trainer_holdings
 from megarl.sync.loader_reads import RankReads
 from megarl.sync.plan import vllm_rank_slices
@@ -239,6 +240,10 @@ def check_against_model(cfg: Config, hf: dict[str, Any], cuda: bool) -> None:
             f"trainer.tp={t.tp} with a MoE model needs sequence parallel, which megatron-core's local layer spec "
             "(trainer.layer_spec=local) cannot do: use trainer.layer_spec=auto (Transformer Engine) or trainer.tp=1"
         )
+    if cuda:
+        precision = precision_problem(planned_layer_spec(t.layer_spec), t.precision)
+        if precision is not None:
+            problems.append(precision)
     if r.expert_parallel and not experts:
         problems.append("rollout.expert_parallel=true but the model is dense: set rollout.expert_parallel=false")
     if r.expert_parallel and experts and experts % r.tp:

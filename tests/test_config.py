@@ -145,8 +145,11 @@ def test_valid_layouts_pass():
     # the demo's: 32 expert columns per vLLM rank at rollout.tp=2; a GPU check also sizes the push (hidden_size)
     moe = {**TINY_MOE, "moe_intermediate_size": 64, "hidden_size": 64}
     check_against_model(validate(_cfg(trainer={"ep": 2}, rollout={"tp": 2})), moe, cuda=False)
-    check_against_model(validate(_cfg(rollout={"tp": 4})), moe, cuda=True)  # GPU vLLM does not pad this way
-    check_against_model(validate(_cfg(rollout={"tp": 4, "expert_parallel": True})), moe, cuda=True)
+    bf16 = {"precision": "bf16"}  # a GPU job on TE's spec trains in bf16 (fp32 is refused there: below)
+    check_against_model(validate(_cfg(trainer=bf16, rollout={"tp": 4, "dtype": "bfloat16"})), moe,
+                        cuda=True)  # GPU vLLM does not pad this way
+    check_against_model(validate(_cfg(trainer=bf16, rollout={"tp": 4, "expert_parallel": True, "dtype": "bfloat16"})),
+                        moe, cuda=True)
     # experts split over 2 expert-TP ranks with attention unsplit (tp 1): megatron's local spec runs it on CPU
     check_against_model(validate(_cfg(trainer={"expert_tp": 2}, rollout={"tp": 2})), moe, cuda=False)
 
@@ -156,7 +159,27 @@ def test_packed_sequences_pass_on_cpu_and_gpu():
     cfg = validate(_cfg(trainer={"pack_sequences": True}))
     check_against_model(cfg, TINY_DENSE, cuda=False)
     moe = {**TINY_MOE, "moe_intermediate_size": 64, "hidden_size": 64}  # a GPU check also sizes the push
-    check_against_model(cfg, moe, cuda=True)
+    gpu = validate(_cfg(trainer={"pack_sequences": True, "precision": "bf16"}, rollout={"dtype": "bfloat16"}))
+    check_against_model(gpu, moe, cuda=True)
+
+
+@pytest.mark.parametrize(("layer_spec", "refused"), [("auto", True), ("te", True), ("local", False)])
+def test_fp32_is_refused_with_te_on_a_gpu(layer_spec, refused):
+    """TE 2.9 attends in fp32 only with its unfused kernel, which refuses THD packing
+    (transformer_engine/pytorch/attention/dot_product_attention/utils.py:428-461, 659-662 at v2.9; the stand-in
+    `tests/te_attention_standin.py` holds the reading): a GPU job on TE's spec in fp32 is refused in one line
+    naming both fixes; the local spec (debugging) and CPU jobs keep fp32."""
+    moe = {**TINY_MOE, "moe_intermediate_size": 64, "hidden_size": 64}
+    cfg = validate(_cfg(trainer={"pack_sequences": True, "layer_spec": layer_spec}))
+    check_against_model(cfg, moe, cuda=False)  # CPU: the local spec, fp32 is the exact reference
+    if not refused:
+        check_against_model(cfg, moe, cuda=True)
+        return
+    with pytest.raises(ConfigError) as err:
+        check_against_model(cfg, moe, cuda=True)
+    [line] = [ln.strip() for ln in str(err.value).splitlines()[1:]]
+    assert line.startswith("trainer.precision=fp32 with Transformer Engine's layer spec")
+    assert "trainer.precision=bf16" in line and "trainer.layer_spec=local" in line
 
 
 @pytest.mark.parametrize(("overrides", "message"), [

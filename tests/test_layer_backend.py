@@ -5,17 +5,24 @@ functions the rank (`MegatronPolicy`) and the preflight's rank step call."""
 
 from __future__ import annotations
 
+import os
+from types import SimpleNamespace
+
 import pytest
+import torch
 
 from megarl.config.schema import Config, ModelConfig, RolloutConfig, TrainerConfig
 from megarl.models.layer_backend import (
     TRAINER_CONTAINER,
     TransformerEngineMissing,
     gpu_layer_spec_note,
+    precision_problem,
     resolve_layer_spec,
     te_installed,
 )
+from megarl.models.qwen_provider import te_fusions
 from megarl.preflight.versions import layer_spec_problems
+from tests.te_attention_standin import available_backends
 
 # (setting, cuda, te) -> the spec built, or None: refused
 TABLE = [
@@ -91,3 +98,47 @@ def test_grad_reduce_in_bf16_needs_bf16_training():
     with pytest.raises(ValueError, match="trainer.grad_reduce_in_bf16 needs trainer.precision=bf16"):
         TrainerConfig(grad_reduce_in_bf16=True)
     assert TrainerConfig(precision="bf16", grad_reduce_in_bf16=True).grad_reduce_in_bf16
+
+
+NVTE = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
+
+
+def _megatron_attention_env(monkeypatch: pytest.MonkeyPatch, backend: object) -> dict[str, str]:
+    """The NVTE_* variables megatron-core 0.16.1 itself sets for `attention_backend` when a GPTModel is built
+    (`LanguageModule._set_attention_backend`, megatron/core/models/common/language_module/language_module.py:92-126,
+    which reads only `self.config.attention_backend`), from an environment without them."""
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    for name in NVTE:
+        monkeypatch.delenv(name, raising=False)
+    LanguageModule._set_attention_backend(SimpleNamespace(config=SimpleNamespace(attention_backend=backend)))
+    return {name: os.environ[name] for name in NVTE}
+
+
+def test_te_spec_leaves_the_attention_kernel_to_transformer_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TE's spec asks megatron for `AttnBackend.auto`: every TE attention kernel stays allowed, so TE 2.9 (the
+    stand-in of its choice) finds one for a bf16 THD training call on Hopper without the `flash_attn` package (the
+    trainer image's case). A forced flash backend (the spec before) turned the fused and unfused kernels off and left
+    none there: the first forward raised "No dot product attention backend is available"."""
+    from megatron.core.transformer.enums import AttnBackend
+
+    env = _megatron_attention_env(monkeypatch, te_fusions(apex_wgrad=False)["attention_backend"])
+    assert env == dict.fromkeys(NVTE, "1")
+    hopper = dict(dtype=torch.bfloat16, qkv_format="thd", compute_capability=(9, 0))
+    assert available_backends(env, **hopper) == ["fused"]
+    assert available_backends(env, **hopper, flash_attn_v2=True) == ["flash", "fused"]
+    forced = _megatron_attention_env(monkeypatch, AttnBackend.flash)
+    assert available_backends(forced, **hopper) == []  # what the forced choice met without flash_attn
+
+
+@pytest.mark.parametrize("qkv_format", ["thd", "sbhd"])
+def test_fp32_leaves_te_only_its_unfused_kernel(qkv_format: str) -> None:
+    """Why `precision_problem` refuses fp32 on TE's spec: in fp32 TE 2.9 keeps only its unfused kernel, none with
+    THD packing (`trainer.pack_sequences`), and the unfused one keeps the [b, heads, s, s] scores `megarl plan` does
+    not count under TE; bf16 runs either way."""
+    env = dict.fromkeys(NVTE, "1")
+    fp32 = available_backends(env, torch.float32, qkv_format, (9, 0), flash_attn_v2=True)
+    assert fp32 == ([] if qkv_format == "thd" else ["unfused"])
+    assert "fused" in available_backends(env, torch.bfloat16, qkv_format, (9, 0))
+    assert precision_problem("te", "fp32") is not None
+    assert precision_problem("te", "bf16") is None and precision_problem("local", "fp32") is None

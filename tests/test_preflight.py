@@ -90,7 +90,8 @@ def test_prepare_preflight_touches_no_run(prepared: dict[str, str], earlier_run:
 def test_prepare_gpu_checks_the_layout_for_a_gpu_job(tmp_path: Path, tiny_moe_dir: Path) -> None:
     """MoE with trainer.tp 2 needs Transformer Engine: refused for this CPU machine, accepted with --gpu."""
     args = ("prepare", "--preflight", "--config", "configs/demo_moe.yaml", f"run.dir={tmp_path / 'run'}",
-            f"model.hf_dir={tiny_moe_dir}", "trainer.tp=2", "trainer.ep=1")
+            f"model.hf_dir={tiny_moe_dir}", "trainer.tp=2", "trainer.ep=1", "trainer.precision=bf16",
+            "rollout.dtype=bfloat16")  # bf16: a GPU job on TE's spec refuses fp32
     refused = _megarl(*args)
     assert refused.returncode == 2 and "trainer.tp=2 with a MoE model" in refused.stderr, refused.stderr
     accepted = _megarl(*args[:2], "--gpu", *args[2:])

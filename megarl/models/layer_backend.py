@@ -63,6 +63,20 @@ def resolve_layer_spec(setting: LayerSpecSetting, cuda: bool, te: bool) -> Layer
     return "te"
 
 
+def precision_problem(spec: LayerSpec, precision: str) -> str | None:
+    """The one line a job with Transformer Engine's layer spec (`spec`, as resolved or planned) in
+    `trainer.precision=fp32` is refused with; None where the pair runs. TE 2.9 attends in fp32 only with its unfused
+    kernel (FlashAttention and cuDNN's fused attention take fp16/bf16/fp8:
+    transformer_engine/pytorch/attention/dot_product_attention/utils.py:428-461 at v2.9), which takes no packed
+    THD sequences (utils.py:659-662: then no backend is left and the first forward raises) and keeps every
+    `[b, heads, s, s]` score matrix otherwise, which `megarl plan` does not count under TE."""
+    if spec != "te" or precision != "fp32":
+        return None
+    return ("trainer.precision=fp32 with Transformer Engine's layer spec: TE attends in fp32 only with its unfused "
+            "kernel, which refuses packed sequences and keeps every attention score matrix: set "
+            "trainer.precision=bf16 (and rollout.dtype=bfloat16), or trainer.layer_spec=local to debug in fp32")
+
+
 def planned_layer_spec(setting: LayerSpecSetting) -> LayerSpec:
     """The spec a GPU job with `setting` runs (what `megarl plan` and `megarl check --gpu` plan for, from any
     machine): TE unless `local` is asked for."""

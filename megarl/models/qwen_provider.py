@@ -32,12 +32,21 @@ def apex_wgrad_fusion_installed() -> bool:
 
 def te_fusions(apex_wgrad: bool) -> dict[str, Any]:
     """The `TransformerConfig` fast paths the TE layer spec turns on (those verl, NeMo-RL and slime set for the same
-    models): flash attention; the SwiGLU, RoPE and masked-softmax fusions; MoE token permutation fused
-    (`moe_permute_fusion`, TE >= 2.1); weight-gradient accumulation straight into megatron DDP's `main_grad`
-    buffers (`gradient_accumulation_fusion`) where Apex provides it for the output layer (`apex_wgrad`)."""
+    models): the SwiGLU, RoPE and masked-softmax fusions; MoE token permutation fused (`moe_permute_fusion`,
+    TE >= 2.1); weight-gradient accumulation straight into megatron DDP's `main_grad` buffers
+    (`gradient_accumulation_fusion`) where Apex provides it for the output layer (`apex_wgrad`).
+
+    Attention is left to Transformer Engine (`AttnBackend.auto`, megatron's default): megatron-core 0.16.1 turns
+    the backends a config does not name off through TE's opt-out variables (`LanguageModule._set_attention_backend`,
+    megatron/core/models/common/language_module/language_module.py:92-126: `flash` sets NVTE_FUSED_ATTN and
+    NVTE_UNFUSED_ATTN to 0), and TE 2.9 drops FlashAttention for fp32 and wherever the `flash_attn` package is
+    missing (transformer_engine/pytorch/attention/dot_product_attention/utils.py:428-434 and 1093-1096 at v2.9), so
+    a forced `flash` can leave no kernel ("No dot product attention backend is available",
+    dot_product_attention.py:1369-1374) and on Hopper overrides the cuDNN fused attention TE prefers. fp32 with TE
+    is refused before that (`layer_backend.precision_problem`)."""
     from megatron.core.transformer.enums import AttnBackend
 
-    return dict(attention_backend=AttnBackend.flash, bias_activation_fusion=True, apply_rope_fusion=True,
+    return dict(attention_backend=AttnBackend.auto, bias_activation_fusion=True, apply_rope_fusion=True,
                 masked_softmax_fusion=True, gradient_accumulation_fusion=apex_wgrad)
 
 

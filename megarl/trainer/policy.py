@@ -30,7 +30,7 @@ import torch.distributed as dist
 from megarl.config.schema import OptimizerConfig
 from megarl.models.hf_import import load_hf_weights
 from megarl.models.hf_slices import iter_local_hf_slices
-from megarl.models.layer_backend import resolve_layer_spec, te_installed
+from megarl.models.layer_backend import precision_problem, resolve_layer_spec, te_installed
 from megarl.models.qwen_provider import build_gpt_model, padded_vocab_size
 from megarl.parallel.fused_output_logprobs import fused_output_logprobs_entropy, resolve_kernel
 from megarl.parallel.vocab_logprobs import vocab_parallel_logprobs_entropy
@@ -171,6 +171,8 @@ class MegatronPolicy:
         self.logprob_kernel, self.precision = logprob_kernel, precision
         _check_replay_layout(routing_replay, recompute, ps.get_tensor_model_parallel_world_size())
         self.layer_spec = resolve_layer_spec(layer_spec, torch.cuda.is_available(), te_installed())
+        if (problem := precision_problem(self.layer_spec, precision)) is not None:
+            raise ValueError(problem)
         self.model = build_gpt_model(hf, ps.get_tensor_model_parallel_world_size(),
                                      ps.get_pipeline_model_parallel_world_size(),
                                      ps.get_expert_model_parallel_world_size(), params_dtype=params_dtype(precision),
