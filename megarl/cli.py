@@ -7,6 +7,7 @@
     megarl prepare --preflight [--gpu] --config FILE  the same checks, touching no run: <run.dir>/preflight/
     megarl preflight rank|serve|report --config CFG   a job whose steps check their placement instead of working
     megarl check --config FILE [--gpu] [overrides]  validate a config against its model, start nothing
+    megarl smoke --gpu [--only CHECK ...]     on one GPU node before a large job: one line per check (docs/gpu.md)
     megarl algorithms                         list registered algorithms
     megarl make-tiny DIR --kind moe|dense|qwen2|dense-tied  write a tiny random HF checkpoint with its tokenizer
     megarl plan --config FILE [--dtype bf16]  parameters and bytes per trainer / rollout rank and per sync
@@ -51,6 +52,7 @@ _DELEGATED = {
     "preflight": ("megarl.preflight.cli", "check a cluster job's placement, network, model files and GPUs: "
                                           "`megarl preflight rank|serve|report` (docs/cluster.md); an environment's "
                                           "versions against its stack's lock: `megarl preflight versions`"),
+    "smoke": ("megarl.smoke.cli", "the checks to run on one GPU node before a large job: `megarl smoke --gpu`"),
     "repro": ("megarl.repro", "re-run a source paper's central claim: `megarl repro rec-f1|rec-red|oapl-lag|"
                               "offpolicy-grpo|list`; in-flight updates still learn: `megarl repro inflight`"),
 }
