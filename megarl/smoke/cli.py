@@ -22,7 +22,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megarl.smoke.registry import run as run_checks
+    from megarl.smoke.runner import run as run_checks
 
     out = args.out or Path(tempfile.mkdtemp(prefix="megarl-smoke-"))
     out.mkdir(parents=True, exist_ok=True)

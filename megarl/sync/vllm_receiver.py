@@ -76,6 +76,7 @@ from megarl.sync import failpoints
 from megarl.sync.delta import apply, delta_target
 from megarl.sync.group_setup import free_cached_device_memory
 from megarl.sync.heartbeat import Heartbeat
+from megarl.sync.held_requests import held_counts, held_tokens
 from megarl.sync.peak_memory import PeakMemory
 from megarl.sync.received_block import ReadLog, sha256_of, wrap
 from megarl.sync.slices import HFSlice
@@ -582,14 +583,20 @@ class MegarlWorkerExtension:
 
     def megarl_held_requests(self, replica: str = "") -> dict[str, int]:
         """The output tokens each request this worker's model runner holds has now: vLLM's internal request id ->
-        `len(output_token_ids)` (the model runner appends each step's sampled tokens to them). Asked by the push's
-        lifecycle while the replica is paused in keep mode (`megarl.rollout.inflight`): then no step is in flight, so
-        these are exactly the tokens each request had when the old weights stopped. `replica` (this replica's index,
+        count, read from either model runner (`megarl.sync.held_requests.held_counts`: V1's `requests`, V2's
+        `req_states`, which a CUDA fleet runs by default; V2 leaves out requests preempted before the pause, see
+        that module). Asked by the push's lifecycle while the replica is paused in keep mode
+        (`megarl.rollout.inflight`): then no step is in flight, so these are exactly the tokens each request had when
+        the old weights stopped. `replica` (this replica's index,
         a string: vLLM's RPC route passes strings) names its failpoint `push.held.replica<i>`
         (`megarl.sync.failpoints`); "": none. Also hands the counts to the weight-transfer engine, for the loading
         failpoint's condition in this push. Never raises (see the module docstring): a model runner without that
-        state answers {}, an injected failure is logged."""
-        held = _held_by(getattr(self, "model_runner", None))
+        state answers {}, and so does one whose state cannot be read (logged), an injected failure is logged."""
+        try:
+            held = held_counts(getattr(self, "model_runner", None))
+        except Exception as err:  # noqa: BLE001 - a raising worker would desynchronise vLLM's replies
+            logger.error("megarl could not read the requests its model runner holds: %s: %s", type(err).__name__, err)
+            held = {}
         engine = getattr(self, "weight_transfer_engine", None)
         if engine is not None:
             engine.held_requests = lambda: held
@@ -626,22 +633,9 @@ class MegarlWorkerExtension:
 
     def megarl_held_tokens(self) -> dict[str, list[int]]:
         """Like `megarl_held_requests`, the output token ids themselves (tests and debugging: what a request held at
-        a pause, to check that it continued from there and was not restarted)."""
-        requests = getattr(getattr(self, "model_runner", None), "requests", None) or {}
-        return {str(req_id): [int(t) for t in getattr(state, "output_token_ids", None) or []]
-                for req_id, state in requests.items()}
-
-
-def _held_by(runner: Any) -> dict[str, int]:
-    """The output tokens of each request model runner `runner` holds (vLLM's internal request id -> count); {} for
-    a runner without that state."""
-    requests = getattr(runner, "requests", None) or {}
-    held = {}
-    for req_id, state in requests.items():
-        tokens = getattr(state, "output_token_ids", None)
-        if tokens is not None:
-            held[str(req_id)] = len(tokens)
-    return held
+        a pause, to check that it continued from there and was not restarted), from either model runner
+        (`megarl.sync.held_requests.held_tokens`)."""
+        return held_tokens(getattr(self, "model_runner", None))
 
 
 def _routing_probe(worker: MegarlWorkerExtension) -> Any:
