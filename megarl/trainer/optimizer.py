@@ -190,28 +190,54 @@ def state_bytes(optimizer: Any) -> dict[str, int]:
 SHARDED_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
 
 
+def keeps_step_per_param(inner: torch.optim.Optimizer) -> bool:
+    """Whether `inner` (a chained optimizer's `.optimizer`) keeps Adam's step count in each parameter's state:
+    torch's `Adam` / `AdamW` (`AdamW` subclasses `Adam`), which megatron-core 0.16.1 builds when neither Transformer
+    Engine nor Apex imports (`megatron/core/optimizer/__init__.py:31-34`, `:359-360`). Transformer Engine's
+    `FusedAdam`, which it builds when TE imports (`:12-16`, `:361-363`), keeps one `step` per param group instead
+    (TE 2.9 `transformer_engine/pytorch/optimizers/fused_adam.py:497-504`) and refuses any per-parameter state key but
+    `exp_avg`, `exp_avg_sq` and `master_param` (its `name_to_dtype_map`, `:191-195`, read by `state_dict`, `:434-440`),
+    as does megatron's distributed optimizer reading it (`distrib_optimizer.py:654-666` reads the group's step)."""
+    return isinstance(inner, torch.optim.Adam)
+
+
 def init_adam_state(optimizer: Any) -> None:
-    """Give every parameter without Adam state (a fresh optimizer) zero moments and step 0, as torch's AdamW would
-    on its first step: megatron's sharded state dict describes the state tensors that exist, and its distributed
-    optimizer without TE / Apex asserts one common `step`. A no-op once the optimizer has stepped."""
+    """Give every parameter without Adam state (a fresh optimizer) the state megatron itself creates before a
+    checkpoint load: each chained optimizer's own `init_state_fn(inner_optimizer, config)`, the function
+    `get_megatron_optimizer` builds beside the Adam it chose (`megatron/core/optimizer/__init__.py:391-399`: zero
+    `exp_avg` / `exp_avg_sq`, or the optimizer's own `initialize_state` with the precision-aware optimizer) and
+    calls so in `Float16OptimizerWithFloat16Params.sharded_state_dict` / `FP32Optimizer.sharded_state_dict` when
+    loading (`optimizer.py:807-808`, `:1018-1019`). megatron's `DistributedOptimizer.sharded_state_dict` does not
+    call it (`distrib_optimizer.py:1246-1268`) but reads every parameter's state, on save and on load
+    (`_get_main_param_and_optimizer_states`, `:906-908`, for `get_parameter_state_dp_zero`, `:1061-1070`), so megarl
+    calls it for every optimizer, before a save of a fresh optimizer too.
+
+    On torch's Adam / AdamW only (`keeps_step_per_param`), each fresh state also gets `step` 0 as torch's AdamW
+    would on its first step: megatron's distributed optimizer on torch asserts one common per-parameter `step`
+    (`distrib_optimizer.py:640-643`), and torch's `AdamW.step` reads it. Transformer Engine's `FusedAdam` gets no
+    per-parameter `step` (its `state_dict` would raise KeyError 'step'). A no-op once the optimizer has stepped."""
     for sub in _chained(optimizer):
-        if sub.optimizer is None:
+        if sub.optimizer is None or sub.init_state_fn is None:
             continue
-        for group in sub.optimizer.param_groups:
-            for param in group["params"]:
-                state = sub.optimizer.state[param]
-                if not state:
-                    state.update(exp_avg=torch.zeros_like(param), exp_avg_sq=torch.zeros_like(param),
-                                 step=torch.tensor(0.0))
+        fresh = [p for group in sub.optimizer.param_groups for p in group["params"] if not sub.optimizer.state[p]]
+        sub.init_state_fn(sub.optimizer, sub.config)
+        if keeps_step_per_param(sub.optimizer):
+            for param in fresh:
+                sub.optimizer.state[param]["step"] = torch.tensor(0.0)
 
 
 def unshare_adam_steps(optimizer: Any) -> None:
-    """After megatron's `load_state_dict` of a sharded optimizer state: without TE / Apex, megatron-core 0.16.1's
-    distributed optimizer gives every parameter's state the *same* `step` tensor, which torch's AdamW then
-    increments in place once per parameter (the bias corrections of the next step go wrong). One tensor each."""
-    for _, _, state in adam_states(optimizer):
-        if torch.is_tensor(state.get("step")):
-            state["step"] = state["step"].clone()
+    """After megatron's `load_state_dict` of a sharded optimizer state on torch's Adam / AdamW: megatron-core
+    0.16.1's distributed optimizer then gives every parameter's state the *same* `step` tensor
+    (`distrib_optimizer.py:818-825`), which torch's AdamW increments in place once per parameter (the bias
+    corrections of the next step go wrong). One tensor each. Transformer Engine's `FusedAdam` keeps its step in
+    the param groups (restored from the checkpoint's groups, `distrib_optimizer.py:838-841`): nothing to do."""
+    for sub in _chained(optimizer):
+        if sub.optimizer is None or not keeps_step_per_param(sub.optimizer):
+            continue
+        for state in sub.optimizer.state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
 
 
 def optimizer_state(optimizer: Any, setting: dict[str, Any]) -> dict[str, Any]:
