@@ -46,7 +46,8 @@ import torch
 PRECISIONS = ("fp32", "bf16")
 # name -> the `MegatronPolicy` options of one row: each GPU-step change on (a row) against its base row (`bf16`)
 VARIANTS: dict[str, dict[str, Any]] = {
-    "fp32": {"precision": "fp32"},
+    # TE's spec refuses fp32 (`layer_backend.precision_problem`): the fp32 reference runs megatron's local spec
+    "fp32": {"precision": "fp32", "layer_spec": "local"},
     "bf16": {"precision": "bf16"},
     "bf16+compiled-logprob": {"precision": "bf16", "logprob_kernel": "compiled"},  # trainer.logprob_kernel
     "bf16+bf16-grads": {"precision": "bf16", "grad_reduce_in_bf16": True},  # trainer.grad_reduce_in_bf16
