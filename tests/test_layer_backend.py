@@ -142,3 +142,18 @@ def test_fp32_leaves_te_only_its_unfused_kernel(qkv_format: str) -> None:
     assert "fused" in available_backends(env, torch.bfloat16, qkv_format, (9, 0))
     assert precision_problem("te", "fp32") is not None
     assert precision_problem("te", "bf16") is None and precision_problem("local", "fp32") is None
+
+
+@pytest.mark.parametrize(("cuda", "te", "precision", "setting"), [
+    (False, False, "fp32", "auto"), (False, False, "bf16", "auto"),  # CPU: auto is the local spec
+    (True, False, "bf16", "local"), (True, True, "bf16", "auto"),
+    (True, True, "fp32", "local"),  # TE's spec refuses fp32: the fp32 references run the local spec
+])
+def test_benchmarks_and_gpu_tests_ask_for_a_spec_their_precision_runs_on(monkeypatch: pytest.MonkeyPatch, cuda: bool,
+                                                                        te: bool, precision: str, setting: str):
+    import megarl.models.layer_backend as layer_backend
+
+    monkeypatch.setattr(layer_backend, "te_installed", lambda: te)
+    assert layer_backend.bench_layer_spec(cuda, precision) == setting
+    built = resolve_layer_spec(setting, cuda, te)
+    assert precision_problem(built, precision) is None

@@ -106,7 +106,8 @@ def _megatron_rank(rank, world, hf_dir, layout, clip, port, options=None):
     try:
         hf = read_hf_config(hf_dir)
         # MegatronPolicy's DDP / optimizer settings; a GPU without TE builds the local spec, asked for explicitly
-        options = {"layer_spec": bench_layer_spec(torch.cuda.is_available()), **(options or {})}
+        options = {"layer_spec": bench_layer_spec(torch.cuda.is_available(), (options or {}).get("precision", "fp32")),
+                   **(options or {})}
         policy = MegatronPolicy(hf_dir, hf, _optimizer(clip), **options)
         tokens, targets, mask, weights = _batch(hf["vocab_size"])
         lp, ent = policy.compute_logprobs(tokens, targets, micro=3)  # 2 uneven microbatches

@@ -74,7 +74,7 @@ def _policy(hf_dir: Any, hf: dict[str, Any]) -> Any:
     from megarl.models.layer_backend import bench_layer_spec
     from megarl.trainer.policy import MegatronPolicy
 
-    spec = bench_layer_spec(torch.cuda.is_available())  # the local spec on a GPU without TE, asked for explicitly
+    spec = bench_layer_spec(torch.cuda.is_available(), "bf16")  # local on a GPU without TE, asked for explicitly
     return MegatronPolicy(hf_dir, hf, OPTIM, distributed_optimizer=True, precision="bf16", layer_spec=spec)
 
 

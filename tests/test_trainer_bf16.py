@@ -85,7 +85,7 @@ def _bf16_rank(rank, world, hf_dir, port, root):
     init_trainer_groups(TrainerLayout(), rank, world, "127.0.0.1", port)
     try:
         hf = read_hf_config(hf_dir)
-        spec = bench_layer_spec(torch.cuda.is_available())  # a GPU without TE: the local spec, asked for explicitly
+        spec = bench_layer_spec(torch.cuda.is_available(), "bf16")  # a GPU without TE: local, asked for explicitly
         policy = MegatronPolicy(hf_dir, hf, OPTIM, distributed_optimizer=True, precision="bf16", layer_spec=spec)
         out = {"dtypes": sorted({str(p.dtype) for p in policy.model.parameters()})}
         probe = _batch(hf["vocab_size"], 0)

@@ -46,8 +46,7 @@ import torch
 PRECISIONS = ("fp32", "bf16")
 # name -> the `MegatronPolicy` options of one row: each GPU-step change on (a row) against its base row (`bf16`)
 VARIANTS: dict[str, dict[str, Any]] = {
-    # TE's spec refuses fp32 (`layer_backend.precision_problem`): the fp32 reference runs megatron's local spec
-    "fp32": {"precision": "fp32", "layer_spec": "local"},
+    "fp32": {"precision": "fp32"},
     "bf16": {"precision": "bf16"},
     "bf16+compiled-logprob": {"precision": "bf16", "logprob_kernel": "compiled"},  # trainer.logprob_kernel
     "bf16+bf16-grads": {"precision": "bf16", "grad_reduce_in_bf16": True},  # trainer.grad_reduce_in_bf16
@@ -169,7 +168,8 @@ def _rank_main(rank: int, port: int, hf_dir: Path, cfg: TrainerBenchConfig,
         mbs = _microbatches(cfg, rank)
         for variant in variants:
             # a variant's own layer spec, else `auto`, or on a GPU without TE `local` (the row's `layer_spec` says)
-            options = {"layer_spec": bench_layer_spec(torch.cuda.is_available()), **VARIANTS[variant]}
+            options = {"layer_spec": bench_layer_spec(torch.cuda.is_available(), VARIANTS[variant]["precision"]),
+                       **VARIANTS[variant]}
             try:
                 policy = MegatronPolicy(hf_dir, hf, OptimizerConfig(lr=1e-5),
                                         distributed_optimizer=cfg.distributed_optimizer and cfg.world > 1, **options)

@@ -92,7 +92,8 @@ def gpu_layer_spec_note(setting: LayerSpecSetting) -> str:
             "per expert; the memory plan counts the attention scores)")
 
 
-def bench_layer_spec(cuda: bool) -> LayerSpecSetting:
-    """The setting benchmarks and GPU tests build with here: `auto`, except on a GPU without Transformer Engine,
-    where they ask for `local` explicitly (and say so) instead of being refused."""
-    return "local" if cuda and not te_installed() else "auto"
+def bench_layer_spec(cuda: bool, precision: str = "fp32") -> LayerSpecSetting:
+    """The setting benchmarks, GPU tests and `megarl smoke` build a `precision` policy with here: `auto`, except on a
+    GPU without Transformer Engine, or in fp32 (which TE's spec refuses: `precision_problem`), where they ask for
+    `local` explicitly (and say so) instead of being refused."""
+    return "local" if cuda and (not te_installed() or precision == "fp32") else "auto"

@@ -95,7 +95,7 @@ def checkpoint_round_trip(work: Path) -> str:
 
     hf_dir = make_tiny_checkpoint(work / "tiny_moe", kind="moe")
     hf = read_hf_config(hf_dir)
-    spec = bench_layer_spec(torch.cuda.is_available())
+    spec = bench_layer_spec(torch.cuda.is_available(), "bf16")
 
     def policy() -> Any:
         return MegatronPolicy(hf_dir, hf, OPTIM, distributed_optimizer=True, precision="bf16", layer_spec=spec)
