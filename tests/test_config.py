@@ -192,6 +192,18 @@ def test_inflight_refuses_what_cannot_take_partial_rollouts(overrides, message):
     load_config(None, ["model.hf_dir=/tmp/unused", *overrides])  # the same settings without in-flight updates
 
 
+def test_routing_replay_across_a_recompute_push_is_refused():
+    """With sync.inflight_kv=recompute the engine samples the tokens after a push over a prefix re-routed under the
+    new weights but returns the old routes (megarl/trainer/routing_replay.py): refused, keep mode accepted."""
+    replay = ["model.hf_dir=/tmp/unused", "sync.inflight=true", "trainer.routing_replay=true",
+              "rollout.return_routed_experts=true"]
+    with pytest.raises(ConfigError, match=r"trainer\.routing_replay=true with sync\.inflight_kv=recompute: .* set "
+                                          r"sync\.inflight_kv=keep"):
+        load_config(None, replay)  # recompute is the default
+    load_config(None, [*replay, "sync.inflight_kv=keep"])
+    load_config(None, [*replay[:1], *replay[2:]])  # replay without in-flight pushes
+
+
 def test_min_new_tokens_above_max_new_tokens_is_named():
     with pytest.raises(ConfigError, match=r"rollout.min_new_tokens=9 exceeds rollout.max_new_tokens=8"):
         load_config(None, ["model.hf_dir=/tmp/unused", "rollout.max_new_tokens=8", "rollout.min_new_tokens=9"])

@@ -631,7 +631,7 @@ class AlgorithmConfig(_Strict):
     max_token_lag: int | None = Field(
         None, ge=0, description="Staleness bound of in-flight weight updates: the most policy versions a trained "
         "token may lag the trainer (trainer version - the version that sampled it). None (default): the schedule's "
-        "own maximum lag, sync.interval + sync.offset - 1 (`megarl.algorithms.versions.token_lag_bound`). The rollout "
+        "own maximum lag, sync.interval + sync.offset - 1 (`megarl.schedule.VersionClock.bound`). The rollout "
         "side drops, and counts, a group whose oldest token would exceed it; the trainer refuses a batch holding one "
         "(an error: nothing upstream may let it through). Also the last lag of the token_lag/* metrics.",
     )
@@ -920,4 +920,10 @@ class Config(_Strict):
             raise ValueError("trainer.routing_replay=true replays the experts the fleet routed each token to, and "
                              "the fleet returns none: set rollout.return_routed_experts=true (GPU fleets) or "
                              "trainer.routing_replay=false")
+        if t.routing_replay and self.sync.inflight and self.sync.inflight_kv == "recompute":
+            raise ValueError("trainer.routing_replay=true with sync.inflight_kv=recompute: after a push the engine "
+                             "re-routes the held prefix under the new weights and samples the next tokens over it, "
+                             "but returns the prefix's old routes, so one trainer forward cannot replay what sampled "
+                             "every token (megarl/trainer/routing_replay.py): set sync.inflight_kv=keep (the replayed "
+                             "routes are then exactly the engine's), or trainer.routing_replay=false")
         return self

@@ -24,8 +24,9 @@ vLLM's capture point on the CPU fleet by tests/test_inflight_push.py, where the 
 (a held request aborted and its prompt + output resubmitted, as verl does) must not concatenate the second
 request's re-prefill rows to the first's (verl PRs 6029/6046): `join_continued_routes` keeps each row once.
 What one trainer forward cannot replay: with `recompute`, the tokens after the push were sampled over the prefix as
-the new weights route it, while the prefix rows replayed are the old weights' (the ones its own tokens came from);
-with `keep` the replayed rows are exactly what the engine computed for every token.
+the new weights route it, while the prefix rows replayed are the old weights' (the ones its own tokens came from), so
+the config refuses replay with `sync.inflight_kv=recompute` (`megarl.config.schema`); with `keep` the replayed rows
+are exactly what the engine computed for every token.
 """
 
 from __future__ import annotations
