@@ -190,13 +190,13 @@ class Checkpoint:
 
     def load_sharded(self, sharded_state: dict[str, Any]) -> dict[str, Any]:
         """Collective: `sharded_state` (`MegatronPolicy.sharded_state_dict(is_loading=True)`, at this run's layout)
-        filled from `model_optim/`, resharded from the saving layout."""
-        from megatron.core import dist_checkpointing
-
+        filled from `model_optim/`, resharded from the saving layout, whichever layer spec saved it
+        (`megarl.models.spec_keys`: a GPU job's Transformer Engine spec, a CPU job's local spec)."""
+        from megarl.models.spec_keys import load_across_specs
         from megarl.parallel.cpu_compat import apply_dist_ckpt_compat
 
         apply_dist_ckpt_compat()
-        return dist_checkpointing.load(sharded_state, str(self.path / SHARDED_DIR))
+        return load_across_specs(sharded_state, self.path / SHARDED_DIR)
 
     def loop_state(self) -> dict[str, Any]:
         return torch.load(self.path / "loop.pt", map_location="cpu", weights_only=False)

@@ -248,15 +248,19 @@ def _build(model_dir: Path, hf: dict[str, Any], tp: int, pp: int, ep: int, exper
 
 def _load_sharded_model(directory: Path, model_dir: Path, hf: dict[str, Any], tp: int, pp: int, ep: int,
                         expert_tp: int) -> torch.nn.Module:
-    """Collective over the exporter's ranks: the model part of megatron's distributed checkpoint `directory`."""
-    from megatron.core import dist_checkpointing
+    """Collective over the exporter's ranks: the model part of megatron's distributed checkpoint `directory`,
+    saved on either layer spec (`megarl.models.spec_keys`: the 30B recipe's GPU job saves Transformer Engine's
+    MoE norm names, export builds the local spec)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from megarl.models.spec_keys import load_across_specs
 
     precision = json.loads((directory.parent / "meta.json").read_text()).get("precision", "fp32")
     model = _build(model_dir, hf, tp, pp, ep, expert_tp, torch.bfloat16 if precision == "bf16" else torch.float32)
     try:
-        state = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(directory))
+        state = load_across_specs({"model": model.sharded_state_dict()}, directory)
         model.load_state_dict(state["model"], strict=True)
-    except Exception as err:  # noqa: BLE001 - megatron raises several kinds for a model that does not fit
+    except (Exception, CheckpointException) as err:  # noqa: BLE001 - several kinds (torch's: a BaseException)
         raise ExportError(f"{directory} does not fit the model built from {model_dir}/config.json at tp={tp} "
                           f"pp={pp} ep={ep} (wrong --model-dir?): {type(err).__name__}: {err}") from None
     return model

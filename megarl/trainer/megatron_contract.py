@@ -52,6 +52,7 @@ _QWEN = "megarl/models/qwen_provider.py"
 _COMPAT = "megarl/parallel/cpu_compat.py"
 _CKPT = "megarl/checkpoint.py"
 _REPLAY = "megarl/trainer/routing_replay.py"
+_SPEC_KEYS = "megarl/models/spec_keys.py"
 _DO = "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer"
 
 # every TransformerConfig field megarl sets (qwen_provider.transformer_config_from_hf, te_fusions, local_fusions,
@@ -180,6 +181,30 @@ CONTRACT: tuple[Entry, ...] = (
     Entry(_CKPT, "megatron.core.dist_checkpointing.strategies.torch.TorchDistSaveShardedStrategy.__init__",
           "parameters", ("backend", "version", "thread_count"),
           "megatron/core/dist_checkpointing/strategies/torch.py:597-641"),
+    # ---- checkpoints across layer specs (megarl/models/spec_keys.py): the sharded key maps it relies on ----------
+    Entry(_SPEC_KEYS, "megatron.core.models.gpt.gpt_layer_specs.get_gpt_layer_local_spec", "source",
+          ('"input_layernorm.": "self_attention.linear_qkv.layer_norm_"',
+           '"pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"'),
+          "megatron/core/models/gpt/gpt_layer_specs.py:306-422"),
+    Entry(_SPEC_KEYS, "megatron.core.models.gpt.gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec", "source",
+          ("linear_qkv=backend.column_parallel_layer_norm_linear()",
+           "pre_mlp_layernorm=backend.layer_norm() if num_experts else IdentityOp",
+           '"mlp.0.weight": "mlp.linear_fc1.layer_norm_weight"'),
+          "megatron/core/models/gpt/gpt_layer_specs.py:171-303"),
+    Entry(_SPEC_KEYS, "megatron.core.transformer.transformer_layer.TransformerLayer.sharded_state_dict", "source",
+          ("sharded_state_dict_keys_map", "apply_prefix_mapping(sharded_state_dict, prefixed_map)"),
+          "megatron/core/transformer/transformer_layer.py:837-858"),
+    Entry(_SPEC_KEYS, "megatron.core.transformer.moe.experts.TEGroupedMLP.sharded_state_dict", "source",
+          ("replace_prefix_for_sharding(sub_sd, f'{name}.', f'{prefix}experts.{name}.')",),
+          "megatron/core/transformer/moe/experts.py:768-806"),
+    Entry(_SPEC_KEYS, "megatron.core.transformer.moe.experts.SequentialMLP.sharded_state_dict", "source",
+          ("expert_sharded_prefix = f'{prefix}experts.'",), "megatron/core/transformer/moe/experts.py:935-976"),
+    Entry(_SPEC_KEYS, "megatron.core.dist_checkpointing.serialization.load_sharded_metadata", "parameters",
+          ("checkpoint_dir",), "megatron/core/dist_checkpointing/serialization.py:227-267"),
+    Entry(_SPEC_KEYS, "megatron.core.dist_checkpointing.dict_utils.nested_values", "parameters", ("x",),
+          "megatron/core/dist_checkpointing/dict_utils.py:166-173"),
+    Entry(_SPEC_KEYS, "megatron.core.dist_checkpointing.dict_utils.merge", "parameters", ("x1", "x2"),
+          "megatron/core/dist_checkpointing/dict_utils.py:220-241"),
     # ---- the model (megarl/models/qwen_provider.py) -----------------------------------------------------------
     Entry(_QWEN, "megatron.core.transformer.TransformerConfig", "fields", TRANSFORMER_CONFIG_FIELDS,
           "megatron/core/transformer/transformer_config.py:33-2002"),
