@@ -22,6 +22,7 @@ The expected counts and ids are the tokens the test put in, never megarl's own o
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -152,3 +153,62 @@ def test_routing_probe_refuses_the_v2_runner_naming_it(v2_state: Any) -> None:
     v2_runner = r"vllm\.v1\.worker\.gpu\.model_runner\.GPUModelRunner"
     with pytest.raises(RuntimeError, match=r"V1 model runner only.*" + v2_runner):
         RoutingProbe().install(_v2_runner(v2_state))
+
+
+def test_v2_runner_frees_a_preempted_request_the_api_server_still_counts(v2_state: Any) -> None:
+    """The V2 runner's gap and its fix, on vLLM's own objects. Two requests decode two steps each, written into a V2
+    `RequestState` (as the post-update kernel writes them) and fed, as the engine core sends them
+    (`EngineCoreOutput`), to vLLM's real `OutputProcessor` (what a replica's API server holds,
+    `megarl.rollout.held_served`); then the scheduler preempts b (KV-cache pressure) and a decodes once more. vLLM's
+    own `GPUModelRunner.finish_requests` (`vllm/v1/worker/gpu/model_runner.py:1152-1164`) frees b's row, so the
+    runner's count (what megarl read before: `megarl_held_requests()`) has no b, though b holds two old-version
+    tokens; the API server's count has it, and the worker RPC given that count (as megarl's middleware gives it)
+    counts b. Fails on the code before (no `served` argument, no `megarl.rollout.held_served`)."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.engine import EngineCoreOutput, EngineCoreRequest
+    from vllm.v1.engine.output_processor import OutputProcessor
+    from vllm.v1.worker.gpu.lora_utils import LoraState
+    from vllm.v1.worker.gpu.model_states.default import DefaultModelState
+
+    from megarl.rollout.held_served import served_counts
+
+    prompts = {"a-0": [11, 12, 13], "b-0": [21, 22]}
+    processor = OutputProcessor(None, log_stats=False)  # no tokenizer: vLLM's counting detokenizer
+    for rid, prompt in prompts.items():
+        processor.add_request(EngineCoreRequest(
+            request_id=rid, prompt_token_ids=prompt, mm_features=None, sampling_params=SamplingParams(max_tokens=8),
+            pooling_params=None, arrival_time=0.0, lora_request=None, cache_salt=None, data_parallel_rank=None,
+            external_req_id=rid.split("-")[0]), prompt=None)
+        v2_state.add_request(rid, prompt_len=len(prompt), all_token_ids=prompt, num_computed_tokens=0, max_tokens=8)
+    _apply_staged(v2_state.total_len, v2_state.all_token_ids)
+
+    def step(sampled: dict[str, list[int]]) -> None:
+        for req_id, tokens in sampled.items():
+            row = v2_state.req_id_to_index[req_id]
+            total = int(v2_state.total_len.gpu[row])
+            v2_state.all_token_ids.stage_write(row, total, tokens)
+            v2_state.total_len.stage_write_elem(row, total + len(tokens))
+        _apply_staged(v2_state.total_len, v2_state.all_token_ids)
+        processor.process_outputs([EngineCoreOutput(request_id=r, new_token_ids=t) for r, t in sampled.items()])
+
+    runner = _v2_runner(v2_state)  # what finish_requests reaches besides req_states, as vLLM sets it for a plain
+    runner.model_state = object.__new__(DefaultModelState)  # text model: no prompt embeddings, no pooling, no PP,
+    runner.model_state.prompt_embeds_state = None  # no encoder cache, no prompt logprobs, no LoRA request
+    runner.lora_state = LoraState(max_num_reqs=4)
+    runner.pooling_runner = runner.pp_handler = runner.encoder_cache = runner.prompt_logprobs_worker = None
+
+    step({"a-0": [41], "b-0": [51]})
+    step({"a-0": [42], "b-0": [52]})
+    preempting = SchedulerOutput.make_empty()
+    preempting.preempted_req_ids = {"b-0"}
+    runner.finish_requests(preempting)  # vLLM's own: b's row is freed
+    step({"a-0": [43]})
+
+    worker = _worker(runner)
+    assert worker.megarl_held_requests() == {"a-0": 3}  # the runner alone: b is gone
+    served = served_counts(processor)
+    assert served == {"a-0": 3, "b-0": 2}
+    assert processor.request_states["b-0"].detokenizer.output_token_ids == [51, 52]
+    assert worker.megarl_held_requests("", json.dumps(served)) == {"a-0": 3, "b-0": 2}
+    assert worker.megarl_held_requests("", "not json") == {"a-0": 3}  # unreadable: the runner's, logged

@@ -41,6 +41,7 @@ from megarl.rollout.cpu_binding import threads_bind, usable_cpus
 from megarl.rollout.engine_death import EngineDeathMiddleware
 from megarl.rollout.engine_probe import EngineProbeMiddleware
 from megarl.rollout.fleet_auth import SECRET_ENV, FleetAuthMiddleware, bearer_header, new_fleet_secret, read_secret
+from megarl.rollout.held_served import HeldRequestsMiddleware
 from megarl.sync.vllm_plugin import BACKEND_NAME
 
 if TYPE_CHECKING:
@@ -258,9 +259,11 @@ def server_command(spec: FleetSpec, port: int) -> list[str]:
     """The command line of one replica: vLLM's OpenAI-compatible server with the token-in/token-out
     routes (`--enable-scale-out`), megarl's weight-transfer backend and its worker extension, the fleet's guard
     (`megarl.rollout.fleet_auth`), the middleware that makes the server exit when its engine dies
-    (`megarl.rollout.engine_death`) and the one that fails `/health` while its engine core hangs
-    (`megarl.rollout.engine_probe`); eager or with CUDA graphs (`eager`), its context the run's longest sequence
-    (`FleetSpec.max_model_len`); the device's own flags (`_gpu_args`, `_cpu_args`)."""
+    (`megarl.rollout.engine_death`), the one that fails `/health` while its engine core hangs
+    (`megarl.rollout.engine_probe`) and the one that counts, for a push's pause, the tokens of every request the API
+    server holds, preempted ones included (`megarl.rollout.held_served`); eager or with CUDA graphs (`eager`), its
+    context the run's longest sequence (`FleetSpec.max_model_len`); the device's own flags (`_gpu_args`,
+    `_cpu_args`)."""
     length = ["--max-model-len", str(spec.max_model_len)] if spec.max_model_len else []
     slots = ["--max-num-seqs", str(spec.max_num_seqs)] if spec.max_num_seqs else []
     graphs = ["--enforce-eager"] if eager(spec) else []
@@ -273,6 +276,9 @@ def server_command(spec: FleetSpec, port: int) -> list[str]:
         "--enable-scale-out", "--seed", "0", *length, *slots, *routes, *experts, *_gpu_args(spec), *_cpu_args(spec),
         "--weight-transfer-config", json.dumps({"backend": BACKEND_NAME}),
         "--worker-extension-cls", "megarl.sync.vllm_receiver.MegarlWorkerExtension",
+        # the first is the innermost (vLLM adds each with Starlette's add_middleware, which puts it outside the
+        # earlier ones): the held counts' middleware sits behind the fleet's guard
+        "--middleware", f"{HeldRequestsMiddleware.__module__}.{HeldRequestsMiddleware.__name__}",
         "--middleware", f"{EngineProbeMiddleware.__module__}.{EngineProbeMiddleware.__name__}",
         "--middleware", f"{FleetAuthMiddleware.__module__}.{FleetAuthMiddleware.__name__}",
         "--middleware", f"{EngineDeathMiddleware.__module__}.{EngineDeathMiddleware.__name__}",

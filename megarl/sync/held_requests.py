@@ -32,11 +32,13 @@ The two keep a request's state differently, and each reader below is chosen by t
   copy to the host below is ordered on the runner's stream, the current one (`main_stream`,
   `vllm/v1/worker/gpu/model_runner.py:584-587`).
 
-  **Not exact in one case, by vLLM's design:** the V2 runner drops a *preempted* request's row (it frees the slots of
+  **Not complete alone, by vLLM's design:** the V2 runner drops a *preempted* request's row (it frees the slots of
   `preempted_req_ids` with the finished ones, `vllm/v1/worker/gpu/model_runner.py:1152-1164`), so a request that
-  vLLM preempted (KV-cache pressure) before the pause and that waits to be resumed is absent from the V2 counts,
-  while V1 counts it; its tokens live only in the engine core's scheduler, which no worker RPC reads. A push's
-  consumers treat an absent request as holding nothing (`megarl.sync.lifecycle`).
+  vLLM preempted (KV-cache pressure) before the pause and that waits to be resumed is absent from the V2 runner,
+  while V1 keeps it. Its tokens are in the engine core's scheduler, which no worker RPC reads, and in the API
+  server's output processor, which megarl reads (`megarl.rollout.held_served`): the push's count is the runner's
+  counts plus every request of the API server's that the runner does not hold (`with_served`), the same on either
+  runner.
 
 Standard library and torch only; nothing of vLLM is imported (the runner is passed in).
 """
@@ -67,6 +69,18 @@ def held_counts(runner: Any) -> dict[str, int]:
     if kind == "v1":
         return _v1_counts(runner.requests)
     return {}
+
+
+def with_served(runner_counts: dict[str, int], served: dict[str, int]) -> dict[str, int]:
+    """`runner_counts` (`held_counts`) plus each request of `served` (the API server's counts,
+    `megarl.rollout.held_served.served_held`) that the runner does not hold: on V2 a request preempted before the
+    pause (module docstring), on either runner one that has not been scheduled yet (0 tokens). Where both hold a
+    request the runner's count stands (the same number at a keep pause; a request that finished in the engine's last
+    step is held by the runner only)."""
+    merged = dict(runner_counts)
+    for req_id, tokens in served.items():
+        merged.setdefault(str(req_id), int(tokens))
+    return merged
 
 
 def held_tokens(runner: Any) -> dict[str, list[int]]:

@@ -63,6 +63,7 @@ CLIENT = "megarl/rollout/client.py"
 INFLIGHT = "megarl/rollout/inflight.py"
 ENGINE_PROBE = "megarl/rollout/engine_probe.py"
 ENGINE_DEATH = "megarl/rollout/engine_death.py"
+HELD_SERVED = "megarl/rollout/held_served.py"
 
 _WT = "vllm.distributed.weight_transfer"
 _V1 = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
@@ -72,6 +73,8 @@ _RL = "vllm/entrypoints/rl/online/api_router.py"
 # the path of megarl's worker extension and middleware, as the fleet passes them (the flags' values)
 _EXTENSION = "megarl.sync.vllm_receiver.MegarlWorkerExtension"
 _MIDDLEWARE = "megarl.rollout.engine_death.EngineDeathMiddleware"
+_OUTPUTS = "vllm.v1.engine.output_processor"
+_HELD_MIDDLEWARE = "megarl.rollout.held_served.HeldRequestsMiddleware"
 
 
 @dataclass(frozen=True)
@@ -190,6 +193,65 @@ CONTRACTS: tuple[Contract, ...] = (
              "vllm/v1/worker/gpu/input_batch.py:578-592", ("total_len + num_sampled",)),
     Contract(HELD, "vllm.v1.engine.core:EngineCore._finish_pause", "source", "vllm/v1/engine/core.py:914-919",
              ("synchronize_device",)),
+    # what tests/test_held_requests.py's V2 runner sets for vLLM's own `finish_requests` to run on it
+    Contract(HELD, f"{_V2}._remove_request", "source", "vllm/v1/worker/gpu/model_runner.py:1134-1150",
+             ("self.model_state.remove_request", "self.req_states.remove_request", "self.pooling_runner",
+              "self.pp_handler", "self.encoder_cache", "self.prompt_logprobs_worker",
+              "self.lora_state.remove_request")),
+    Contract(HELD, "vllm.v1.worker.gpu.model_states.default:DefaultModelState.remove_request", "source",
+             "vllm/v1/worker/gpu/model_states/default.py:84-86", ("self.prompt_embeds_state",)),
+    Contract(HELD, "vllm.v1.worker.gpu.lora_utils:LoraState", "params", "vllm/v1/worker/gpu/lora_utils.py:75-76",
+             ("max_num_reqs",)),
+    Contract(HELD, "vllm.v1.core.sched.output:SchedulerOutput.make_empty", "attr",
+             "vllm/v1/core/sched/output.py:316"),
+    Contract(HELD, "vllm.v1.core.sched.output:SchedulerOutput", "source", "vllm/v1/core/sched/output.py:269",
+             ("preempted_req_ids: set[str] | None",)),
+    # --- the API server's held counts (megarl/rollout/held_served.py: V2 frees a preempted request's row) ---
+    Contract(HELD_SERVED, "vllm.v1.engine.async_llm:AsyncLLM.__init__", "assigned",
+             "vllm/v1/engine/async_llm.py:171-209", ("output_processor", "engine_core", "output_handler")),
+    Contract(HELD_SERVED, "vllm.v1.engine.async_llm:AsyncLLM._run_output_handler", "source",
+             "vllm/v1/engine/async_llm.py:845-909",
+             ("await engine_core.get_output_async()", "output_processor.process_outputs(",
+              "self.output_handler = asyncio.create_task(output_handler())")),
+    Contract(HELD_SERVED, "vllm.v1.engine.async_llm:AsyncLLM.pause_generation", "source",
+             "vllm/v1/engine/async_llm.py:977-984", ("await asyncio.sleep(0.02)",)),
+    Contract(HELD_SERVED, f"{_OUTPUTS}:OutputProcessor.__init__", "assigned", "vllm/v1/engine/output_processor.py:519",
+             ("request_states",)),
+    Contract(HELD_SERVED, f"{_OUTPUTS}:OutputProcessor.add_request", "source", "vllm/v1/engine/output_processor.py:640",
+             ("self.request_states[request_id] = req_state",)),
+    Contract(HELD_SERVED, f"{_OUTPUTS}:OutputProcessor.process_outputs", "params",
+             "vllm/v1/engine/output_processor.py:681", ("engine_core_outputs",)),
+    Contract(HELD_SERVED, f"{_OUTPUTS}:OutputProcessor._finish_request", "source",
+             "vllm/v1/engine/output_processor.py:855-857", ("self.request_states.pop(req_id)",)),
+    Contract(HELD_SERVED, f"{_OUTPUTS}:RequestState.__init__", "assigned", "vllm/v1/engine/output_processor.py:175",
+             ("detokenizer",)),
+    Contract(HELD_SERVED, "vllm.v1.engine.detokenizer:IncrementalDetokenizer.num_output_tokens", "attr",
+             "vllm/v1/engine/detokenizer.py:39-40"),
+    Contract(HELD_SERVED, "vllm.v1.engine.detokenizer:IncrementalDetokenizer.output_token_ids", "attr",
+             "vllm/v1/engine/detokenizer.py:36"),
+    Contract(HELD_SERVED, "vllm.v1.engine.detokenizer:SlowIncrementalDetokenizer.num_output_tokens", "source",
+             "vllm/v1/engine/detokenizer.py:300-301", ("len(self.token_ids) - self.prompt_len",)),
+    Contract(HELD_SERVED, "vllm.v1.engine:EngineCoreRequest", "source", "vllm/v1/engine/__init__.py:109-149",
+             ("request_id: str", "external_req_id: str | None")),
+    Contract(HELD_SERVED, "vllm.v1.engine:EngineCoreOutput", "source", "vllm/v1/engine/__init__.py:199-206",
+             ("request_id: str", "new_token_ids: list[int]")),
+    Contract(HELD_SERVED, "vllm.v1.engine.core_client:AsyncMPClient.__init__", "assigned",
+             "vllm/v1/engine/core_client.py:1131", ("outputs_queue",)),
+    Contract(HELD_SERVED, "vllm.v1.engine.core_client:AsyncMPClient._ensure_output_queue_task", "source",
+             "vllm/v1/engine/core_client.py:1171-1217",
+             ("_process_utility_output(", "outputs_queue.put_nowait(outputs)")),
+    Contract(HELD_SERVED, "vllm.v1.engine.core_client:AsyncMPClient.get_output_async", "source",
+             "vllm/v1/engine/core_client.py:1227-1233", ("await self.outputs_queue.get()",)),
+    Contract(HELD_SERVED, "vllm.v1.engine.core_client:AsyncMPClient.call_utility_async", "params",
+             "vllm/v1/engine/core_client.py:1259", ("method",)),
+    Contract(HELD_SERVED, "vllm.v1.engine.core:EngineCore.is_scheduler_paused", "attr",
+             "vllm/v1/engine/core.py:955"),
+    Contract(HELD_SERVED, "vllm.v1.engine.core:EngineCoreProc._process_engine_step", "source",
+             "vllm/v1/engine/core.py:1606-1609", ("self.output_queue.put_nowait(output)",)),
+    Contract(HELD_SERVED, "vllm.entrypoints.serve.middleware.register:init_entrypoints_middleware", "source",
+             "vllm/entrypoints/serve/middleware/register.py:19-69", ("app.add_middleware(imported)",)),
+    Contract(HELD_SERVED, "/collective_rpc", "route", "vllm/entrypoints/serve/dev/rpc/api_router.py:23-49",
+             ("POST", "method", "args")),
     # --- routed-experts capture (the routing probe, tests only) ---
     Contract(PROBE, "vllm.model_executor.layers.fused_moe.routed_experts_capturer:bind_routed_experts_capturer",
              "params", "vllm/model_executor/layers/fused_moe/routed_experts_capturer.py:207", ("model", "capturer")),
@@ -296,6 +358,8 @@ CONTRACTS: tuple[Contract, ...] = (
              ("worker_extension_cls", _EXTENSION, _EXTENSION)),
     Contract(FLEET, "--middleware", "flag", "vllm/entrypoints/launchers/cli_args.py:421",
              ("middleware", [_MIDDLEWARE], _MIDDLEWARE)),
+    Contract(FLEET, "--middleware", "flag", "vllm/entrypoints/launchers/cli_args.py:421",
+             ("middleware", [_HELD_MIDDLEWARE, _MIDDLEWARE], _HELD_MIDDLEWARE, "--middleware", _MIDDLEWARE)),
     # --- environment variables ---
     Contract(FLEET, "VLLM_SERVER_DEV_MODE", "env", "vllm/envs.py:1487"),
     Contract(FLEET, "VLLM_CPU_KVCACHE_SPACE", "env", "vllm/envs.py:887"),

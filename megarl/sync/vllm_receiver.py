@@ -76,7 +76,7 @@ from megarl.sync import failpoints
 from megarl.sync.delta import apply, delta_target
 from megarl.sync.group_setup import free_cached_device_memory
 from megarl.sync.heartbeat import Heartbeat
-from megarl.sync.held_requests import held_counts, held_tokens
+from megarl.sync.held_requests import held_counts, held_tokens, with_served
 from megarl.sync.peak_memory import PeakMemory
 from megarl.sync.received_block import ReadLog, sha256_of, wrap
 from megarl.sync.slices import HFSlice
@@ -581,22 +581,31 @@ class MegarlWorkerExtension:
         return {d.name: ("fallback" if not d.direct else "replicate" if d.placements is None else "shard")
                 for d in destinations}
 
-    def megarl_held_requests(self, replica: str = "") -> dict[str, int]:
+    def megarl_held_requests(self, replica: str = "", served: str = "") -> dict[str, int]:
         """The output tokens each request this worker's model runner holds has now: vLLM's internal request id ->
         count, read from either model runner (`megarl.sync.held_requests.held_counts`: V1's `requests`, V2's
-        `req_states`, which a CUDA fleet runs by default; V2 leaves out requests preempted before the pause, see
-        that module). Asked by the push's lifecycle while the replica is paused in keep mode
-        (`megarl.rollout.inflight`): then no step is in flight, so these are exactly the tokens each request had when
-        the old weights stopped. `replica` (this replica's index,
+        `req_states`, which a CUDA fleet runs by default), plus each request of `served` the runner does not hold
+        (`megarl.sync.held_requests.with_served`: on V2, a request preempted before the pause). `served`: the API
+        server's counts, as JSON, which megarl's middleware puts in a `/collective_rpc` call of this method
+        (`megarl.rollout.held_served`); "": the runner's counts alone. Asked by the push's lifecycle while the
+        replica is paused in keep mode (`megarl.rollout.inflight`): then no step is in flight, so these are exactly
+        the tokens each request had when the old weights stopped. `replica` (this replica's index,
         a string: vLLM's RPC route passes strings) names its failpoint `push.held.replica<i>`
         (`megarl.sync.failpoints`); "": none. Also hands the counts to the weight-transfer engine, for the loading
         failpoint's condition in this push. Never raises (see the module docstring): a model runner without that
-        state answers {}, and so does one whose state cannot be read (logged), an injected failure is logged."""
+        state answers {} (plus `served`), and so does one whose state cannot be read (logged), an unreadable
+        `served` is left out (logged), an injected failure is logged."""
         try:
             held = held_counts(getattr(self, "model_runner", None))
         except Exception as err:  # noqa: BLE001 - a raising worker would desynchronise vLLM's replies
             logger.error("megarl could not read the requests its model runner holds: %s: %s", type(err).__name__, err)
             held = {}
+        if served:
+            try:
+                held = with_served(held, json.loads(served))
+            except Exception as err:  # noqa: BLE001 - a raising worker would desynchronise vLLM's replies
+                logger.error("megarl could not read the API server's held counts %.200r: %s: %s", served,
+                             type(err).__name__, err)
         engine = getattr(self, "weight_transfer_engine", None)
         if engine is not None:
             engine.held_requests = lambda: held
