@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megarl.sync.schedule import SyncSchedule
+from megarl.schedule import SyncSchedule
 
 # v2: saved batches carry rewards only (advantages are computed when consumed); v3: the rank files' optimizer
 # state is megatron-core's (`megarl.trainer.optimizer.optimizer_state`), no longer megarl's own AdamW / ZeRO-1;

@@ -24,7 +24,7 @@ from megarl.models.hf_config import read_hf_config
 from megarl.parallel.device import cuda_present
 from megarl.parallel.launcher_env import ProcessPlace
 from megarl.parallel.spawn import RankError, free_port, prestart, run_ranks
-from megarl.sync.schedule import SyncSchedule
+from megarl.schedule import SyncSchedule
 
 
 def prepare(config_path: str | None, overrides: list[str], create_run_dir: bool = True,

@@ -6,7 +6,8 @@
         if the schedule pushes the trainer's weights now: wait until the fleet has finished every batch of
         the older weights (with `sync.inflight`, not at all: the push lands while the fleet generates, and
         batches are formed from finished groups, `megarl.rollout.partial`), let lost replicas out and restarted
-        ones in (`megarl.rollout.membership`), then push (a partitioned broadcast from every trainer rank);
+        ones in (`megarl.rollout.membership`), then push (a partitioned broadcast from every trainer rank), and
+        check that every replica reports the version the schedule pushed (`VersionClock.check_served`);
         take batch l (waiting only if it is not ready), add its advantages, broadcast it to all trainer ranks
         (as tensors: `megarl.trainer.batch_tensors`);
         one optimizer step on it (policy version += 1); rank 0 records the step and the timeline;
@@ -43,7 +44,7 @@ from megarl.metrics.writer import MetricsWriter
 from megarl.rewards.registry import GOLD_UNPARSABLE, UNPARSABLE
 from megarl.rollout.membership import Roster, after_push, before_push
 from megarl.rollout.worker import RolloutWorker
-from megarl.sync.schedule import SyncSchedule
+from megarl.schedule import SyncSchedule, VersionClock
 from megarl.sync.weight_sync import SyncStats
 from megarl.trainer.batch_tensors import broadcast_batch
 from megarl.trainer.step import train_on_batch
@@ -132,13 +133,16 @@ def _span(timeline: Timeline | None, lane: str, kind: str, label: str) -> Abstra
 
 def run_loop(cfg: Config, rank: int, policy, weight_sync,
              start_rollout: Callable[[Timeline, int, dict, dict | None], RolloutWorker] | None,
-             dp: tuple[int, int], pad_id: int, roster: Roster | None = None) -> list[dict]:
+             dp: tuple[int, int], pad_id: int, roster: Roster | None = None,
+             clock: VersionClock | None = None) -> list[dict]:
     """Train until cfg.run.steps steps are done; returns the metric records (rank 0; other ranks return []).
     Rank 0 passes `start_rollout(timeline, first_batch, saved_batches, data_position)`, which starts the rollout
     worker (`data_position`: where a resumed run's data continues, as its checkpoint recorded it; None if fresh),
-    and `roster`, where restarted replicas register (None: none come back)."""
+    and `roster`, where restarted replicas register (None: none come back). `clock`: this process's
+    `megarl.schedule.VersionClock`, shared with the weight sync and the rollout worker (None: one from the config)."""
     algorithm = get_algorithm(cfg.algorithm.name)
-    schedule = SyncSchedule(cfg.sync.interval, cfg.sync.offset)
+    clock = clock if clock is not None else VersionClock.from_config(cfg)
+    schedule = clock.schedule
     world = dist.get_world_size()
     start, saved, data_position = 0, {}, None
     resumed = resume_point(cfg)
@@ -154,6 +158,7 @@ def run_loop(cfg: Config, rank: int, policy, weight_sync,
             data_position = loop_state.get("data")  # checkpoints written before data positions existed: None
             if loop_state["algorithm"] is not None:
                 algorithm.advantages.load_state_dict(loop_state["algorithm"])
+    clock.resume_at(start)
     last_saved = resumed.step if resumed is not None else -1
     resume_at = start if resumed is not None else None
     writer = MetricsWriter(cfg.run.dir, resume_at, open_sinks(cfg, resume_at)) if rank == 0 else None
@@ -166,14 +171,18 @@ def run_loop(cfg: Config, rank: int, policy, weight_sync,
 
     rollout: RolloutWorker | None = None  # rank 0's, started below (after the initial push, if any)
 
-    def push() -> None:  # collective over the trainer ranks
-        with _span(timeline, "push", "push", f"v{policy.version}"):
-            before_push(weight_sync, rollout, roster, policy.version)
+    def push(before: int | None) -> None:  # collective over the trainer ranks; `before`: None for the initial push
+        version = clock.push_version(before)  # the schedule's (the trainer's own, checked by `begin_step`)
+        with _span(timeline, "push", "push", f"v{version}"):
+            before_push(weight_sync, rollout, roster, version)
             syncs.append(weight_sync.push(policy.iter_local_hf_slices(), version=policy.version))
+            urls = {rep: c.url for rep, c in weight_sync.fleet.clients.items()} if weight_sync.fleet else None
+            clock.check_served(version, syncs[-1].served, urls)  # rank 0 (the others hold no labels)
             after_push(weight_sync, rollout)
 
     if cfg.sync.push_initial and resumed is None:  # a resumed run's next batch starts with a push anyway
-        push()
+        clock.begin_step(start, policy.version)
+        push(None)
     window_start = 0.0
     try:
         if rank == 0 and start_rollout is not None:
@@ -181,15 +190,16 @@ def run_loop(cfg: Config, rank: int, policy, weight_sync,
                 rollout = start_rollout(timeline, start, saved, data_position)
             after_push(weight_sync, rollout)  # replicas the initial push found dead take no chunks
         for step in bar:
+            clock.begin_step(step, policy.version)  # the trainer's version is the step it trains
             before = push_point(schedule, step, cfg.run.steps)  # the batch a push of the weights precedes now
             if before is not None:
                 if rollout is not None:
                     with _span(timeline, "trainer", "wait", f"push point {before}"):
                         rollout.before_push(before)  # no replica generating with older weights, unless in flight
-                push()
+                push(before)
                 if rollout is not None:  # (the requests the push held part-way bound their oldest tokens' versions)
                     rollout.pushed(before, syncs[-1].held_requests)
-            record: dict[str, Any] = {"step": step, "policy_version": policy.version}
+            record: dict[str, Any] = {"step": step, "policy_version": clock.trainer_version}
             if rollout is not None and cfg.eval.interval and step % cfg.eval.interval == 0:
                 with _span(timeline, "trainer", "eval", f"step {step}"):  # the fleet's weights of its last push
                     record.update(rollout.evaluate())
@@ -207,9 +217,10 @@ def run_loop(cfg: Config, rank: int, policy, weight_sync,
                     batch = with_advantages(batch, algorithm, cfg.algorithm)
                     record.update(batch_metrics(batch, REWARD_FLAGS))  # rank 0's record is the one written
                 step_batch = broadcast_batch(batch, policy.device)  # rank 0's batch, as tensors on every rank
-                lag = policy.version - step_batch.policy_version
+                lag = clock.batch_lag(step_batch.policy_version)
                 record.update({"batch/generation_version": step_batch.policy_version, "batch_lag": lag})
-                record.update(train_on_batch(policy, step_batch, algorithm, cfg, pad_id, *dp, lag=lag))
+                record.update(train_on_batch(policy, step_batch, algorithm, cfg, pad_id, *dp, lag=lag,
+                                             bound=clock.bound))
             record.update(_sync_metrics(syncs))
             record["sync/versions"] = [s.version for s in syncs]
             if cfg.sync.inflight:  # groups with a response part-way at this step's pushes (FleetLifecycle.held_groups)

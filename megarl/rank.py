@@ -37,6 +37,7 @@ def run_rank(cfg: Config, place: ProcessPlace, sync_port: int, fleet_urls: Calla
     from megarl.rollout.client import RolloutClient
     from megarl.rollout.membership import Roster
     from megarl.rollout.task import start_rollout_worker
+    from megarl.schedule import VersionClock
     from megarl.sync.weight_sync import PartitionedWeightSync
     from megarl.trainer.policy import MegatronPolicy
 
@@ -56,6 +57,7 @@ def run_rank(cfg: Config, place: ProcessPlace, sync_port: int, fleet_urls: Calla
                                 grad_bucket_size=t.grad_bucket_size, layer_spec=t.layer_spec,
                                 grad_reduce_in_bf16=t.grad_reduce_in_bf16,
                                 overlap_param_gather=t.overlap_param_gather, recompute_layers=t.recompute_layers)
+        clock = VersionClock.from_config(cfg)  # this process's record of the run's versions (`megarl.schedule`)
         urls = fleet_urls() if rank == 0 else []
         clients = [RolloutClient(url, health_timeout_s=cfg.rollout.health_timeout_s) for url in urls]
         roster = Roster(cfg.run.dir, job_secret(), urls, cfg.rollout.health_timeout_s) if rank == 0 else None
@@ -68,14 +70,14 @@ def run_rank(cfg: Config, place: ProcessPlace, sync_port: int, fleet_urls: Calla
             min_replicas=cfg.rollout.min_replicas, rejoin_timeout_s=cfg.sync.rejoin_timeout_s,
             group_timeout=(cfg.sync.timeout_min_gbps, cfg.sync.timeout_fixed_s),
             condemn=roster.condemn if roster is not None else None, silent_s=cfg.rollout.health_timeout_s,
-            inflight=cfg.sync.inflight, inflight_kv=cfg.sync.inflight_kv,
+            inflight=cfg.sync.inflight, inflight_kv=cfg.sync.inflight_kv, clock=clock,
         )
         start_rollout = None
         if rank == 0:
             def start_rollout(timeline, start, saved, data_position):
-                return start_rollout_worker(cfg, clients, timeline, start, saved, data_position)
+                return start_rollout_worker(cfg, clients, timeline, clock, start, saved, data_position)
         run_loop(cfg, rank, policy, weight_sync, start_rollout, dp_rank_and_size(), pad_id=hf.get("pad_token_id") or 0,
-                 roster=roster)
+                 roster=roster, clock=clock)
         weight_sync.close()
     finally:
         destroy_trainer_groups()

@@ -21,8 +21,9 @@ from pydantic import ValidationError
 from megarl.algorithms import corrections, decoupled, losses
 from megarl.algorithms.catalog import NOT_DECOUPLABLE
 from megarl.algorithms.registry import ALGORITHMS, get_algorithm
-from megarl.algorithms.versions import check_token_versions, mixed_version_groups, stale_samples, token_lag_bound
+from megarl.algorithms.versions import check_token_versions, mixed_version_groups, stale_samples
 from megarl.config.schema import AlgorithmConfig, CorrectionConfig, DecoupledConfig
+from megarl.schedule import SyncSchedule, VersionClock
 from megarl.token_versions import TokenVersions
 
 EPS = 0.2  # clip band [0.8, 1.2]
@@ -233,7 +234,8 @@ def test_a_refused_loss_raises_if_the_config_was_bypassed():
 
 
 def test_staleness_bound_and_mixed_version_groups():
-    assert token_lag_bound(None, 4, 0) == 3 and token_lag_bound(None, 1, 2) == 2 and token_lag_bound(7, 4, 0) == 7
+    bound = lambda cap, m, n: VersionClock(SyncSchedule(m, n), cap).bound  # noqa: E731
+    assert bound(None, 4, 0) == 3 and bound(None, 1, 2) == 2 and bound(7, 4, 0) == 7
     # trainer at version 5, two groups of 2: group 0 holds versions 4 and 5 (one response spans them), group 1 only 3
     tv = [TokenVersions(((4, 3), (5, 2))), TokenVersions.single(5, 4), TokenVersions.single(3, 2),
           TokenVersions.single(3, 6)]

@@ -86,3 +86,105 @@ def test_version_salt_keys_vllms_prefix_cache_blocks():
     assert len(v1) == 4 and v1 == v1_again
     assert not set(v1) & set(v2)
     assert not set(v1) & set(hashes(None))
+
+
+def _generate_reply(tokens: list[int], spans: list[tuple[str, int, int]] | None, n: int = 1,
+                    request_id: str = "megarl-b3-p1-0a1b2c3d") -> dict:
+    """The JSON body vLLM 0.32's `/inference/v1/generate` sends for one request of `n` choices (each `tokens`), built
+    with vLLM's own reply models and serialised as its route does (`JSONResponse(content=response.model_dump())`,
+    api_router.py); `spans`: each choice's `weight_versions` (None: a reply without them)."""
+    import json
+
+    from vllm.entrypoints.scale_out.token_in_token_out.protocol import (
+        GenerateLogProbs,
+        GenerateLogProbsContent,
+        GenerateTokensChoice,
+        GenerateTokensResponse,
+    )
+    from vllm.outputs import WeightVersionSpan
+
+    choices = [GenerateTokensChoice(
+        index=i, finish_reason="length", token_ids=tokens,
+        logprobs=GenerateLogProbs(content=[GenerateLogProbsContent(token_id=t, logprob=-0.5) for t in tokens]),
+        weight_versions=None if spans is None else [WeightVersionSpan(v, a, b) for v, a, b in spans])
+        for i in range(n)]
+    return json.loads(json.dumps(GenerateTokensResponse(request_id=request_id, choices=choices).model_dump()))
+
+
+def test_a_response_without_version_spans_is_refused_under_inflight():
+    """With sync.inflight (`require_spans`) a choice without the engine's spans is an error naming the server and the
+    request, not the server's newest label (which would under-count its older tokens' lag); with them, the spans are
+    its versions; without sync.inflight the client still asks the server's label (`/weight_info`: here nobody listens,
+    so that is the error)."""
+    from megarl.rollout.client import RolloutClient, RolloutServerError, RolloutServerLost
+    from tests.dist_utils import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"  # nobody listens: the spans, not the server, must say the versions
+    client, tokens, rid = RolloutClient(url, timeout_s=5), [6, 7, 8, 9], "megarl-b3-p1-0a1b2c3d"
+    bare = _generate_reply(tokens, None)["choices"][0]
+    assert bare["weight_versions"] is None and bare["token_ids"] == tokens  # (the reply's own shape)
+    with pytest.raises(RolloutServerError, match=rf"^{url}: request {rid}, choice 0: the reply carries no "
+                                                 r"weight_versions spans for its 4 tokens") as err:
+        client._sample([1, 2], bare, rid, require_spans=True)
+    assert not isinstance(err.value, RolloutServerLost) and "\n" not in str(err.value)
+    spanned = _generate_reply(tokens, [("4", 0, 1), ("5", 1, 4)])["choices"][0]
+    sample = client._sample([1, 2], spanned, rid, require_spans=True)
+    assert sample.token_versions == TokenVersions(((4, 1), (5, 3))) and sample.policy_version == 4
+    with pytest.raises(RolloutServerLost, match="/weight_info unreachable"):
+        client._sample([1, 2], bare, rid)  # outside sync.inflight: today's fallback, the server's label
+
+
+def test_the_rollout_worker_names_the_replica_and_the_request_of_a_reply_without_spans():
+    """Partial rollouts (sync.inflight) end to end on the worker's side: a server that answers every generate request
+    with vLLM's reply minus the spans (`_generate_reply`, served over HTTP) fails the run with one line naming the
+    replica's index and URL, the batch and the request, not a batch labelled with the server's newest version."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from megarl.data.arithmetic import problem_batch
+    from megarl.metrics.timeline import Timeline
+    from megarl.rewards.pool import RewardPool
+    from megarl.rewards.scoring import BatchScorer
+    from megarl.rollout.client import RolloutClient
+    from megarl.rollout.worker import PartialRollouts, RolloutWorker, RolloutWorkerError
+    from megarl.schedule import SyncSchedule, VersionClock
+
+    replies: dict[str, bytes] = {}
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
+            rid = body["request_id"]
+            replies[rid] = json.dumps(_generate_reply([6, 7], None, n=body["sampling_params"]["n"],
+                                                      request_id=rid)).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(replies[rid])))
+            self.end_headers()
+            self.wfile.write(replies[rid])
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    clock = VersionClock(SyncSchedule(1, 0))
+    pool = RewardPool("megarl.rewards.exact_match:exact_match", workers=1, timeout_s=10)
+    worker = RolloutWorker([RolloutClient(url, timeout_s=10)], clock, problems=lambda j: problem_batch(j, 1, 4, seed=0),
+                           encode=lambda text: [1, 2, 3], sampling={"n": 2, "max_tokens": 2}, seed=lambda j: 10 * j,
+                           score=BatchScorer(pool, lambda ids: "7"), timeline=Timeline(), end=1,
+                           partial=PartialRollouts(1, clock.bound))
+    try:
+        with pytest.raises(RolloutWorkerError) as err:
+            worker.take(0)
+    finally:
+        worker.close()
+        server.shutdown()
+        server.server_close()
+    (rid,) = replies
+    line = str(err.value)
+    assert "\n" not in line
+    assert line.startswith(f"rollout failed: replica 0 ({url}), batch 0: RolloutServerError: {url}: request {rid}, "
+                           "choice 0: the reply carries no weight_versions spans for its 2 tokens"), line

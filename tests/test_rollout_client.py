@@ -95,6 +95,58 @@ def test_a_hung_replica_costs_the_label_query_seconds_not_the_request_timeout(mo
     assert elapsed < 10, elapsed
 
 
+def test_a_keep_mode_pause_moves_the_salt_before_the_resume_and_a_label_not_pushed_fails(moe_fleet, monkeypatch,
+                                                                                         tmp_path):
+    """The push's lifecycle with in-flight updates (`sync.inflight`, KV kept) on the real replica: held at
+    `push.paused.replica0` (its /pause in keep mode has answered, nothing is resumed yet), the run's clock already
+    salts requests to it with the pushed version, while the replica is paused and serves its old label. The push is
+    then undone (its session closed unlabelled, the replica resumed), so the replica goes on reporting its old label:
+    the label check after a push names it, its label and the version the schedule pushed, in one line."""
+    import threading
+    from pathlib import Path
+
+    from megarl.schedule import SyncSchedule, VersionClock, VersionMismatch, version_of_label, version_salt
+    from megarl.sync import failpoints
+    from megarl.sync.lifecycle import FleetLifecycle
+
+    client = RolloutClient(moe_fleet.base_url)
+    label = client.weight_version()
+    version = version_of_label(label) + 1000  # a version this fleet has never served
+    clock = VersionClock(SyncSchedule(1, 0))
+    point = Path(tmp_path) / "push.paused.replica0"
+    point.write_text("")
+    monkeypatch.setenv(failpoints.ENV, str(tmp_path))
+    seen: dict = {}
+
+    def at_the_pause() -> None:
+        try:
+            deadline = time.monotonic() + 120
+            while not point.with_name(point.name + ".reached").exists():
+                assert time.monotonic() < deadline, "the lifecycle never reached push.paused.replica0"
+                time.sleep(0.01)
+            seen.update(paused=client.is_paused(), salt=clock.salt(0), served=clock.served(0),
+                        label=client.weight_version())
+        finally:
+            point.unlink(missing_ok=True)
+
+    watcher = threading.Thread(target=at_the_pause)
+    watcher.start()
+    fleet = FleetLifecycle([client], tp=2, call_timeout_s=60, inflight=True, inflight_kv="keep", clock=clock)
+    try:
+        failure, lost = fleet.open(version)
+        if failure is None:  # (a server whose weight transfer never joined refuses the session: undone by `open`)
+            fleet.abort_open(lost)
+    finally:
+        watcher.join()
+        point.unlink(missing_ok=True)
+    assert seen == {"paused": True, "salt": version_salt(version, clock.run_key), "served": 0, "label": label}, seen
+    assert not client.is_paused() and client.weight_version() == label
+    with pytest.raises(VersionMismatch) as err:
+        clock.check_served(version, fleet.served(), {0: client.url})
+    assert str(err.value).endswith(f"replica 0 ({client.url}) reports weight version {label!r}, not the {version} "
+                                   "the schedule pushed") and "\n" not in str(err.value)
+
+
 def test_tokens_at_vllms_logprob_floor_are_named_by_cause():
     """vLLM's token-in/token-out route (0.32, `_create_tokens_logprobs`) sends -9999.0 both for a NaN or -inf
     log-prob (the entry keeps its `top_logprobs`: with `logprobs=0`, the sampled token's own) and for a sampled

@@ -3,22 +3,17 @@
 
 A token's lag is `trainer version - the version that sampled it` (the trainer's version when it consumes the batch,
 before its update). The bound (`algorithm.max_token_lag`; None: the schedule's own maximum lag `m + n - 1`, with
-`m, n = sync.interval, sync.offset`) is enforced upstream: the rollout side drops, and counts, a group whose oldest
-token would exceed it. The trainer only checks that none arrives (`check_token_versions` raises: a batch past the
-bound is a bug upstream, never trained). An algorithm in `catalog.SINGLE_VERSION_GROUPS` (OAPL) refuses a batch in
-which a group holds tokens of more than one version, with the reason.
+`m, n = sync.interval, sync.offset`; the run's `megarl.schedule.VersionClock.bound`) is enforced upstream: the
+rollout side drops, and counts, a group whose oldest token would exceed it. The trainer only checks that none
+arrives (`check_token_versions` raises: a batch past the bound is a bug upstream, never trained). An algorithm in
+`catalog.SINGLE_VERSION_GROUPS` (OAPL) refuses a batch in which a group holds tokens of more than one version, with
+the reason.
 """
 
 from __future__ import annotations
 
 from megarl.algorithms.catalog import SINGLE_VERSION_GROUPS
 from megarl.token_versions import TokenVersions
-
-
-def token_lag_bound(max_token_lag: int | None, sync_interval: int, sync_offset: int) -> int:
-    """The most versions a trained token may lag the trainer: `max_token_lag`, or by default the schedule's maximum
-    lag `(l mod m) + n <= m - 1 + n`."""
-    return max_token_lag if max_token_lag is not None else sync_interval + sync_offset - 1
 
 
 def stale_samples(token_versions: list[TokenVersions], trainer_version: int,

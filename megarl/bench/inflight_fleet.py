@@ -72,7 +72,7 @@ class FleetBenchSpec:
     samples: int = 4
     interval: int = 1
     offset: int = 2
-    bound: int | None = None  # None: the schedule's own maximum lag, m + n - 1 (`token_lag_bound`)
+    bound: int | None = None  # None: the schedule's own maximum lag, m + n - 1 (`megarl.schedule.token_lag_bound`)
     steps: int = 12
     skip: int = 2
     train_s: float = 0.5
@@ -92,9 +92,9 @@ class FleetBenchSpec:
 
     @property
     def staleness_bound(self) -> int:
-        from megarl.algorithms.versions import token_lag_bound
+        from megarl.schedule import SyncSchedule, token_lag_bound
 
-        return token_lag_bound(self.bound, self.interval, self.offset)
+        return token_lag_bound(self.bound, SyncSchedule(self.interval, self.offset))
 
     @property
     def generated_batches(self) -> int:
@@ -398,7 +398,7 @@ def run_mode(spec: FleetBenchSpec, mode: str, first: int, urls: list[str], pushe
     from megarl.rewards.pool import RewardPool
     from megarl.rewards.scoring import BatchScorer
     from megarl.rollout.worker import PartialRollouts, RolloutWorker
-    from megarl.sync.schedule import SyncSchedule
+    from megarl.schedule import SyncSchedule
 
     spec = spec if steps is None else FleetBenchSpec(**{**asdict(spec), "steps": steps, "skip": 0})
     inflight = mode != "queue"

@@ -80,7 +80,7 @@ def measure_window(
     from megarl.rewards.pool import RewardPool
     from megarl.rewards.scoring import BatchScorer
     from megarl.rollout.worker import RolloutWorker
-    from megarl.sync.schedule import SyncSchedule
+    from megarl.schedule import SyncSchedule
 
     def problems(j: int) -> list[Problem]:
         return [

@@ -25,7 +25,7 @@ from typing import Any
 
 from megarl.bench.pipeline_sim import StageTimes, projection_table, simulate
 from megarl.metrics.timeline import Span, busy_seconds, load_spans, overlap_summary
-from megarl.sync.schedule import SyncSchedule
+from megarl.schedule import VersionClock
 
 
 def stage_times(spans: list[Span]) -> StageTimes:
@@ -73,7 +73,7 @@ def _simulated_wall(run: dict[str, Any], times: StageTimes, overlap: bool) -> fl
     """The simulated wall time of `run`'s job, plus its measured start-up of the rollout worker (tokenizer,
     reward processes), which the simulation does not model: generation cannot start before it ends."""
     cfg = run["cfg"]
-    sim = simulate(SyncSchedule(cfg.sync.interval, cfg.sync.offset), cfg.run.steps, cfg.rollout.replicas, times,
+    sim = simulate(VersionClock.from_config(cfg).schedule, cfg.run.steps, cfg.rollout.replicas, times,
                    overlap=overlap, push_initial=True)
     return sim.wall + sum(s.end - s.start for s in run["spans"] if s.kind == "startup")
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from functools import cache
 
 from megarl.metrics.timeline import Span, busy_seconds
-from megarl.sync.schedule import SyncSchedule
+from megarl.schedule import SyncSchedule
 
 
 @dataclass(frozen=True)

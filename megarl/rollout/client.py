@@ -19,8 +19,9 @@ from typing import TYPE_CHECKING, Any, Literal
 import requests
 
 from megarl.rollout.fleet_auth import SECRET_ENV, bearer_header, read_secret
-from megarl.rollout.inflight import engine_external_id, token_versions_from_spans, version_of_label
+from megarl.rollout.inflight import engine_external_id, token_versions_from_spans
 from megarl.rollout.liveness import Liveness
+from megarl.schedule import version_of_label
 from megarl.token_versions import TokenVersions
 
 if TYPE_CHECKING:
@@ -67,7 +68,7 @@ class Sample:
 
 def _version_number(label: str | None) -> int:
     """vLLM labels weights loaded at start-up `"default"`: that is policy version 0; megarl labels pushes with
-    the integer policy version (`megarl.rollout.inflight.version_of_label`)."""
+    the integer policy version (`megarl.schedule.version_of_label`)."""
     try:
         return version_of_label(label)
     except ValueError as err:
@@ -178,15 +179,16 @@ class RolloutClient:
     def generate(self, prompt_token_ids: list[list[int]], n: int, max_tokens: int | list[int],
                  temperature: float = 1.0, top_p: float = 1.0, seed: int | list[int] | None = None,
                  ignore_eos: bool = False, cache_salt: str | None = None, min_tokens: int = 0,
-                 request_ids: list[str] | None = None) -> list[list[Sample]]:
+                 request_ids: list[str] | None = None, require_spans: bool = False) -> list[list[Sample]]:
         """K = n samples for each prompt (one request per prompt, sent concurrently). `seed`: the sampling seed
         of each prompt (a list), or of the first one with the others following it (an int). `max_tokens`: the
         response budget of every prompt, or of each (a list); `ignore_eos`: sample on past EOS to the budget
         (vLLM's `ignore_eos`; `megarl bench longtail` uses it to set response lengths); `min_tokens`: no EOS before
         that many tokens (vLLM's `min_tokens`, `rollout.min_new_tokens`). `cache_salt`: vLLM's
-        prefix-cache salt of every request (`megarl.rollout.inflight.version_salt(v)`: requests submitted for
-        different versions never share cached blocks). `request_ids`: the id of each prompt's request (default:
-        fresh ones), which the engine's counts at an in-flight pause are keyed by (`FleetLifecycle.held`)."""
+        prefix-cache salt of every request (`megarl.schedule.VersionClock.salt`: requests that run under different
+        versions never share cached blocks). `request_ids`: the id of each prompt's request (default: fresh ones),
+        which the engine's counts at an in-flight pause are keyed by (`FleetLifecycle.held`). `require_spans`
+        (`sync.inflight`): a choice without the engine's version spans is an error (see `_sample`)."""
         for name, value in (("seeds", seed), ("max_tokens", max_tokens), ("request_ids", request_ids)):
             if isinstance(value, list) and len(value) != len(prompt_token_ids):
                 raise ValueError(f"{len(value)} {name} for {len(prompt_token_ids)} prompts")
@@ -208,7 +210,7 @@ class RolloutClient:
             choices = reply.get("choices") if isinstance(reply, dict) else None
             if not isinstance(choices, list) or len(choices) != n:
                 raise RolloutServerError(f"{self.url}/inference/v1/generate: want {n} choices, got {str(reply)[:500]}")
-            return [self._sample(prompt, c, rid) for c in sorted(choices, key=lambda c: c["index"])]
+            return [self._sample(prompt, c, rid, require_spans) for c in sorted(choices, key=lambda c: c["index"])]
 
         return list(self._pool.map(lambda a: one(*a), enumerate(prompt_token_ids)))
 
@@ -231,10 +233,14 @@ class RolloutClient:
             raise RolloutServerError(f"{self.url}: no prompt log-probs in the reply: {str(reply)[:500]}")
         return [float(pos[str(tok)]["logprob"]) for pos, tok in zip(per_position[1:], token_ids[1:], strict=True)]
 
-    def _sample(self, prompt: list[int], choice: dict[str, Any], request_id: str | None = None) -> Sample:
+    def _sample(self, prompt: list[int], choice: dict[str, Any], request_id: str | None = None,
+                require_spans: bool = False) -> Sample:
         """A `Sample` from one choice; its token versions are the ones vLLM recorded for the tokens
         (`weight_versions` spans: the label set by `finish_weight_update(weight_version=...)` of each model step that
-        produced them, `megarl.rollout.inflight`), or `/weight_info` for every token if the reply has none."""
+        produced them, `megarl.rollout.inflight`). A choice without spans: with `require_spans` (`sync.inflight`, where
+        a push may land while the response generates) `RolloutServerError` naming this server and the request, since
+        the server's newest label would under-count the lag of its older tokens; otherwise `/weight_info`'s label for
+        every token (no push lands while a request generates: the fleet is quiesced before each)."""
         ids = choice.get("token_ids") or []
         content = (choice.get("logprobs") or {}).get("content") or []
         if len(content) != len(ids) or any(c["token_id"] != t for c, t in zip(content, ids, strict=False)):
@@ -249,6 +255,12 @@ class RolloutClient:
             except ValueError as err:
                 raise RolloutServerError(f"{self.url}: {err}") from None
             version = token_versions.oldest
+        elif require_spans and ids:
+            raise RolloutServerError(
+                f"{self.url}: request {request_id}, choice {choice.get('index')}: the reply carries no weight_versions "
+                f"spans for its {len(ids)} tokens; with sync.inflight a push may land while a response generates, so "
+                "its tokens' versions must come from the engine's spans (vLLM 0.32's /inference/v1/generate sends "
+                "them), not from the server's newest label")
         else:
             version = _version_number(self.weight_version())
             token_versions = TokenVersions.single(version, len(ids))

@@ -17,6 +17,11 @@ A replica that stops answering mid-evaluation (`RolloutServerLost`) is reported 
 worker takes it out, as it does when one dies generating a batch) and its unfinished prompts are split over the
 replicas left; prompt i is seeded by its index, so the metrics are those of an evaluation on the survivors alone.
 With no replica left the evaluation raises.
+
+Every evaluation sends the same prompts, so their cached prompt blocks would be reused from one evaluation to the
+next, across pushes, wherever a push leaves the prefix cache (with `sync.inflight_kv=keep`). The run salts each
+request with the version its replica serves (`salt`, the run's `megarl.schedule.VersionClock.salt`, vLLM's
+`cache_salt`): blocks are reused only between requests that run under the same weights.
 """
 
 from __future__ import annotations
@@ -55,11 +60,14 @@ class Evaluator:
         self.k = int(sampling["n"])
 
     def __call__(self, clients: dict[int, RolloutClient] | None = None,
-                 on_lost: Callable[[int, str], None] | None = None) -> dict[str, float]:
+                 on_lost: Callable[[int, str], None] | None = None,
+                 salt: Callable[[int], str] | None = None) -> dict[str, float]:
         """The metrics, generated on `clients` (replica -> client; default: the ones it was built with; the rollout
         worker passes the replicas still serving). Prompt i is seeded by its index, so who serves it does not change
         what is sampled. `on_lost(replica, why)`: called for a replica that stops answering, whose prompts then go
-        to the others."""
+        to the others. `salt(replica)`: the prefix-cache salt of a request sent to that replica now (vLLM's
+        `cache_salt`; the rollout worker passes its clock's `VersionClock.salt`), read as each request is sent; None:
+        unsalted."""
         start = time.perf_counter()
         live = dict(enumerate(self.clients)) if clients is None else dict(clients)
         samples: dict[int, list[Sample]] = {}
@@ -70,7 +78,9 @@ class Evaluator:
                                         f"{len(self._prompts)} held-out prompts left unsampled)")
             shares = {rep: todo[k::len(live)] for k, rep in enumerate(sorted(live))}
             with ThreadPoolExecutor(len(shares), thread_name_prefix="megarl-eval") as pool:
-                futures = {rep: pool.submit(self._generate, live[rep], share) for rep, share in shares.items()}
+                futures = {rep: pool.submit(self._generate, live[rep], share,
+                                            None if salt is None else lambda rep=rep: salt(rep))
+                           for rep, share in shares.items()}
             todo = []
             for rep, future in futures.items():
                 try:
@@ -84,9 +94,11 @@ class Evaluator:
             todo.sort()
         return self._metrics([samples[i] for i in range(len(self.problems))], lost, start)
 
-    def _generate(self, client: RolloutClient, prompts: list[int]) -> list[list[Sample]]:
+    def _generate(self, client: RolloutClient, prompts: list[int],
+                  salt: Callable[[], str] | None = None) -> list[list[Sample]]:
+        """Prompts `prompts` (indices) sampled on `client`, each seeded by its index, salted with `salt()` if given."""
         return client.generate([self._prompts[i] for i in prompts], **self.sampling,
-                               seed=[self.seed + i for i in prompts])
+                               seed=[self.seed + i for i in prompts], cache_salt=None if salt is None else salt())
 
     def _metrics(self, samples: list[list[Sample]], lost: int, start: float) -> dict[str, float]:
         rewards, timeouts, flags = self.scorer.rewards_of(self.problems, samples)

@@ -47,10 +47,11 @@ next step, so there the counts are unverified (the spans are not affected: they 
 Prefix cache. Blocks computed under old weights must never serve a later request. Without in-flight updates the
 `wait`-mode pause clears the cache at every push (vLLM's default `clear_cache`); keep mode must not (above), and
 `reset_prefix_cache` without preempting is a no-op while requests hold blocks. So: with `recompute` the cache is
-emptied at every in-flight push (above); with either setting the client salts each request with the version it is
-submitted for (`RolloutClient.generate(cache_salt=version_salt(v))`, vLLM's `cache_salt`, hashed into the first block
-and so into every block of the request): a request submitted for version v only ever reuses blocks of requests
-submitted for v. vLLM's CPU backend honours the salt (checked by the test through its prefix-cache hit counter).
+emptied at every in-flight push (above); with either setting each request is salted with the version it will run under
+(`megarl.schedule.VersionClock.salt`, which moves when the replica is paused for a push, before it resumes;
+`RolloutClient.generate(cache_salt=...)`, vLLM's `cache_salt`, hashed into the first block and so into every block of
+the request): a request that runs under version v only ever reuses blocks of requests salted for v. vLLM's CPU
+backend honours the salt (checked by the test through its prefix-cache hit counter).
 
 Routed experts (`rollout.return_routed_experts`, GPU fleets). Across an in-flight push vLLM 0.32 returns each
 forwarded token's routing once, routed by the version `Sample.token_versions` assigns to the token it produced:
@@ -88,7 +89,10 @@ import uuid
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
+from megarl.schedule import version_of_label, version_salt
 from megarl.token_versions import TokenVersions
+
+__all__ = ["version_of_label", "version_salt"]  # defined with the version clock; tests name them here
 
 InflightKV = Literal["keep", "recompute"]
 
@@ -116,22 +120,6 @@ def group_of_request(request_id: str) -> tuple[int, int] | None:
     """`(batch, prompt)` of a `group_request_id`; None for another id."""
     match = _GROUP_ID.match(request_id)
     return None if match is None else (int(match["batch"]), int(match["prompt"]))
-
-
-def version_salt(version: int) -> str:
-    """The prefix-cache salt of a request submitted for policy `version` (vLLM's `cache_salt`)."""
-    return f"megarl-v{version}"
-
-
-def version_of_label(label: str | None) -> int:
-    """The policy version of a vLLM weight label: `"default"` (weights loaded at start-up, or none reported) is 0,
-    megarl labels its pushes with the integer version. Anything else raises ValueError."""
-    if label in (None, "", "default"):
-        return 0
-    try:
-        return int(label)
-    except ValueError:
-        raise ValueError(f"weight version {label!r} was not set by megarl (expected an integer)") from None
 
 
 def token_versions_from_spans(spans: Iterable[Mapping[str, Any]], num_tokens: int) -> TokenVersions:

@@ -10,7 +10,7 @@ be "the groups of home batch l": some of them are still generating when the trai
     when the trainer takes batch l (at policy version l):
       1. every pooled group whose oldest token lags version l by more than the bound is dropped, and counted
          (it could only get older; the bound is `algorithm.max_token_lag`, by default the schedule's own
-         maximum lag m + n - 1: `megarl.algorithms.versions.token_lag_bound`);
+         maximum lag m + n - 1: `megarl.schedule.VersionClock.bound`);
       2. the P pooled groups of the lowest (home batch, prompt) form batch l, in that order; the trainer waits only
          while fewer than P are pooled. So when every group of home batch l has finished by then, batch l is exactly
          home batch l, as without partial rollouts; only a group still generating is replaced, by the next finished

@@ -15,7 +15,6 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
-from megarl.algorithms.versions import token_lag_bound
 from megarl.batch import RolloutBatch
 from megarl.config.schema import Config
 from megarl.data.arithmetic import problem_batch
@@ -29,18 +28,19 @@ from megarl.rollout.client import RolloutClient
 from megarl.rollout.evaluation import Evaluator
 from megarl.rollout.partial import CarriedGroups
 from megarl.rollout.worker import PartialRollouts, RolloutWorker
-from megarl.sync.schedule import SyncSchedule
+from megarl.schedule import VersionClock
 
 logger = logging.getLogger(__name__)
 PROMPTS_FILE = "prompts.txt"  # in run.dir: the exact text of the first prompts, written once per run
 
 
-def start_rollout_worker(cfg: Config, clients: list[RolloutClient], timeline: Timeline, start: int = 0,
-                         ready: dict[int, RolloutBatch] | CarriedGroups | None = None,
+def start_rollout_worker(cfg: Config, clients: list[RolloutClient], timeline: Timeline, clock: VersionClock,
+                         start: int = 0, ready: dict[int, RolloutBatch] | CarriedGroups | None = None,
                          data_position: dict[str, Any] | None = None) -> RolloutWorker:
     """The run's rollout worker, generating from batch `start` on (`ready`: batches a checkpoint saved, or its
-    groups with partial rollouts; `data_position`: the data position it recorded, checked against this run's data).
-    With `sync.inflight` it runs partial rollouts (`megarl.rollout.partial`)."""
+    groups with partial rollouts; `data_position`: the data position it recorded, checked against this run's data),
+    following the run's version clock `clock` (its schedule, staleness bound and salts). With `sync.inflight` it runs
+    partial rollouts (`megarl.rollout.partial`)."""
     r = cfg.rollout
     tokenizer = AutoTokenizer.from_pretrained(str(cfg.model.hf_dir))
     task = build_task(cfg, tokenizer)
@@ -60,7 +60,7 @@ def start_rollout_worker(cfg: Config, clients: list[RolloutClient], timeline: Ti
         if cfg.eval.interval:
             evaluator = _evaluator(cfg, clients, encode, scorer, _eval_problems(cfg, tokenizer))
         return RolloutWorker(
-            clients, SyncSchedule(cfg.sync.interval, cfg.sync.offset), problems=task.problems, encode=encode,
+            clients, clock, problems=task.problems, encode=encode,
             sampling={"n": r.samples_per_prompt, "max_tokens": r.max_new_tokens, "temperature": r.temperature,
                       "top_p": r.top_p, **({"min_tokens": r.min_new_tokens} if r.min_new_tokens else {})},
             seed=lambda index: cfg.run.seed * 100_003 + index * prompts_per_batch,
@@ -68,9 +68,8 @@ def start_rollout_worker(cfg: Config, clients: list[RolloutClient], timeline: Ti
             evaluator=evaluator, position=task.position, chunk_prompts=r.chunk_prompts,
             chunks_in_flight=cfg.rollout_chunks_in_flight(),
             replica_log=lambda i: replica_log(cfg.run.dir, i), min_replicas=r.min_replicas,
-            partial=PartialRollouts(prompts_per_batch,
-                                    token_lag_bound(cfg.algorithm.max_token_lag, cfg.sync.interval, cfg.sync.offset),
-                                    cfg.sync.inflight_abort_doomed) if cfg.sync.inflight else None,
+            partial=PartialRollouts(prompts_per_batch, clock.bound, cfg.sync.inflight_abort_doomed)
+            if cfg.sync.inflight else None,
         )
     except BaseException:
         rewards.close()

@@ -49,8 +49,10 @@ Partial rollouts (`partial`, on with `sync.inflight`: `megarl.rollout.partial`).
 keep generating while it lands (each replica pauses in vLLM's keep mode with its requests held), each chunk is scored
 as soon as it is in, its groups join a pool, and `take(l)` forms batch l from the P pooled groups of the lowest
 (home batch, prompt), after dropping and counting the ones past the staleness bound. The window counts groups
-(`megarl.rollout.partial.admission_limit`). Each request is salted with the version the fleet held when it was sent
-(vLLM's `cache_salt`, `megarl.rollout.inflight.version_salt`). A group known to be past the bound while it still
+(`megarl.rollout.partial.admission_limit`). Each request is salted with the version its replica will run it under
+(vLLM's `cache_salt`, `megarl.schedule.VersionClock.salt`: it moves when a push pauses the replica, before the replica
+resumes), and a response without the engine's version spans is an error naming the replica and the request
+(`RolloutClient.generate(require_spans=True)`). A group known to be past the bound while it still
 generates is aborted in its engine and dropped when its call answers (`PartialRollouts.abort_doomed`;
 `megarl.rollout.partial`, "Doomed groups"). Any other chunk with an aborted choice (a replica given up at a push that
 failed part-way on it, `megarl.rollout.inflight`) is not generated: it is given back and counted like a lost
@@ -79,9 +81,9 @@ from megarl.rewards.scoring import BatchScorer
 from megarl.rollout.chunk_queue import Chunk, ChunkQueue
 from megarl.rollout.client import RolloutClient, RolloutServerLost, Sample
 from megarl.rollout.evaluation import Evaluator
-from megarl.rollout.inflight import group_request_id, version_salt
+from megarl.rollout.inflight import group_request_id
 from megarl.rollout.partial import CarriedGroups, GroupPool, ScoredGroup, admission_limit, batch_of_groups
-from megarl.sync.schedule import SyncSchedule
+from megarl.schedule import SyncSchedule, VersionClock
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +108,8 @@ class PartialRollouts:
 class RolloutWorker:
     """Generates and scores batches ahead of the trainer (see the module docstring).
 
+    `clock`: the run's `megarl.schedule.VersionClock` (the schedule, the version the fleet holds, each replica's
+    prefix-cache salt); a bare `SyncSchedule` gets a clock of its own (bound `partial.bound`, from `start`).
     `problems(j)` gives batch j's problems, `encode` maps a prompt's text to token ids, `sampling`
     holds the per-request sampling arguments of `RolloutClient.generate` (`n`, `max_tokens`, ...) and
     `seed(j)` the base seed of batch j (prompt i is sampled with `seed(j) + i`, whichever replica serves it).
@@ -119,7 +123,7 @@ class RolloutWorker:
     def __init__(
         self,
         clients: list[RolloutClient],
-        schedule: SyncSchedule,
+        clock: VersionClock | SyncSchedule,
         problems: Callable[[int], list[Problem]],
         encode: Callable[[str], list[int]],
         sampling: dict,
@@ -139,7 +143,11 @@ class RolloutWorker:
         min_replicas: int = 1,
         partial: PartialRollouts | None = None,
     ) -> None:
-        self.clients, self.schedule, self.timeline, self.overlap, self.end = clients, schedule, timeline, overlap, end
+        if isinstance(clock, SyncSchedule):
+            clock = VersionClock(clock, partial.bound if partial is not None else None, start)
+        self.clock, self.schedule = clock, clock.schedule
+        schedule = clock.schedule
+        self.clients, self.timeline, self.overlap, self.end = clients, timeline, overlap, end
         self._problems, self._encode = problems, encode
         self._sampling, self._seed, self._scorer = sampling, seed, score
         self._evaluator, self._position = evaluator, position
@@ -159,8 +167,6 @@ class RolloutWorker:
         self._admitted = 0  # partial: groups started since batch `start` (a requeued one counts once)
         self._consumed = 0  # partial: groups trained since batch `start`
         self._hold = False  # partial: a checkpoint is waiting for the started groups, start no home batch
-        # the policy version the fleet holds (`pushed`; None: not known before the resumed run's first push)
-        self._version: int | None = 0 if start == 0 else None
         self.dropped: list[tuple[int, int, int]] = []  # partial: (home, prompt, lag of its oldest token) per drop
         # partial: of those, the groups aborted while generating (doomed): (home, prompt, lag, each response's length)
         self.aborted: list[tuple[int, int, int, list[int]]] = []
@@ -306,13 +312,14 @@ class RolloutWorker:
         their first token was generated under the weights the fleet held before the push, which bounds their
         oldest token's version (doomed groups are aborted by it)."""
         with self._cv:
-            if self._partial is not None and self._version is not None:
+            held_before = self.clock.fleet_version  # the version the held requests' first tokens were sampled with
+            if self._partial is not None and held_before is not None:
                 generating = {rid for _, rid in self._requests.values()}
                 for rid in held:
                     if rid in generating:  # the first push that finds it holding tokens gives the tightest bound
-                        self._oldest_at_most.setdefault(rid, self._version)
+                        self._oldest_at_most.setdefault(rid, held_before)
             self._limit = self.schedule.generation_limit(before)
-            self._version = self.schedule.generation_version(before)
+            self.clock.fleet_at(self.schedule.generation_version(before), range(len(self.clients)))
             self._hold = False
             doomed = self._doomed_requests()
             self._cv.notify_all()
@@ -337,7 +344,7 @@ class RolloutWorker:
         (the requests share the servers), so the schedule and the training data are unchanged."""
         if self._evaluator is None:
             raise RuntimeError("evaluate(): this rollout worker was built without an evaluator (eval.interval=0)")
-        return self._evaluator(self.live_clients(), on_lost=self._lost_in_evaluation)
+        return self._evaluator(self.live_clients(), on_lost=self._lost_in_evaluation, salt=self.clock.salt)
 
     def _lost_in_evaluation(self, replica: int, why: str) -> None:
         """A replica stopped answering during an evaluation: it takes no more chunks (its loops find out at their
@@ -490,9 +497,10 @@ class RolloutWorker:
         """(Condition held.) Partial rollouts: the next chunk, opening the next home batch if need be, while the
         groups started stay within `admission_limit` of the version the fleet holds; None otherwise."""
         assert self._partial is not None
-        if self._hold or self._version is None:
+        fleet = self.clock.fleet_version
+        if self._hold or fleet is None:
             return None
-        limit = admission_limit(self._version, self._partial.bound, self._partial.batch_groups, self._start, self.end,
+        limit = admission_limit(fleet, self._partial.bound, self._partial.batch_groups, self._start, self.end,
                                 len(self.dropped), self._carried)
         chunk = self._queue.take_open(replica)
         if chunk is None and self._admitted < limit:
@@ -563,7 +571,10 @@ class RolloutWorker:
                     prompts = [self._queue.open[chunk.batch].prompts[i] for i in chunk.prompts]
                     problems = [self._queue.open[chunk.batch].problems[i] for i in chunk.prompts]
                     base = self._seed(chunk.batch)
-                    salt = {"cache_salt": version_salt(self._version)} if self._partial is not None else {}
+                    # partial: the salt of the weights the request will run under, read as it is sent (a push that
+                    # has paused the replica moved it already: the request waits in the engine for the resume)
+                    salt = {"cache_salt": self.clock.salt(replica), "require_spans": True} \
+                        if self._partial is not None else {}
                     rids = [group_request_id(chunk.batch, i) for i in chunk.prompts]  # [faults]
                     if self._partial is not None:
                         for i, rid in zip(chunk.prompts, rids, strict=True):

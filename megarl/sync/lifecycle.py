@@ -37,6 +37,7 @@ from typing import Any
 
 from megarl.rollout.client import RolloutClient, RolloutServerError, RolloutServerHung, RolloutServerLost
 from megarl.rollout.inflight import InflightKV, group_of_request, held_counts
+from megarl.schedule import VersionClock
 from megarl.sync import failpoints
 from megarl.sync.needs import RolloutNeeds, recorded_by_fleet
 
@@ -114,12 +115,16 @@ class FleetLifecycle:
     calls (None: the clients' own timeout); `condemn(replica, why)`: tells the replica's launcher to kill and restart
     one that hung (None: it is only left out; see the module docstring). `inflight` (`sync.inflight`): pause in
     vLLM's keep mode, so requests in flight are held through the push, not waited for; `inflight_kv`
-    (`sync.inflight_kv`): whether their KV is kept or recomputed under the new weights (`megarl.rollout.inflight`)."""
+    (`sync.inflight_kv`): whether their KV is kept or recomputed under the new weights (`megarl.rollout.inflight`).
+    `clock`: the run's `megarl.schedule.VersionClock`, told the moment each replica is paused for a push
+    (`VersionClock.pausing`: requests sent to it from then on run under the pushed weights, so their prefix-cache
+    salt moves before the replica resumes); None: nobody is told."""
 
     def __init__(self, clients: list[RolloutClient], tp: int, call_timeout_s: float | None = None,
                  condemn: Callable[[int, str], None] | None = None, inflight: bool = False,
-                 inflight_kv: InflightKV = "recompute") -> None:
+                 inflight_kv: InflightKV = "recompute", clock: VersionClock | None = None) -> None:
         self.clients: dict[int, RolloutClient] = dict(enumerate(clients))
+        self.clock = clock
         self.tp = tp
         self.inflight, self.inflight_kv = inflight, inflight_kv
         # with `inflight`: per replica opened by the last `open`, the output tokens each generate request held at its
@@ -229,8 +234,9 @@ class FleetLifecycle:
         self._stale_closed.discard(replica)
         self.condemned.pop(replica, None)  # a restarted incarnation joins afresh
 
-    def open(self) -> tuple[str | None, dict[int, str]]:
-        """Pause every replica and open its update session. A replica that does not answer (`RolloutServerLost`)
+    def open(self, version: int | None = None) -> tuple[str | None, dict[int, str]]:
+        """Pause every replica and open its update session for the push of `version` (told to `clock` as each
+        replica's /pause answers; None: nothing is told). A replica that does not answer (`RolloutServerLost`)
         is skipped and returned with why; any other failure undoes the others and is returned:
         (failure or None, {lost replica: why})."""
         paused: list[RolloutClient] = []
@@ -247,6 +253,8 @@ class FleetLifecycle:
                     else:
                         client.pause(timeout_s=bound)
                     paused.append(client)
+                    if self.clock is not None and version is not None:  # requests sent from now run after the resume
+                        self.clock.pausing(rep, version)
                     failpoints.hold(f"push.paused.replica{rep}")
                     if self.inflight:
                         self._hold(rep, client)

@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from megarl.rollout.client import RolloutClient
 from megarl.rollout.inflight import InflightKV
+from megarl.schedule import VersionClock
 from megarl.sync.delta import BlockCount, SenderBase, block_key, delta_layout, encode, takes_delta
 from megarl.sync.group_timeout import push_link_bytes, sync_group_timeout_s
 from megarl.sync.heartbeat import BeatWatch, beat_key
@@ -126,7 +127,8 @@ class PartitionedWeightSync:
     (`rollout.health_timeout_s`): a replica one of whose workers sends no heartbeat for that long during its update
     call is failed and condemned the same way at once (`megarl.sync.heartbeat`; None: only the bound);
     `inflight`, `inflight_kv` (`sync.inflight`, `sync.inflight_kv`): the replicas are paused in vLLM's keep mode, so
-    requests in flight are held through the push instead of waited for (`megarl.rollout.inflight`)."""
+    requests in flight are held through the push instead of waited for (`megarl.rollout.inflight`); `clock` (rank 0):
+    the run's `megarl.schedule.VersionClock`, told as each replica is paused for a push (`FleetLifecycle`)."""
 
     def __init__(self, rank: int, world_size: int, hf_config: dict[str, Any], clients: list[RolloutClient],
                  rollout_tp: int, rollout_replicas: int, store_host: str, store_port: int, bucket_bytes: int,
@@ -135,7 +137,8 @@ class PartitionedWeightSync:
                  min_replicas: int | None = None, rejoin_timeout_s: float | None = None,
                  group_timeout: tuple[float, float] | None = None,
                  condemn: Callable[[int, str], None] | None = None, silent_s: float | None = None,
-                 inflight: bool = False, inflight_kv: InflightKV = "recompute") -> None:
+                 inflight: bool = False, inflight_kv: InflightKV = "recompute",
+                 clock: VersionClock | None = None) -> None:
         self.rank, self.trainers, self.hf = rank, world_size, hf_config
         self.clients, self.tp, self.replicas = clients, rollout_tp, rollout_replicas
         self.bucket_bytes, self.digests, self.receive = bucket_bytes, digests, receive
@@ -160,7 +163,7 @@ class PartitionedWeightSync:
         self.bytes_needed: dict[int, int] = {}
         self.pushes = 0  # pushes that reached the byte moving, counted on every trainer rank alike
         self.fleet = FleetLifecycle(clients, rollout_tp, condemn=condemn, inflight=inflight,
-                                    inflight_kv=inflight_kv) if rank == 0 else None
+                                    inflight_kv=inflight_kv, clock=clock) if rank == 0 else None
         if self.fleet is not None and len(clients) != rollout_replicas:
             raise ValueError(f"{len(clients)} rollout clients for {rollout_replicas} replicas")
         self.needs = self._obtain_needs(needs)
@@ -331,7 +334,7 @@ class PartitionedWeightSync:
             phases["needs_s"] = self.needs.seconds
             self._needs_reported = True
         with self._trainer_ranks_answer(version):
-            failure, lost = self.fleet.open() if self.fleet else (None, {})
+            failure, lost = self.fleet.open(version) if self.fleet else (None, {})
             if self.fleet is not None and lost and len(set(self.live) - set(lost)) < self.min_replicas:
                 self.fleet.abort_open(lost)  # the push will not happen: the survivors serve on, unchanged
             self._raise_everywhere(failure, version)

@@ -13,10 +13,11 @@ import torch
 from megarl.algorithms.corrections import correction_weights
 from megarl.algorithms.losses import PolicyLossInput
 from megarl.algorithms.registry import Algorithm
-from megarl.algorithms.versions import check_token_versions, token_lag_bound
+from megarl.algorithms.versions import check_token_versions
 from megarl.batch import RolloutBatch
 from megarl.config.schema import Config, TrainerConfig
 from megarl.metrics import mismatch, token_lags
+from megarl.schedule import VersionClock
 from megarl.trainer.batch_tensors import BatchTensors, as_batch_tensors
 from megarl.trainer.batching import (
     microbatch_plan,
@@ -72,16 +73,19 @@ def recompute_old_logprobs(policy, mbs: list[dict[str, torch.Tensor]]) -> None:
 
 def train_on_batch(
     policy, batch: RolloutBatch | BatchTensors, algorithm: Algorithm, cfg: Config, pad_id: int, dp_rank: int,
-    dp_size: int, lag: int,
+    dp_size: int, lag: int, bound: int | None = None,
 ) -> dict[str, float]:
     """One optimizer step on `batch`: a `RolloutBatch`, or its flat tensors as every rank receives them
-    (`megarl.trainer.batch_tensors.broadcast_batch`; packed on the host, where the microbatches are cut)."""
+    (`megarl.trainer.batch_tensors.broadcast_batch`; packed on the host, where the microbatches are cut). `lag`: the
+    batch's lag behind the trainer; `bound`: the staleness bound its per-token versions are checked against (the
+    run's `VersionClock.bound`; None: the bound of a clock built from `cfg`, for callers outside the run loop)."""
     multiple = sequence_multiple(policy.model.config)
     batch = as_batch_tensors(batch)
     batch = BatchTensors(batch.meta, {k: v.cpu() for k, v in batch.tensors.items()})
     # in-flight weight updates: per-token lags within the bound, mixed-version groups only for algorithms that take them
-    trainer_version, bound = policy.version, token_lag_bound(cfg.algorithm.max_token_lag, cfg.sync.interval,
-                                                             cfg.sync.offset)
+    trainer_version = policy.version
+    if bound is None:
+        bound = VersionClock.from_config(cfg).bound
     token_versions = batch.token_versions  # (once: rebuilt from the flat tensors)
     check_token_versions(token_versions, batch.rewards.shape[1], trainer_version, bound, algorithm.name)
     tensors = pack_batch(batch, pad_id, multiple)

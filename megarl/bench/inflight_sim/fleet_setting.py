@@ -31,7 +31,7 @@ from typing import Any
 
 from megarl.bench.dispatch_sim import EngineCosts
 from megarl.bench.inflight_sim.simulation import InflightResult, simulate_inflight
-from megarl.sync.schedule import SyncSchedule
+from megarl.schedule import SyncSchedule
 
 TAIL_STEP_S = 0.0045  # a decode step at the tail's pace: `megarl bench longtail`'s static split on the same replicas
 #                       (2026-11-28, each on its own core) took 0.82-0.92 s a batch, which the simulation puts at 196

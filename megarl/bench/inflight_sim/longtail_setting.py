@@ -8,7 +8,7 @@ import statistics
 
 from megarl.bench.dispatch_sim import EngineCosts
 from megarl.bench.inflight_sim.simulation import simulate_inflight
-from megarl.sync.schedule import SyncSchedule
+from megarl.schedule import SyncSchedule
 
 UNIT_STEP = EngineCosts(step_s=1.0, per_seq_s=0.0, prefill_per_seq_s=0.0)  # seconds = decode steps
 

@@ -20,7 +20,7 @@ from megarl.bench.inflight_sim.baselines import (
     sequential_times,
 )
 from megarl.bench.inflight_sim.simulation import InflightResult, simulate_inflight
-from megarl.sync.schedule import SyncSchedule
+from megarl.schedule import SyncSchedule
 
 SCORE_GROUP_S = cluster.SCORE_S / cluster.PROMPTS  # assumption: the reward pool scores 1,152 responses in SCORE_S,
 #                  so a group completing alone is scored in SCORE_S / 72 (groups are scored as they complete)

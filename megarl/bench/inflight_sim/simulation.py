@@ -58,7 +58,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from megarl.bench.dispatch_sim import EngineCosts
-from megarl.sync.schedule import SyncSchedule
+from megarl.schedule import SyncSchedule
 
 _EPS = 1e-9
 
