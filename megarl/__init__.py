@@ -8,7 +8,8 @@ import from the source and fails on either). The most specific prefix names a mo
 |-------------|--------------------------------------------------------------|----------------------------------------|
 | definitions | megarl.config, megarl.algorithms, megarl.rewards,            | typed config, losses, reward functions,|
 |             | megarl.data, megarl.batch, megarl.metrics, megarl.stacks,    | data, batches, metrics, pinned stacks, |
-|             | megarl.token_versions                                        | each token's policy version            |
+|             | megarl.token_versions, megarl.schedule                       | each token's policy version, the lagged|
+|             |                                                              | schedule and the run's version clock   |
 | components  | megarl.parallel, megarl.models, megarl.sync, megarl.rollout, | model facts and builders, the weight   |
 |             | megarl.rewards.scoring, megarl.trainer, megarl.checkpoint    | sync, the fleet, scoring, the trainer  |
 | checks      | megarl.checks                                                | does a config fit its model, machines  |
