@@ -204,17 +204,18 @@ class FleetLifecycle:
 
     def held_groups(self) -> list[tuple[int, int]]:
         """The groups `(home batch, prompt)` (`megarl.rollout.inflight.group_of_request`) of which some response
-        held at least one output token at the last `open`'s pause (the model runner's counts): such a response goes on
-        under the new weights, its tokens of two versions, unless it had finished in the engine's last step before
-        the pause, whose finished requests the model runner still holds. Requests of other ids are left out. Sorted;
-        empty without inflight."""
+        held at least one output token at the last `open`'s pause (the model runners' counts, and the API server's
+        for requests a runner no longer holds: `megarl.rollout.held_served`): such a response goes on under the new
+        weights, its tokens of two versions, unless it had finished in the engine's last step before the pause, whose
+        finished requests the model runner still holds. Requests of other ids are left out. Sorted; empty without
+        inflight."""
         return sorted({group for rid in self.held_requests() if (group := group_of_request(rid)) is not None})
 
     def held_requests(self) -> list[str]:
         """The ids of the generate requests of which some response held at least one output token at the last
-        `open`'s pause (the model runner's counts, with `held_groups`' caveat: a request that finished in the
-        engine's last step is listed too). Whichever it is, a listed request's first token was generated before the
-        pause, under the weights the replica held then. Sorted; empty without inflight."""
+        `open`'s pause (the model runners' and the API server's counts, with `held_groups`' caveat: a request that
+        finished in the engine's last step is listed too). Whichever it is, a listed request's first token was
+        generated before the pause, under the weights the replica held then. Sorted; empty without inflight."""
         return sorted({rid for counts in self.held.values() for (rid, _), tokens in counts.items() if tokens > 0})
 
     def served(self) -> dict[int, str | None]:

@@ -2,7 +2,7 @@
 measured (`megarl bench inflight --fleet-check FILE...`): does the simulation predict the measured in-flight / queue
 wall per batch, the drops and the length bias?
 
-Each measured run (a `docs/figures/bench_inflight_fleet*.json`: its mode, first batch and spec) is simulated on the
+Each measured run (a `megarl bench inflight-fleet` JSON output: its mode, first batch and spec) is simulated on the
 same batches (`FleetBenchSpec.set_lengths`), schedule, bound, group loops (`chunks_in_flight(P, R, 1)` a replica,
 group slots) and trainer step (`train_s`: the bench's `--train-s`, or with `train='measured'` the run's own measured
 mean train span), over the same steady steps. The assumptions:
