@@ -98,7 +98,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fractions", type=float, nargs="+", default=[0.01, 0.03, 0.1, 0.3],
                    help="changed fractions to time")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per figure (the median is kept)")
-    p.add_argument("--out", type=Path, default=Path("docs/figures/bench_delta_codec.json"), help="JSON output")
+    p.add_argument("--out", type=Path, default=Path("runs/bench/bench_delta_codec.json"), help="JSON output")
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:

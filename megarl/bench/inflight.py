@@ -20,7 +20,7 @@ Writes `--out` (JSON).
 
 `--fleet-check FILE...` runs instead the simulation against measured `megarl bench inflight-fleet` results
 (`megarl.bench.inflight_sim.fleet_setting`: each measured run simulated in its setting, the engine fitted on the
-queue runs) and writes `--out` (default docs/figures/inflight_sim_vs_fleet.json); `--engine-step FILE` (a `megarl
+queue runs) and writes `--out` (default runs/bench/inflight_sim_vs_fleet.json); `--engine-step FILE` (a `megarl
 bench engine-step` result) adds a third engine, whose decode step grows with the sequences running, and the what-if
 of a step that does not.
 The assumptions are named in the JSON and in docs/pipeline.md.
@@ -64,8 +64,8 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="with --fleet-check: the trainer step each run is simulated with: the bench's --train-s (set) "
                         "and/or the run's measured mean train span over its steady steps (measured)")
     p.add_argument("--out", type=Path, default=None,
-                   help="JSON output (default docs/figures/bench_inflight.json; with --fleet-check "
-                        "docs/figures/inflight_sim_vs_fleet.json)")
+                   help="JSON output (default runs/bench/bench_inflight.json; with --fleet-check "
+                        "runs/bench/inflight_sim_vs_fleet.json)")
     return p
 
 
@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     if args.steps < 8 or args.bench_windows < 1:
         print("megarl bench inflight: --steps must be >= 8 and --bench-windows >= 1", file=sys.stderr)
         return 2
-    args.out = args.out or Path("docs/figures/bench_inflight.json")
+    args.out = args.out or Path("runs/bench/bench_inflight.json")
     t0 = time.perf_counter()
     projection = inflight_projection(args.steps, tuple(args.lengths), args.doomed, args.order)
     print(f"30B projection (batch order {args.order}, doomed groups: {args.doomed}; {args.steps} steps a run, steady "
@@ -103,7 +103,7 @@ def _fleet_check(args: argparse.Namespace) -> int:
         print(f"megarl bench inflight --fleet-check: no such file: {', '.join(missing)} (the JSON files "
               "`megarl bench inflight-fleet --out` wrote)", file=sys.stderr)
         return 2
-    out = args.out or Path("docs/figures/inflight_sim_vs_fleet.json")
+    out = args.out or Path("runs/bench/inflight_sim_vs_fleet.json")
     if args.engine_step is not None and not args.engine_step.is_file():
         print(f"megarl bench inflight --engine-step: no such file: {args.engine_step} (the JSON file "
               "`megarl bench engine-step --out` wrote)", file=sys.stderr)

@@ -537,7 +537,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="in flight, a group known to be past the bound while it generates: abort it "
                         "(sync.inflight_abort_doomed=true) or let it finish and drop it then; both: a third mode, "
                         "inflight_finish, runs in each round on the same batches")
-    p.add_argument("--out", type=Path, default=Path("docs/figures/bench_inflight_fleet.json"), help="JSON output")
+    p.add_argument("--out", type=Path, default=Path("runs/bench/bench_inflight_fleet.json"), help="JSON output")
     return p
 
 
