@@ -7,11 +7,27 @@ response; `megarl.batch.RolloutBatch.token_versions` carries them to the trainer
 from there. Nothing else records a token's version.
 
 A response generated inside one window (no push while it ran) is one segment: `TokenVersions.single(v, n)`.
+
+A token's lag is the trainer's version when it consumes the token minus the version that sampled it (`version_lag`):
+every lag the run computes, of a token, a response or a group's oldest token, is computed here; the bound it is held
+to is the run's version clock's (`megarl.schedule.VersionClock.bound`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeVar
+
+if TYPE_CHECKING:
+    import torch
+
+Version = TypeVar("Version", int, "torch.Tensor")  # one version, or a tensor of them (a microbatch's, per token)
+
+
+def version_lag(trainer_version: int, version: Version) -> Version:
+    """How many versions a token sampled with `version` lags the trainer at `trainer_version` (negative: a version
+    the trainer has not reached, which no consumed token may have); elementwise for a tensor of versions."""
+    return trainer_version - version
 
 
 @dataclass(frozen=True)
@@ -64,6 +80,18 @@ class TokenVersions:
     def spans_versions(self) -> bool:
         """Whether a push landed while this response was generating (its tokens come from two or more versions)."""
         return len(self.runs) > 1
+
+    def lags(self, trainer_version: int) -> tuple[tuple[int, int], ...]:
+        """`(lag, tokens)` of each run at `trainer_version` (`version_lag`), oldest run first."""
+        return tuple((version_lag(trainer_version, version), tokens) for version, tokens in self.runs)
+
+    def oldest_lag(self, trainer_version: int) -> int:
+        """The lag of the first (oldest) token at `trainer_version`: the response's largest."""
+        return version_lag(trainer_version, self.oldest)
+
+    def newest_lag(self, trainer_version: int) -> int:
+        """The lag of the last (newest) token at `trainer_version`: the response's smallest."""
+        return version_lag(trainer_version, self.newest)
 
     def per_token(self) -> list[int]:
         """One version per token, in token order."""

@@ -36,3 +36,14 @@ def test_the_flat_tensors_every_rank_receives_give_back_the_same_records():
                          advantages=torch.zeros(2, 2), policy_version=2, token_versions=records)
     assert batch_to_tensors(batch).token_versions == records
     assert batch_to_tensors(RolloutBatch(**{**batch.__dict__, "token_versions": None})).token_versions is None
+
+
+def test_lags_are_the_trainer_version_minus_each_runs_version():
+    """Every lag the run computes comes from here (`version_lag`, `TokenVersions.lags`): written out by hand."""
+    from megarl.token_versions import version_lag
+
+    tv = TokenVersions(((3, 2), (5, 4), (6, 1)))
+    assert tv.lags(7) == ((4, 2), (2, 4), (1, 1))
+    assert (tv.oldest_lag(7), tv.newest_lag(7)) == (4, 1)
+    assert tv.newest_lag(5) == -1  # a version the trainer has not reached
+    assert version_lag(9, 4) == 5

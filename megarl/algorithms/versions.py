@@ -21,8 +21,8 @@ def stale_samples(token_versions: list[TokenVersions], trainer_version: int,
     """`(sample index, lag of its oldest token, lag of its newest)` of every sample whose oldest token lags the
     trainer by more than `bound`, or whose newest token is newer than the trainer (a negative lag: no such version
     has been trained yet)."""
-    return [(i, trainer_version - tv.oldest, trainer_version - tv.newest) for i, tv in enumerate(token_versions)
-            if tv.runs and (trainer_version - tv.oldest > bound or tv.newest > trainer_version)]
+    return [(i, tv.oldest_lag(trainer_version), tv.newest_lag(trainer_version)) for i, tv in enumerate(token_versions)
+            if tv.runs and (tv.oldest_lag(trainer_version) > bound or tv.newest_lag(trainer_version) < 0)]
 
 
 def mixed_version_groups(token_versions: list[TokenVersions], group_size: int) -> list[int]:

@@ -40,8 +40,7 @@ def token_lag_metrics(token_versions: list[TokenVersions], trainer_version: int,
     """The histogram, mean, max and spanning share (module table) of a batch's per-token versions."""
     counts = [0] * (bound + 1)
     for i, tv in enumerate(token_versions):
-        for version, tokens in tv.runs:
-            lag = trainer_version - version
+        for (version, _), (lag, tokens) in zip(tv.runs, tv.lags(trainer_version), strict=True):
             if not 0 <= lag <= bound:
                 raise ValueError(f"sample {i}: tokens of version {version} lag the trainer (version {trainer_version}) "
                                  f"by {lag}, outside 0..{bound} (megarl.algorithms.versions.check_token_versions "

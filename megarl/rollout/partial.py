@@ -55,7 +55,7 @@ import torch
 
 from megarl.batch import RolloutBatch
 from megarl.rollout.client import Sample
-from megarl.token_versions import TokenVersions
+from megarl.token_versions import TokenVersions, version_lag
 
 
 @dataclass(frozen=True)
@@ -127,7 +127,7 @@ class GroupPool:
 
     def drop_stale(self, trainer_version: int, bound: int) -> list[ScoredGroup]:
         """Remove and return the groups whose oldest token lags `trainer_version` by more than `bound`."""
-        stale = [g for g in self.groups() if trainer_version - g.oldest > bound]
+        stale = [g for g in self.groups() if version_lag(trainer_version, g.oldest) > bound]
         for group in stale:
             self._remove(group)
         return stale

@@ -84,6 +84,7 @@ from megarl.rollout.evaluation import Evaluator
 from megarl.rollout.inflight import group_request_id
 from megarl.rollout.partial import CarriedGroups, GroupPool, ScoredGroup, admission_limit, batch_of_groups
 from megarl.schedule import SyncSchedule, VersionClock
+from megarl.token_versions import version_lag
 
 logger = logging.getLogger(__name__)
 
@@ -234,7 +235,7 @@ class RolloutWorker:
         def formed() -> list[ScoredGroup] | None:
             if stale := self._pool.drop_stale(step, bound):
                 dropped.extend(stale)
-                self.dropped.extend((g.home, g.prompt, step - g.oldest) for g in stale)
+                self.dropped.extend((g.home, g.prompt, version_lag(step, g.oldest)) for g in stale)
                 self._cv.notify_all()  # room in the window
             return self._pool.form(size)
 
@@ -261,7 +262,7 @@ class RolloutWorker:
                                "partial/pooled_groups": len(self._pool),  # finished, not taken yet
                                # which groups: (home batch, prompt) trained, and (home, prompt, lag) dropped
                                "partial/groups": [list(g.key) for g in groups],
-                               "partial/dropped": [[g.home, g.prompt, step - g.oldest] for g in dropped]
+                               "partial/dropped": [[g.home, g.prompt, version_lag(step, g.oldest)] for g in dropped]
                                + [list(a) for a in aborted]}
             doomed = self._doomed_requests()
             self._cv.notify_all()
@@ -668,7 +669,7 @@ class RolloutWorker:
         assert self._partial is not None
         versions = [s.token_versions.oldest for s in samples if s.token_versions is not None and s.token_versions.runs]
         oldest = min(versions) if versions else min(s.policy_version for s in samples)
-        drop = (home, prompt, self._next_take - oldest)
+        drop = (home, prompt, version_lag(self._next_take, oldest))
         if drop[2] <= self._partial.bound:  # (never, if the engine's held counts are right: `megarl.rollout.partial`)
             logger.error("home batch %d, prompt %d was aborted as doomed, but its oldest token lags only %d versions "
                          "(bound %d): the engine's held counts at a push overstated it; the group is lost", *drop,

@@ -18,6 +18,7 @@ from megarl.batch import RolloutBatch
 from megarl.config.schema import Config, TrainerConfig
 from megarl.metrics import mismatch, token_lags
 from megarl.schedule import VersionClock
+from megarl.token_versions import version_lag
 from megarl.trainer.batch_tensors import BatchTensors, as_batch_tensors
 from megarl.trainer.batching import (
     microbatch_plan,
@@ -118,7 +119,8 @@ def train_on_batch(
         metrics.update(mismatch.token_contributions(logprobs, mb["engine_logprobs"], mask, num_tokens))
         if "token_versions" in mb:  # the same mismatch per segment of equal token lag (megarl/metrics/token_lags.py)
             metrics.update(token_lags.segment_contributions(logprobs, mb["engine_logprobs"], mask,
-                                                            trainer_version - mb["token_versions"], bound))
+                                                            version_lag(trainer_version, mb["token_versions"]),
+                                                            bound))
         return loss, metrics
 
     # no registered loss has an entropy bonus (its coefficient is 0: the entropy above is a metric, detached), so
