@@ -72,6 +72,13 @@ def _spec(measured: dict[str, Any]):  # -> FleetBenchSpec
     return FleetBenchSpec(**{k: v for k, v in measured["spec"].items() if k in known})
 
 
+def base_arms(measured: dict[str, Any]) -> dict[str, Any]:
+    """`measured` with only the runs of its spec's own arms (`queue` at the schedule, `inflight` and
+    `inflight_finish` with the first KV mode, `rollout.refill: groups`: an arm named as its mode), which the
+    simulation replays; the bench's other arms (another schedule, KV mode or refill) are left out."""
+    return {**measured, "runs": [r for r in measured["runs"] if r.get("arm", r["mode"]) == r["mode"]]}
+
+
 def simulate_run(measured: dict[str, Any], run: dict[str, Any], engine: Engine, order: str = "home",
                  doomed: str = "finish", train: str = "set") -> InflightResult:
     """Measured run `run` of the bench result `measured`, simulated (its mode, batches, schedule and push cost). The
@@ -266,7 +273,7 @@ def fleet_check(paths: list[Path], kinds: tuple[str, ...] = ("tail+latency", "st
     out: dict[str, Any] = {"files": [], "engine_step": str(engine_step) if engine_step else None,
                            "per_seq_over_step": ratio}
     for path in paths:
-        measured = json.loads(Path(path).read_text())
+        measured = base_arms(json.loads(Path(path).read_text()))
         spec = _spec(measured)
         out["files"].append({
             "file": str(path), "schedule": [spec.interval, spec.offset], "kv": spec.kv,
