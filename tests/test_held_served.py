@@ -45,6 +45,12 @@ REQUESTS = 4
 ATTEMPTS = 3  # pauses tried before giving up on catching a preempted request waiting
 
 
+# slow (`make test-all`): its catch of a preempted request waiting at a pause races the machine's pace (one run in
+# about six of the suite's missed it, one other run hung on its late request); the default suite keeps the counts'
+# reading on vLLM's own RequestState and OutputProcessor (tests/test_held_requests.py)
+pytestmark = pytest.mark.slow
+
+
 @pytest.fixture(scope="module")
 def tight_replica(tiny_moe_dir: Path, fleet_secret: Path,
                   tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetHandle]:
@@ -82,17 +88,29 @@ def test_api_server_counts_equal_the_v1_runners_with_requests_preempted_at_the_p
         caller.start()
         callers.append(caller)
 
-    send([f"tight-{i}" for i in range(REQUESTS)])
+    batches, last_sent = 0, 0.0
+
+    def send_batch() -> None:  # REQUESTS long requests at once: more than the tiny KV cache holds
+        nonlocal batches, last_sent
+        send([f"tight-{batches}-{i}" for i in range(REQUESTS)])
+        batches, last_sent = batches + 1, time.monotonic()
+
+    send_batch()
     try:
         for _ in range(ATTEMPTS):
             deadline = time.monotonic() + 60
+            preemptions = _gauges(url, headers).get("vllm:num_preemptions_total", 0)
             while time.monotonic() < deadline:
                 seen = _gauges(url, headers)
                 if seen.get("vllm:num_preemptions_total", 0) > 0 and seen.get("vllm:num_requests_waiting", 0) > 0:
                     break
+                idle = not seen.get("vllm:num_requests_running", 0) and not seen.get("vllm:num_requests_waiting", 0)
+                if idle and time.monotonic() - last_sent > 5:
+                    send_batch()  # the last batch ended between two reads (a fast machine): another one
                 time.sleep(0.02)
             else:
-                pytest.fail(f"vLLM preempted nothing within 60 s (its metrics: {seen})")
+                pytest.fail(f"vLLM preempted nothing while waiting for 60 s (its metrics: {seen}; "
+                            f"preemptions before: {preemptions})")
             client.pause(mode="keep", clear_cache=False)
             served = _served(url, headers)  # first: it waits for the API server to process the last outputs
             at_pause = _gauges(url, headers)
@@ -119,7 +137,7 @@ def test_api_server_counts_equal_the_v1_runners_with_requests_preempted_at_the_p
     live = {rid: tokens for rid, tokens in served.items() if tokens > 0}
     running, waiting = at_pause["vllm:num_requests_running"], at_pause["vllm:num_requests_waiting"]
     assert waiting >= 1 and len(live) == running + waiting, (served, at_pause)  # a preempted one waited, tokens held
-    assert set(served) == set(live)  # all four had been admitted
+    assert set(served) == set(live)  # every request of the last batch had been admitted
     assert {rid: runner[rid] for rid in served} == served  # the V1 runner's counts, preempted requests included
     assert all(runner[rid] == MAX_TOKENS for rid in set(runner) - set(served))  # finished in the last step
     late = next(r for r in late_served if engine_request_key(r) == ("tight-late", 0))
