@@ -43,6 +43,17 @@ def v2_state(monkeypatch: pytest.MonkeyPatch) -> Any:
                         vocab_size=100, device=torch.device("cpu"))
 
 
+def _decode(v2_state: Any, sampled: dict[str, list[int]]) -> None:
+    """One decode step of the V2 runner's state as vLLM writes it: each request's sampled tokens staged after its
+    current total length, and the total advanced by them (applied by `_apply_staged`)."""
+    for req_id, tokens in sampled.items():
+        row = v2_state.req_id_to_index[req_id]
+        total = int(v2_state.total_len.gpu[row])
+        v2_state.all_token_ids.stage_write(row, total, tokens)
+        v2_state.total_len.stage_write_elem(row, total + len(tokens))
+    _apply_staged(v2_state.total_len, v2_state.all_token_ids)
+
+
 def _apply_staged(*tensors: Any) -> None:
     """Apply each `StagedWriteTensor`'s staged writes to its tensor (`.gpu`, here a CPU tensor), as vLLM's Triton
     kernel would: write k puts `contents[cu_lens[k-1]:cu_lens[k]]` at row `indices[k]` from column `starts[k]`
@@ -101,12 +112,7 @@ def test_v2_runner_held_counts_are_the_output_tokens_put_in(v2_state: Any) -> No
     assert held_tokens(runner) == {"a-0": [], "b-0": earlier_b}
 
     sampled = {"a-0": [41, 42], "b-0": [51]}  # two decode steps for a, one for b
-    for req_id, tokens in sampled.items():
-        row = v2_state.req_id_to_index[req_id]
-        total = int(v2_state.total_len.gpu[row])
-        v2_state.all_token_ids.stage_write(row, total, tokens)
-        v2_state.total_len.stage_write_elem(row, total + len(tokens))
-    _apply_staged(v2_state.total_len, v2_state.all_token_ids)
+    _decode(v2_state, sampled)
     want_tokens = {"a-0": sampled["a-0"], "b-0": earlier_b + sampled["b-0"]}
     assert held_counts(runner) == {k: len(v) for k, v in want_tokens.items()}
     assert held_tokens(runner) == want_tokens
@@ -184,12 +190,7 @@ def test_v2_runner_frees_a_preempted_request_the_api_server_still_counts(v2_stat
     _apply_staged(v2_state.total_len, v2_state.all_token_ids)
 
     def step(sampled: dict[str, list[int]]) -> None:
-        for req_id, tokens in sampled.items():
-            row = v2_state.req_id_to_index[req_id]
-            total = int(v2_state.total_len.gpu[row])
-            v2_state.all_token_ids.stage_write(row, total, tokens)
-            v2_state.total_len.stage_write_elem(row, total + len(tokens))
-        _apply_staged(v2_state.total_len, v2_state.all_token_ids)
+        _decode(v2_state, sampled)
         processor.process_outputs([EngineCoreOutput(request_id=r, new_token_ids=t) for r, t in sampled.items()])
 
     runner = _v2_runner(v2_state)  # what finish_requests reaches besides req_states, as vLLM sets it for a plain
